@@ -1,0 +1,32 @@
+# The two commands: `make demo` runs the mesh and shows it answering; `make test` runs the tests.
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: setup demo test test-fast up protos lint bench clean
+
+setup:
+	@scripts/setup.sh
+
+demo: setup
+	$(BIN)/kvmesh demo
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+test-fast: setup  ## unit tests only
+	$(BIN)/python -m pytest -q tests/unit
+
+up: setup
+	$(BIN)/kvmesh up
+
+protos: setup
+	$(BIN)/python -m kvmesh.protogen
+
+lint: setup
+	$(BIN)/ruff check . && $(BIN)/ruff format --check . && $(BIN)/mypy
+
+bench: setup
+	$(BIN)/python benchmarks/router_overhead.py
+
+clean:
+	rm -rf .models .pytest_cache

@@ -1,0 +1,1 @@
+"""Service discovery through etcd: the key layout (pure) and the etcd adapter."""

@@ -1,0 +1,124 @@
+"""The etcd key layout and the records stored under it. Pure: no etcd client here.
+
+Layout (documented in docs/architecture.md)::
+
+    /kvmesh/<cluster>/workers/<role>/<worker_id>  -> WorkerRecord as JSON, bound to the worker's lease
+    /kvmesh/<cluster>/routers/<router_id>         -> RouterRecord as JSON, bound to the router's lease
+
+A key lives exactly as long as its owner's lease: a process that dies stops its keepalive and
+etcd deletes its key after the TTL, which every watcher sees as a delete.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass
+from enum import StrEnum
+from typing import NewType
+
+WorkerId = NewType("WorkerId", str)
+
+ROOT = "/kvmesh"
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+class Role(StrEnum):
+    BOTH = "both"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class WorkerState(StrEnum):
+    SERVING = "serving"
+    DRAINING = "draining"
+
+
+def check_name(kind: str, value: str) -> str:
+    """Cluster names and ids become key segments: letters, digits, '.', '_' and '-' only."""
+    if not _NAME_RE.match(value):
+        raise ValueError(
+            f"{kind} {value!r} is not a valid name: use 1-128 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit"
+        )
+    return value
+
+
+def cluster_prefix(cluster: str) -> str:
+    return f"{ROOT}/{check_name('cluster', cluster)}/"
+
+
+def workers_prefix(cluster: str) -> str:
+    return f"{cluster_prefix(cluster)}workers/"
+
+
+def worker_key(cluster: str, role: Role, worker_id: str) -> str:
+    return f"{workers_prefix(cluster)}{Role(role).value}/{check_name('worker id', worker_id)}"
+
+
+def routers_prefix(cluster: str) -> str:
+    return f"{cluster_prefix(cluster)}routers/"
+
+
+def router_key(cluster: str, router_id: str) -> str:
+    return f"{routers_prefix(cluster)}{check_name('router id', router_id)}"
+
+
+def parse_worker_key(cluster: str, key: str) -> tuple[Role, WorkerId] | None:
+    """(role, worker id) for a key under the cluster's workers prefix, else None."""
+    prefix = workers_prefix(cluster)
+    if not key.startswith(prefix):
+        return None
+    parts = key[len(prefix) :].split("/")
+    if len(parts) != 2 or not parts[1]:
+        return None
+    try:
+        role = Role(parts[0])
+    except ValueError:
+        return None
+    return role, WorkerId(parts[1])
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerRecord:
+    """What a worker publishes about itself."""
+
+    worker_id: WorkerId
+    address: str  # host:port of its gRPC server
+    model: str  # served model name
+    model_path: str  # where its weights/tokenizer live (routers load the tokenizer from here)
+    role: Role = Role.BOTH
+    node: str = ""  # node (host) name, for same-node KV transfer later
+    version: str = ""  # kvmesh version of the worker
+    state: WorkerState = WorkerState.SERVING
+    max_model_len: int = 0  # tokens, prompt + completion
+    block_size: int = 0  # tokens per KV block
+    vocab_size: int = 0
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> WorkerRecord:
+        data = json.loads(raw)
+        known = {f for f in cls.__slots__}  # type: ignore[attr-defined]
+        data = {k: v for k, v in data.items() if k in known}  # newer writers may add fields
+        data["worker_id"] = WorkerId(data["worker_id"])
+        data["role"] = Role(data.get("role", Role.BOTH))
+        data["state"] = WorkerState(data.get("state", WorkerState.SERVING))
+        return cls(**data)
+
+
+@dataclass(frozen=True, slots=True)
+class RouterRecord:
+    router_id: str
+    address: str
+    version: str = ""
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> RouterRecord:
+        data = json.loads(raw)
+        return cls(router_id=data["router_id"], address=data["address"], version=data.get("version", ""))

@@ -1,0 +1,31 @@
+"""Domain errors shared by all services. Pure: the one table mapping them to gRPC status codes
+lives in ``kvmesh.grpc_errors`` (and to HTTP codes at the OpenAI front door, later).
+
+Messages say what to fix: which field, what range, what was received.
+"""
+
+from __future__ import annotations
+
+
+class KvmeshError(Exception):
+    """Base of every error we raise on purpose."""
+
+
+class InvalidArgument(KvmeshError):
+    """The request is malformed or out of range; retrying it unchanged will fail again."""
+
+
+class NotFound(KvmeshError):
+    """A named thing (model, request id) does not exist."""
+
+
+class Unavailable(KvmeshError):
+    """Nothing can serve this now (no worker, draining, peer down); retry later."""
+
+
+class ResourceExhausted(KvmeshError):
+    """The request is too large or the service is saturated."""
+
+
+class DeadlineExceeded(KvmeshError):
+    """The caller's deadline passed before the work finished."""

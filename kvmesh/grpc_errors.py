@@ -1,0 +1,46 @@
+"""The one table from domain errors to gRPC status codes, and helpers for servicers."""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from kvmesh import errors
+
+log = logging.getLogger(__name__)
+
+STATUS_OF: dict[type[errors.KvmeshError], grpc.StatusCode] = {
+    errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    errors.NotFound: grpc.StatusCode.NOT_FOUND,
+    errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
+    errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    errors.DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
+}
+
+ERROR_OF: dict[grpc.StatusCode, type[errors.KvmeshError]] = {v: k for k, v in STATUS_OF.items()}
+
+
+def status_for(exc: BaseException) -> grpc.StatusCode:
+    for cls in type(exc).__mro__:
+        if cls in STATUS_OF:
+            return STATUS_OF[cls]  # type: ignore[index]
+    return grpc.StatusCode.INTERNAL
+
+
+async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException, request_id: str = "") -> None:
+    """Ends the call with the status for ``exc``. Unexpected errors become INTERNAL with the
+    request id and no stack trace on the wire (the trace goes to the log)."""
+    code = status_for(exc)
+    if code is grpc.StatusCode.INTERNAL:
+        log.exception("internal error request_id=%s", request_id, exc_info=exc)
+        message = f"internal error (request_id={request_id}); see the service log"
+    else:
+        message = str(exc)
+    await context.abort(code, message)
+
+
+def from_rpc_error(exc: grpc.aio.AioRpcError) -> errors.KvmeshError | None:
+    """The domain error a downstream status stands for, so a proxy can pass it on unchanged."""
+    cls = ERROR_OF.get(exc.code())
+    return cls(exc.details() or exc.code().name) if cls else None
