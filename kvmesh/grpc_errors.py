@@ -28,7 +28,9 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
-async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException, request_id: str = "") -> None:
+async def abort_with(
+    context: grpc.aio.ServicerContext, exc: BaseException, request_id: str = ""
+) -> None:
     """Ends the call with the status for ``exc``. Unexpected errors become INTERNAL with the
     request id and no stack trace on the wire (the trace goes to the log)."""
     code = status_for(exc)

@@ -19,9 +19,8 @@ def proto_files() -> list[Path]:
 
 
 def generate(out_dir: Path) -> None:
-    from grpc_tools import protoc
-
     import grpc_tools
+    from grpc_tools import protoc
 
     include = Path(grpc_tools.__file__).parent / "_proto"
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -121,4 +121,6 @@ class RouterRecord:
     @classmethod
     def from_json(cls, raw: str | bytes) -> RouterRecord:
         data = json.loads(raw)
-        return cls(router_id=data["router_id"], address=data["address"], version=data.get("version", ""))
+        return cls(
+            router_id=data["router_id"], address=data["address"], version=data.get("version", "")
+        )

@@ -1,0 +1,308 @@
+"""The ``kvmesh`` command: run a mesh, talk to it, build the built-in models.
+
+kvmesh up          run etcd + workers + a router in the foreground (Ctrl-C stops them all)
+kvmesh demo        up, ask one question, print the streamed answer and usage, shut down
+kvmesh generate    stream a completion from a running router
+kvmesh model       build a built-in model directory (tiny, smollm2)
+kvmesh router      run one router process
+kvmesh worker      run one worker process
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_ROUTER = "127.0.0.1:50051"
+
+
+def model_cache_root() -> Path:
+    """Where built-in models are built once: $KVMESH_HOME/models or ~/.cache/kvmesh/models."""
+    home = os.environ.get("KVMESH_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvmesh"
+    )
+    return Path(home) / "models"
+
+
+def resolve_model(name_or_path: str) -> Path:
+    """A built-in model name (tiny, smollm2) is built on first use; anything else is a path."""
+    from kvmesh.models import smollm2, tiny
+
+    builders = {"tiny": tiny.ensure_tiny, "smollm2": smollm2.ensure_smollm2}
+    if name_or_path in builders:
+        return builders[name_or_path](model_cache_root())
+    path = Path(name_or_path)
+    if not (path / "config.json").is_file():
+        raise SystemExit(
+            f"--model {name_or_path!r}: not a built-in model (tiny, smollm2) and not a "
+            "Hugging Face model directory (no config.json there)"
+        )
+    return path
+
+
+# ---- up / demo ------------------------------------------------------------------------------
+def _add_mesh_flags(p: argparse.ArgumentParser, default_port: int) -> None:
+    p.add_argument(
+        "--model",
+        default="smollm2",
+        help="built-in model (tiny, smollm2) or a local HF model dir (default %(default)s)",
+    )
+    p.add_argument(
+        "--served-model-name", default="", help="name clients use (default: model dir name)"
+    )
+    p.add_argument("--workers", type=int, default=2, help="number of workers (default %(default)s)")
+    p.add_argument(
+        "--port",
+        type=int,
+        default=default_port,
+        help="router gRPC port (default %(default)s; 0 = any free port)",
+    )
+    p.add_argument(
+        "--etcd", default="", help="etcd endpoints host:port,...; empty starts a local etcd"
+    )
+    p.add_argument("--cluster", default="default", help="etcd cluster name")
+    p.add_argument("--max-model-len", type=int, default=4096, help="context length in tokens")
+    p.add_argument(
+        "--kv-cache-bytes", type=int, default=256 << 20, help="KV cache per worker, bytes"
+    )
+    p.add_argument(
+        "--log-dir", type=Path, default=None, help="where child logs go (default: a temp dir)"
+    )
+
+
+def _mesh_spec(a: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from kvmesh.launcher import MeshSpec
+
+    return MeshSpec(
+        model_path=resolve_model(a.model),
+        served_model_name=a.served_model_name,
+        workers=a.workers,
+        router_port=a.port,
+        etcd_endpoints=tuple(e for e in a.etcd.split(",") if e),
+        cluster=a.cluster,
+        max_model_len=a.max_model_len,
+        kv_cache_bytes=a.kv_cache_bytes,
+        log_dir=a.log_dir,
+    )
+
+
+def cmd_up(a: argparse.Namespace) -> int:
+    from kvmesh.launcher import Mesh
+
+    t0 = time.monotonic()
+    spec = _mesh_spec(a)
+    print(
+        f"kvmesh up: model {spec.model_path}, {spec.workers} workers, logs in {a.log_dir or 'a temp dir'}",
+        flush=True,
+    )
+    mesh = Mesh(spec)
+    stop = False
+
+    def on_signal(signum: int, frame: object) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    mesh.start()
+    print(
+        f"kvmesh up: ready in {time.monotonic() - t0:.1f} s\n"
+        f'  router  {mesh.router_address}   (try: kvmesh generate --router {mesh.router_address} "Hello")\n'
+        f"  etcd    {','.join(mesh.etcd_endpoints)}\n"
+        f"  workers {', '.join(w.ready.get('address', '?') for w in mesh.workers)}\n"
+        f"  logs    {mesh.log_dir}\n"
+        "Ctrl-C stops everything.",
+        flush=True,
+    )
+    try:
+        while not stop:
+            dead = [c for c in [mesh.router, *mesh.workers] if c and c.proc.poll() is not None]
+            if dead:
+                print(
+                    f"kvmesh up: {dead[0].name} exited (code {dead[0].proc.returncode}); stopping",
+                    file=sys.stderr,
+                )
+                break
+            time.sleep(0.5)
+    finally:
+        print("kvmesh up: stopping (router, then workers drain, then etcd)", flush=True)
+        mesh.stop()
+        print("kvmesh up: stopped", flush=True)
+    return 0 if stop else 1
+
+
+DEMO_QUESTION = "What is the capital of France? Answer in one short sentence."
+
+
+def cmd_demo(a: argparse.Namespace) -> int:
+    from kvmesh.client import RouterClient, make_request, usage_line
+    from kvmesh.launcher import Mesh
+
+    t0 = time.monotonic()
+    spec = _mesh_spec(a)
+    print(
+        f"demo: starting etcd, {spec.workers} vLLM workers ({spec.model_path.name}) and a router ...",
+        flush=True,
+    )
+    with Mesh(spec) as mesh:
+        print(
+            f"demo: mesh ready in {time.monotonic() - t0:.1f} s, router at {mesh.router_address}",
+            flush=True,
+        )
+
+        async def ask() -> None:
+            async with RouterClient(mesh.router_address) as client:
+                await client.wait_for_models()
+                print(f"\nuser> {a.question}\nassistant> ", end="", flush=True)
+                req = make_request(a.question, chat=True, max_tokens=a.max_tokens, temperature=0.0)
+                c = await client.complete(
+                    req, on_chunk=lambda ch: print(ch.text, end="", flush=True)
+                )
+                print(f"\n{usage_line(c)} total_ms={c.total_s * 1000:.0f}", flush=True)
+
+        asyncio.run(ask())
+        print("\ndemo: shutting the mesh down", flush=True)
+    print("demo: done", flush=True)
+    return 0
+
+
+# ---- generate -------------------------------------------------------------------------------
+def cmd_generate(a: argparse.Namespace) -> int:
+    import grpc
+
+    from kvmesh.client import RouterClient, make_request, usage_line
+
+    if a.token_ids:
+        prompt: object = [int(t) for t in a.prompt.replace(",", " ").split()]
+    elif a.system:
+        prompt = [{"role": "system", "content": a.system}, {"role": "user", "content": a.prompt}]
+    else:
+        prompt = a.prompt
+    req = make_request(
+        prompt,  # type: ignore[arg-type]
+        chat=not a.raw,
+        max_tokens=a.max_tokens,
+        model=a.model,
+        temperature=a.temperature,
+        top_p=a.top_p,
+        top_k=a.top_k,
+        seed=a.seed,
+        stop=a.stop,
+        ignore_eos=a.ignore_eos,
+        request_id=a.request_id,
+        session_id=a.session_id,
+        tenant=a.tenant,
+        priority=a.priority,
+    )
+
+    async def run() -> int:
+        async with RouterClient(a.router) as client:
+            try:
+                c = await client.complete(
+                    req,
+                    timeout_s=a.timeout_s,
+                    on_chunk=lambda ch: print(ch.text, end="", flush=True),
+                )
+            except grpc.aio.AioRpcError as exc:
+                print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
+                return 1
+            print()
+            print(usage_line(c), file=sys.stderr)
+            return 0
+
+    return asyncio.run(run())
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "generate",
+        help="stream a completion from a running router",
+        description="Stream a completion from a running kvmesh router. The prompt is sent as one "
+        "user chat message (the model's chat template applies) unless --raw or --token-ids.",
+    )
+    p.add_argument("prompt", help="the prompt text (or token ids with --token-ids)")
+    p.add_argument(
+        "--router", default=DEFAULT_ROUTER, help="router address host:port (default %(default)s)"
+    )
+    p.add_argument("--model", default="", help="served model name (default: the only one served)")
+    p.add_argument(
+        "--max-tokens", type=int, default=64, help="most tokens to generate (default %(default)s)"
+    )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help="0 = greedy; range [0, 2] (default: engine's, 1.0)",
+    )
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass, (0, 1]")
+    p.add_argument(
+        "--top-k", type=int, default=None, help="sample among the k most likely tokens; -1 disables"
+    )
+    p.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
+    p.add_argument("--system", default="", help="a system message before the prompt (chat mode)")
+    p.add_argument(
+        "--raw", action="store_true", help="send the prompt as plain text, no chat template"
+    )
+    p.add_argument("--token-ids", action="store_true", help="the prompt is token ids, e.g. '1 2 3'")
+    p.add_argument("--request-id", default="", help="request id (default: the router makes one)")
+    p.add_argument("--session-id", default="", help="agent/conversation session id")
+    p.add_argument("--tenant", default="", help="tenant for flow control")
+    p.add_argument(
+        "--priority", type=int, default=0, help="priority (higher first under contention)"
+    )
+    p.add_argument(
+        "--timeout-s", type=float, default=120.0, help="deadline for the whole request, seconds"
+    )
+    p.set_defaults(func=cmd_generate)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvmesh", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="run a mesh in the foreground until Ctrl-C")
+    _add_mesh_flags(up, default_port=50051)
+    up.set_defaults(func=cmd_up)
+
+    demo = sub.add_parser("demo", help="start a mesh, ask it a question, shut it down")
+    _add_mesh_flags(demo, default_port=0)
+    demo.add_argument("--question", default=DEMO_QUESTION)
+    demo.add_argument("--max-tokens", type=int, default=48)
+    demo.set_defaults(func=cmd_demo)
+
+    _add_generate(sub)
+
+    from kvmesh.models import cli as model_cli
+
+    model_cli.register(sub)
+
+    for name, module in (("router", "services.router.main"), ("worker", "services.worker.main")):
+        p = sub.add_parser(
+            name, help=f"run one {name} process (see kvmesh {name} --help)", add_help=False
+        )
+        p.add_argument("args", nargs=argparse.REMAINDER)
+        p.set_defaults(
+            func=lambda a, module=module: __import__(module, fromlist=["main"]).main(a.args)
+        )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    import logging
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,221 @@
+"""Starts a whole mesh on one machine as child processes: etcd, workers, a router.
+
+Used by ``kvmesh up``, ``kvmesh demo``, the e2e tests and the benchmarks. Each child is a
+separate process, exactly as in production; their logs go to files in ``log_dir``, and each
+announces readiness with one line on stdout (``KVMESH_WORKER_READY ...``,
+``KVMESH_ROUTER_READY ...``). Stopping sends SIGTERM (router first, then workers, which drain),
+waits, and kills whatever is left.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvmesh.etcd_server import LocalEtcd
+
+log = logging.getLogger(__name__)
+
+WORKER_READY = "KVMESH_WORKER_READY"
+ROUTER_READY = "KVMESH_ROUTER_READY"
+
+
+@dataclass(frozen=True, slots=True)
+class MeshSpec:
+    model_path: Path
+    served_model_name: str = ""  # default: the model directory's name
+    workers: int = 2
+    router_host: str = "127.0.0.1"
+    router_port: int = 0  # 0: the OS picks
+    etcd_endpoints: tuple[str, ...] = ()  # empty: start a local etcd child
+    cluster: str = "default"
+    max_model_len: int = 4096
+    kv_cache_bytes: int = 256 * 1024 * 1024  # per worker
+    block_size: int = 32
+    worker_args: tuple[str, ...] = ()  # extra flags for every worker
+    router_args: tuple[str, ...] = ()  # extra flags for the router
+    log_dir: Path | None = None  # default: a new temp dir
+    start_timeout_s: float = 240.0
+    env: dict[str, str] = field(default_factory=dict)  # extra environment for children
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen[str]
+    log_path: Path
+    ready: dict[str, str] = field(default_factory=dict)
+    _ready_event: threading.Event = field(default_factory=threading.Event)
+
+
+class Mesh:
+    """A running single-machine mesh. Use as a context manager or call start()/stop()."""
+
+    def __init__(self, spec: MeshSpec) -> None:
+        self.spec = spec
+        self.log_dir = spec.log_dir or Path(tempfile.mkdtemp(prefix="kvmesh-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.etcd: LocalEtcd | None = None
+        self.workers: list[Child] = []
+        self.router: Child | None = None
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    def __enter__(self) -> Mesh:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def etcd_endpoints(self) -> tuple[str, ...]:
+        if self.spec.etcd_endpoints:
+            return self.spec.etcd_endpoints
+        assert self.etcd is not None
+        return tuple(self.etcd.endpoints)
+
+    @property
+    def router_address(self) -> str:
+        assert self.router is not None
+        return self.router.ready["address"]
+
+    def start(self) -> None:
+        try:
+            if not self.spec.etcd_endpoints:
+                self.etcd = LocalEtcd(data_dir=self.log_dir / "etcd")
+                self.etcd.start()
+            for i in range(self.spec.workers):
+                self.workers.append(self.start_worker(f"worker-{i}"))
+            for w in self.workers:
+                self._wait_ready(w, self.spec.start_timeout_s)
+            self.router = self.start_router()
+            self._wait_ready(self.router, 60.0)
+        except BaseException:
+            self.stop()
+            raise
+
+    def start_worker(self, name: str, extra_args: Sequence[str] = ()) -> Child:
+        spec = self.spec
+        args = [
+            "--model", str(spec.model_path),
+            "--worker-id", name,
+            "--cluster", spec.cluster,
+            "--etcd", ",".join(self.etcd_endpoints),
+            "--max-model-len", str(spec.max_model_len),
+            "--kv-cache-bytes", str(spec.kv_cache_bytes),
+            "--block-size", str(spec.block_size),
+            *(["--served-model-name", spec.served_model_name] if spec.served_model_name else []),
+            *spec.worker_args,
+            *extra_args,
+        ]  # fmt: skip
+        return self._spawn(name, "services.worker.main", args, WORKER_READY)
+
+    def start_router(self, name: str = "router") -> Child:
+        spec = self.spec
+        args = [
+            "--host", spec.router_host,
+            "--port", str(spec.router_port),
+            "--cluster", spec.cluster,
+            "--etcd", ",".join(self.etcd_endpoints),
+            *spec.router_args,
+        ]  # fmt: skip
+        return self._spawn(name, "services.router.main", args, ROUTER_READY)
+
+    def wait_ready(self, child: Child, timeout_s: float | None = None) -> None:
+        self._wait_ready(child, timeout_s or self.spec.start_timeout_s)
+
+    def stop(self) -> None:
+        if self.router is not None:
+            stop_child(self.router, grace_s=15.0)
+        for w in self.workers:
+            if w.proc.poll() is None:
+                w.proc.send_signal(signal.SIGTERM)
+        for w in self.workers:
+            stop_child(w, grace_s=30.0)
+        if self.etcd is not None:
+            self.etcd.stop()
+            self.etcd = None
+
+    # ---- internals ------------------------------------------------------------------------
+    def _spawn(self, name: str, module: str, args: list[str], ready_tag: str) -> Child:
+        log_path = self.log_dir / f"{name}.log"
+        env = {**os.environ, **child_env(), **self.spec.env}
+        logf = open(log_path, "a", buffering=1)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", module, *args],
+            stdout=subprocess.PIPE,
+            stderr=logf,
+            text=True,
+            env=env,
+            start_new_session=True,  # Ctrl-C in a terminal reaches us, not them; we stop them
+        )
+        child = Child(name, proc, log_path)
+        threading.Thread(
+            target=_pump, args=(child, ready_tag, logf), name=f"pump-{name}", daemon=True
+        ).start()
+        log.info("started %s (pid %d), log %s", name, proc.pid, log_path)
+        return child
+
+    def _wait_ready(self, child: Child, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not child._ready_event.wait(0.2):
+            if child.proc.poll() is not None:
+                raise RuntimeError(
+                    f"{child.name} exited with code {child.proc.returncode} before it was ready; "
+                    f"last lines of {child.log_path}:\n{tail(child.log_path)}"
+                )
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"{child.name} not ready after {timeout_s:.0f} s; last lines of "
+                    f"{child.log_path}:\n{tail(child.log_path)}"
+                )
+
+
+def _pump(child: Child, ready_tag: str, logf) -> None:  # type: ignore[no-untyped-def]
+    assert child.proc.stdout is not None
+    try:
+        for line in child.proc.stdout:
+            if line.startswith(ready_tag):
+                child.ready = dict(part.split("=", 1) for part in line.split()[1:] if "=" in part)
+                child._ready_event.set()
+            logf.write(line)
+    finally:
+        logf.close()
+
+
+def stop_child(child: Child, grace_s: float) -> None:
+    if child.proc.poll() is None:
+        child.proc.send_signal(signal.SIGTERM)
+        try:
+            child.proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            log.warning("%s did not stop within %.0f s; killing it", child.name, grace_s)
+            child.proc.kill()
+            child.proc.wait(10)
+
+
+def child_env() -> dict[str, str]:
+    """Environment every child gets: offline, no usage stats."""
+    return {
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
+
+
+def tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"

@@ -1,0 +1,29 @@
+"""The router's configuration: one frozen tree, defaults < flags (loaded in main())."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvmesh.telemetry import Exporter
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    host: str = "127.0.0.1"  # address to listen on
+    port: int = 0  # gRPC port; 0 lets the OS pick (printed at start)
+    router_id: str = ""  # etcd id; empty: <hostname>-<port>
+    cluster: str = "default"  # etcd cluster name (key prefix /kvmesh/<cluster>/)
+    etcd_endpoints: tuple[str, ...] = ("127.0.0.1:2379",)  # host:port of etcd
+    etcd_ttl_s: float = 10.0  # lease TTL of the router's own etcd record
+    policy: str = "least-loaded"  # routing policy (least-loaded, round-robin, random)
+    tokenizer_overrides: dict[str, str] = field(default_factory=dict)  # model -> tokenizer path
+    tokenizer_threads: int = 2  # threads tokenizing off the event loop
+    default_timeout_s: float = 600.0  # deadline used when a client sets none
+    max_request_bytes: int = 16 * 1024 * 1024  # larger request messages: RESOURCE_EXHAUSTED
+    max_retries: int = 1  # other workers tried when one is unavailable before the first token
+    load_interval_s: float = 0.25  # WatchLoad push interval asked of workers
+    worker_call_timeout_s: float = 5.0  # deadline of unary calls to workers (Abort)
+    drain_grace_s: float = 10.0  # on SIGTERM, time given to in-flight streams
+    trace_exporter: Exporter = Exporter.NONE
+    otlp_endpoint: str = ""
+    log_level: str = "INFO"

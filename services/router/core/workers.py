@@ -1,0 +1,163 @@
+"""The live worker set, fed by etcd (records) and by the workers' load streams.
+
+The discovery adapter calls ``apply_snapshot`` / ``apply_put`` / ``apply_delete`` with raw etcd
+keys and values; this module parses them, so a malformed record is logged and skipped instead of
+breaking the watch.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+
+from kvmesh.discovery.keys import WorkerId, WorkerRecord, WorkerState, parse_worker_key
+
+from .types import LoadSnapshot
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class WorkerView:
+    record: WorkerRecord
+    load: LoadSnapshot = field(default_factory=LoadSnapshot)
+    # Requests this router has sent to the worker and not seen finish.
+    router_in_flight: int = 0
+
+    @property
+    def serving(self) -> bool:
+        return self.record.state is WorkerState.SERVING
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSummary:
+    name: str
+    max_model_len: int
+    block_size: int
+    vocab_size: int
+    model_path: str
+    workers: int
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    """What an etcd update did to the set, so the adapter can open or close worker channels."""
+
+    added: tuple[WorkerRecord, ...] = ()
+    removed: tuple[WorkerId, ...] = ()
+    updated: tuple[WorkerRecord, ...] = ()
+
+
+class WorkerSet:
+    def __init__(self, cluster: str) -> None:
+        self._cluster = cluster
+        self._workers: dict[WorkerId, WorkerView] = {}
+
+    # ---- discovery side -------------------------------------------------------------------
+    def apply_snapshot(self, items: dict[str, str]) -> Change:
+        records = {r.worker_id: r for r in (self._parse(k, v) for k, v in items.items()) if r}
+        removed = tuple(w for w in self._workers if w not in records)
+        for wid in removed:
+            del self._workers[wid]
+        added, updated = [], []
+        for wid, rec in records.items():
+            (updated if wid in self._workers else added).append(rec)
+            self._upsert(rec)
+        return Change(added=tuple(added), removed=removed, updated=tuple(updated))
+
+    def apply_put(self, key: str, value: str) -> Change:
+        rec = self._parse(key, value)
+        if rec is None:
+            return Change()
+        existed = rec.worker_id in self._workers
+        self._upsert(rec)
+        return Change(updated=(rec,)) if existed else Change(added=(rec,))
+
+    def apply_delete(self, key: str) -> Change:
+        parsed = parse_worker_key(self._cluster, key)
+        if parsed is None or parsed[1] not in self._workers:
+            return Change()
+        del self._workers[parsed[1]]
+        return Change(removed=(parsed[1],))
+
+    def _upsert(self, rec: WorkerRecord) -> None:
+        view = self._workers.get(rec.worker_id)
+        if view is None:
+            self._workers[rec.worker_id] = WorkerView(record=rec)
+        else:
+            view.record = rec
+
+    def _parse(self, key: str, value: str) -> WorkerRecord | None:
+        parsed = parse_worker_key(self._cluster, key)
+        if parsed is None:
+            return None
+        try:
+            rec = WorkerRecord.from_json(value)
+        except (ValueError, KeyError, TypeError) as exc:
+            log.warning("skipping malformed worker record at %s: %s", key, exc)
+            return None
+        if rec.worker_id != parsed[1] or rec.role is not parsed[0]:
+            log.warning("skipping worker record at %s: id/role disagree with its key", key)
+            return None
+        return rec
+
+    # ---- load side ------------------------------------------------------------------------
+    def set_load(self, worker_id: WorkerId, load: LoadSnapshot) -> None:
+        view = self._workers.get(worker_id)
+        if view is not None:
+            view.load = load
+
+    def started(self, worker_id: WorkerId) -> None:
+        view = self._workers.get(worker_id)
+        if view is not None:
+            view.router_in_flight += 1
+
+    def finished(self, worker_id: WorkerId) -> None:
+        view = self._workers.get(worker_id)
+        if view is not None and view.router_in_flight > 0:
+            view.router_in_flight -= 1
+
+    def mark_draining(self, worker_id: WorkerId) -> None:
+        """Stop routing to a worker that said it is draining before etcd tells us."""
+        view = self._workers.get(worker_id)
+        if view is not None:
+            view.record = replace(view.record, state=WorkerState.DRAINING)
+
+    # ---- queries --------------------------------------------------------------------------
+    def get(self, worker_id: WorkerId) -> WorkerView | None:
+        return self._workers.get(worker_id)
+
+    def __len__(self) -> int:
+        return len(self._workers)
+
+    def all(self) -> Iterable[WorkerView]:
+        return self._workers.values()
+
+    def candidates(self, model: str) -> list[WorkerView]:
+        """Serving workers of a model, in a stable order."""
+        return sorted(
+            (v for v in self._workers.values() if v.serving and v.record.model == model),
+            key=lambda v: v.record.worker_id,
+        )
+
+    def models(self) -> list[ModelSummary]:
+        """Models offered by serving workers (facts taken from the first worker by id)."""
+        by_model: dict[str, list[WorkerView]] = {}
+        for v in self._workers.values():
+            if v.serving:
+                by_model.setdefault(v.record.model, []).append(v)
+        out = []
+        for name, views in sorted(by_model.items()):
+            first = min(views, key=lambda v: v.record.worker_id).record
+            out.append(
+                ModelSummary(
+                    name=name,
+                    max_model_len=first.max_model_len,
+                    block_size=first.block_size,
+                    vocab_size=first.vocab_size,
+                    model_path=first.model_path,
+                    workers=len(views),
+                )
+            )
+        return out

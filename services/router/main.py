@@ -1,0 +1,194 @@
+"""The router process: ``kvmesh router`` (or ``python -m services.router.main``)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import socket
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from kvmesh.discovery.etcd import PrefixWatcher, Registrar
+
+from kvmesh import __version__
+from kvmesh.discovery.keys import RouterRecord, router_key, workers_prefix
+from kvmesh.telemetry import Exporter, server_interceptors, setup_logging, setup_tracing
+from kvmesh.v1 import router_pb2, router_pb2_grpc
+
+from .config import RouterConfig
+from .core.routing import POLICIES, make_policy
+from .core.workers import WorkerSet
+from .pool import WorkerPool
+from .servicer import RouterServicer
+from .tokenizer import Tokenizers
+
+log = logging.getLogger(__name__)
+READY_LINE = "KVMESH_ROUTER_READY"
+SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
+
+
+@dataclass
+class RunningRouter:
+    """A started router: what tests and ``kvmesh up`` need to reach and stop it."""
+
+    address: str
+    servicer: RouterServicer
+    workers: WorkerSet
+    watcher: PrefixWatcher
+    _server: grpc.aio.Server
+    _health: health.aio.HealthServicer
+    _pool: WorkerPool
+    _registrar: Registrar
+    _executor: ThreadPoolExecutor
+    _config: RouterConfig
+
+    async def stop(self) -> None:
+        """Health NOT_SERVING -> refuse new work -> let streams finish (bounded) -> leave etcd."""
+        await self._health.enter_graceful_shutdown()
+        self.servicer.draining = True
+        await self._registrar.close(revoke=True)
+        await self._server.stop(grace=self._config.drain_grace_s)
+        await self.watcher.close()
+        await self._pool.close()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+async def start_router(config: RouterConfig) -> RunningRouter:
+    workers = WorkerSet(config.cluster)
+    pool = WorkerPool(workers, load_interval_s=config.load_interval_s)
+    executor = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tokenize")
+    servicer = RouterServicer(
+        config,
+        workers,
+        pool,
+        make_policy(config.policy),
+        Tokenizers(executor, config.tokenizer_overrides),
+    )
+    server = grpc.aio.server(
+        interceptors=server_interceptors(),
+        options=[
+            ("grpc.max_receive_message_length", config.max_request_bytes),
+            ("grpc.max_send_message_length", config.max_request_bytes),
+        ],
+    )
+    router_pb2_grpc.add_RouterServicer_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    address = f"{config.host}:{port}"
+    await server.start()
+
+    watcher = PrefixWatcher(
+        list(config.etcd_endpoints),
+        workers_prefix(config.cluster),
+        on_snapshot=lambda items: pool.apply(workers.apply_snapshot(items)),
+        on_put=lambda k, v: pool.apply(workers.apply_put(k, v)),
+        on_delete=lambda k: pool.apply(workers.apply_delete(k)),
+    )
+    await watcher.start()
+    router_id = config.router_id or f"{socket.gethostname()}-{port}"
+    registrar = Registrar(
+        list(config.etcd_endpoints),
+        router_key(config.cluster, router_id),
+        RouterRecord(router_id=router_id, address=address, version=__version__).to_json(),
+        ttl_s=config.etcd_ttl_s,
+    )
+    await registrar.start()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info("router %s serving on %s with %d workers known", router_id, address, len(workers))
+    return RunningRouter(
+        address,
+        servicer,
+        workers,
+        watcher,
+        server,
+        health_servicer,
+        pool,
+        registrar,
+        executor,
+        config,
+    )
+
+
+def parse_args(argv: list[str] | None) -> RouterConfig:
+    d = RouterConfig()
+    p = argparse.ArgumentParser(prog="kvmesh router", description="Run a kvmesh router.")
+    p.add_argument("--host", default=d.host, help="address to listen on (default %(default)s)")
+    p.add_argument("--port", type=int, default=d.port, help="gRPC port; 0 = OS picks")
+    p.add_argument("--router-id", default=d.router_id, help="id in etcd (default host-port)")
+    p.add_argument("--cluster", default=d.cluster, help="etcd cluster name (default %(default)s)")
+    p.add_argument(
+        "--etcd", default=",".join(d.etcd_endpoints), help="etcd endpoints, host:port,..."
+    )
+    p.add_argument("--policy", default=d.policy, choices=sorted(POLICIES), help="routing policy")
+    p.add_argument(
+        "--tokenizer",
+        action="append",
+        default=[],
+        metavar="MODEL=PATH",
+        help="tokenizer directory for a model (default: the path its workers advertise)",
+    )
+    p.add_argument("--default-timeout-s", type=float, default=d.default_timeout_s)
+    p.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes)
+    p.add_argument("--drain-grace-s", type=float, default=d.drain_grace_s)
+    p.add_argument(
+        "--trace-exporter", default=d.trace_exporter.value, choices=[e.value for e in Exporter]
+    )
+    p.add_argument("--otlp-endpoint", default=d.otlp_endpoint)
+    p.add_argument("--log-level", default=d.log_level)
+    a = p.parse_args(argv)
+    overrides = {}
+    for item in a.tokenizer:
+        model, sep, path = item.partition("=")
+        if not sep or not model or not path:
+            p.error(f"--tokenizer wants MODEL=PATH, got {item!r}")
+        overrides[model] = path
+    return RouterConfig(
+        host=a.host,
+        port=a.port,
+        router_id=a.router_id,
+        cluster=a.cluster,
+        etcd_endpoints=tuple(e.strip() for e in a.etcd.split(",") if e.strip()),
+        policy=a.policy,
+        tokenizer_overrides=overrides,
+        default_timeout_s=a.default_timeout_s,
+        max_request_bytes=a.max_request_bytes,
+        drain_grace_s=a.drain_grace_s,
+        trace_exporter=Exporter(a.trace_exporter),
+        otlp_endpoint=a.otlp_endpoint,
+        log_level=a.log_level,
+    )
+
+
+async def serve(config: RouterConfig) -> None:
+    router = await start_router(config)
+    print(f"{READY_LINE} address={router.address}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("router stopping: draining %d in-flight requests", router.servicer.in_flight)
+    await router.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = parse_args(argv)
+    setup_logging("router", config.log_level)
+    setup_tracing("kvmesh-router", config.trace_exporter, config.otlp_endpoint)
+    asyncio.run(serve(config))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,274 @@
+"""kvmesh.v1.Router over gRPC: converts messages, calls the core, proxies the worker stream."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+
+from kvmesh import errors
+from kvmesh.discovery.keys import WorkerId
+from kvmesh.grpc_errors import abort_with, from_rpc_error
+from kvmesh.telemetry import tracer
+from kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2
+
+from .config import RouterConfig
+from .core import validation
+from .core.routing import RoutingPolicy
+from .core.types import ChatMessage, RouteRequest, Sampling
+from .core.workers import ModelSummary, WorkerSet
+from .pool import WorkerPool
+from .tokenizer import Tokenizers
+
+log = logging.getLogger(__name__)
+_tracer = tracer(__name__)
+
+
+@dataclass(slots=True)
+class _Active:
+    worker_id: WorkerId
+    aborted: bool = False
+
+
+class RouterServicer(router_pb2_grpc.RouterServicer):
+    def __init__(
+        self,
+        config: RouterConfig,
+        workers: WorkerSet,
+        pool: WorkerPool,
+        policy: RoutingPolicy,
+        tokenizers: Tokenizers,
+    ) -> None:
+        self._config = config
+        self._workers = workers
+        self._pool = pool
+        self._policy = policy
+        self._tokenizers = tokenizers
+        self._active: dict[str, _Active] = {}
+        self.draining = False
+
+    # ---- Generate -------------------------------------------------------------------------
+    async def Generate(
+        self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[router_pb2.GenerateResponse]:
+        arrived = time.monotonic()
+        rid = request.request_id or uuid.uuid4().hex
+        try:
+            if rid in self._active:
+                raise errors.InvalidArgument(
+                    f"request_id {rid!r} is already in flight; use a unique id per request"
+                )
+            if self.draining:
+                raise errors.Unavailable("router is shutting down; retry on another router")
+            model = self._resolve_model(request.model)
+            sampling = sampling_from_pb(request.sampling)
+            validation.check_sampling(sampling)
+            with _tracer.start_as_current_span("tokenize") as span:
+                ids = await self._prompt_ids(request, model)
+                span.set_attribute("prompt_tokens", len(ids))
+            validation.check_prompt(ids, model.vocab_size, model.max_model_len, sampling.max_tokens)
+            route = RouteRequest(
+                request_id=rid,
+                model=model.name,
+                prompt_token_ids=tuple(ids),
+                session_id=request.session_id,
+                tenant=request.tenant,
+                priority=request.priority,
+            )
+            async for chunk in self._proxy(route, request.sampling, context, arrived):
+                yield chunk
+        except errors.KvmeshError as exc:
+            log.info("request %s rejected: %s: %s", rid, type(exc).__name__, exc)
+            await abort_with(context, exc, rid)
+        except asyncio.CancelledError:
+            log.info("request %s cancelled by the client", rid)
+            raise
+
+    def _resolve_model(self, name: str) -> ModelSummary:
+        models = self._workers.models()
+        if not models:
+            raise errors.Unavailable(
+                "no worker is registered and serving; start one (kvmesh up / kvmesh worker)"
+            )
+        if not name:
+            if len(models) == 1:
+                return models[0]
+            raise errors.InvalidArgument(
+                f"several models are served ({', '.join(m.name for m in models)}); set model"
+            )
+        for m in models:
+            if m.name == name:
+                return m
+        raise errors.NotFound(
+            f"model {name!r} is not served; served models: {', '.join(m.name for m in models)}"
+        )
+
+    async def _prompt_ids(
+        self, request: router_pb2.GenerateRequest, model: ModelSummary
+    ) -> list[int]:
+        kind = request.WhichOneof("input")
+        if kind == "text":
+            validation.check_text(request.text)
+            return await self._tokenizers.encode_text(model.name, model.model_path, request.text)
+        if kind == "chat":
+            messages = [
+                ChatMessage(m.role, m.content, m.name, m.tool_call_id)
+                for m in request.chat.messages
+            ]
+            validation.check_chat(messages)
+            return await self._tokenizers.encode_chat(model.name, model.model_path, messages)
+        if kind == "token_ids":
+            return list(request.token_ids.ids)
+        raise errors.InvalidArgument("no input: set one of text, chat or token_ids")
+
+    async def _proxy(
+        self,
+        route: RouteRequest,
+        sampling: common_pb2.SamplingParams,
+        context: grpc.aio.ServicerContext,
+        arrived: float,
+    ) -> AsyncIterator[router_pb2.GenerateResponse]:
+        remaining = context.time_remaining()
+        deadline = arrived + (
+            remaining if remaining is not None else self._config.default_timeout_s
+        )
+        tried: set[WorkerId] = set()
+        while True:
+            candidates = [
+                v for v in self._workers.candidates(route.model) if v.record.worker_id not in tried
+            ]
+            with _tracer.start_as_current_span("route") as span:
+                decision = self._policy.pick(route, candidates)
+                span.set_attribute("worker_id", decision.worker_id)
+                span.set_attribute("policy", decision.policy)
+                span.set_attribute("reason", decision.reason)
+            stub = self._pool.stub(decision.worker_id)
+            if stub is None:  # left between pick and call
+                tried.add(decision.worker_id)
+                continue
+            log.info(
+                "request %s -> worker %s (%s: %s)",
+                route.request_id,
+                decision.worker_id,
+                decision.policy,
+                decision.reason,
+            )
+            sent_any = False
+            self._active[route.request_id] = _Active(decision.worker_id)
+            self._workers.started(decision.worker_id)
+            call = stub.Generate(
+                worker_pb2.WorkerGenerateRequest(
+                    request_id=route.request_id,
+                    prompt_token_ids=route.prompt_token_ids,
+                    sampling=sampling,
+                ),
+                timeout=max(deadline - time.monotonic(), 0.001),
+            )
+            try:
+                async for msg in call:
+                    out = router_pb2.GenerateResponse(
+                        request_id=route.request_id, token_ids=msg.token_ids, text=msg.text
+                    )
+                    if msg.HasField("finished"):
+                        out.finished.CopyFrom(msg.finished)
+                        out.finished.usage.worker_id = decision.worker_id
+                    if not sent_any and (msg.token_ids or msg.HasField("finished")):
+                        ttft = time.monotonic() - arrived
+                        if msg.HasField("finished"):
+                            out.finished.usage.time_to_first_token_s = ttft
+                        trace_first_token(ttft)
+                        sent_any = True
+                    yield out
+                return
+            except grpc.aio.AioRpcError as exc:
+                code = exc.code()
+                retryable = code is grpc.StatusCode.UNAVAILABLE and not sent_any
+                if retryable and len(tried) < self._config.max_retries:
+                    log.warning(
+                        "worker %s unavailable before the first token of %s; retrying elsewhere",
+                        decision.worker_id,
+                        route.request_id,
+                    )
+                    tried.add(decision.worker_id)
+                    self._workers.mark_draining(decision.worker_id)
+                    continue
+                if code is grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise errors.DeadlineExceeded(
+                        f"request {route.request_id} did not finish within its deadline"
+                    ) from exc
+                mapped = from_rpc_error(exc)
+                if mapped is not None:
+                    raise mapped from exc
+                raise errors.Unavailable(
+                    f"worker {decision.worker_id} failed: {code.name}: {exc.details()}"
+                ) from exc
+            finally:
+                call.cancel()  # no-op when finished; aborts the engine request otherwise
+                self._workers.finished(decision.worker_id)
+                self._active.pop(route.request_id, None)
+
+    # ---- Abort, ListModels ----------------------------------------------------------------
+    async def Abort(
+        self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.AbortResponse:
+        active = self._active.get(request.request_id)
+        if active is None:
+            await abort_with(
+                context,
+                errors.NotFound(f"request {request.request_id!r} is not in flight on this router"),
+            )
+            raise AssertionError("unreachable")
+        stub = self._pool.stub(active.worker_id)
+        if stub is not None:
+            try:
+                await stub.Abort(
+                    common_pb2.AbortRequest(request_id=request.request_id),
+                    timeout=self._config.worker_call_timeout_s,
+                )
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() is not grpc.StatusCode.NOT_FOUND:  # finished meanwhile: fine
+                    await abort_with(context, errors.Unavailable(f"abort failed: {exc.details()}"))
+        return common_pb2.AbortResponse()
+
+    async def ListModels(
+        self, request: router_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> router_pb2.ListModelsResponse:
+        return router_pb2.ListModelsResponse(
+            models=[
+                router_pb2.ModelInfo(
+                    name=m.name,
+                    max_model_len=m.max_model_len,
+                    block_size=m.block_size,
+                    workers=m.workers,
+                )
+                for m in self._workers.models()
+            ]
+        )
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._active)
+
+
+def trace_first_token(ttft_s: float) -> None:
+    from opentelemetry import trace
+
+    trace.get_current_span().add_event("first_token", {"ttft_s": ttft_s})
+
+
+def sampling_from_pb(p: common_pb2.SamplingParams) -> Sampling:
+    return Sampling(
+        max_tokens=p.max_tokens,
+        temperature=p.temperature if p.HasField("temperature") else None,
+        top_p=p.top_p if p.HasField("top_p") else None,
+        top_k=p.top_k if p.HasField("top_k") else None,
+        seed=p.seed if p.HasField("seed") else None,
+        stop=tuple(p.stop),
+        stop_token_ids=tuple(p.stop_token_ids),
+        ignore_eos=p.ignore_eos,
+    )
