@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from kvmesh.discovery.etcd import PrefixWatcher, Registrar
 
 from kvmesh import __version__
+from kvmesh.discovery.etcd import PrefixWatcher, Registrar
 from kvmesh.discovery.keys import RouterRecord, router_key, workers_prefix
 from kvmesh.telemetry import Exporter, server_interceptors, setup_logging, setup_tracing
 from kvmesh.v1 import router_pb2, router_pb2_grpc
