@@ -11,6 +11,7 @@ from kvmesh.telemetry import Exporter
 class RouterConfig:
     host: str = "127.0.0.1"  # address to listen on
     port: int = 0  # gRPC port; 0 lets the OS pick (printed at start)
+    advertise_host: str = ""  # host others reach us at (etcd record); empty: host, or hostname
     router_id: str = ""  # etcd id; empty: <hostname>-<port>
     cluster: str = "default"  # etcd cluster name (key prefix /kvmesh/<cluster>/)
     etcd_endpoints: tuple[str, ...] = ("127.0.0.1:2379",)  # host:port of etcd

@@ -84,7 +84,7 @@ async def start_router(config: RouterConfig) -> RunningRouter:
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
     port = server.add_insecure_port(f"{config.host}:{config.port}")
-    address = f"{config.host}:{port}"
+    address = f"{advertised_host(config.host, config.advertise_host)}:{port}"
     await server.start()
 
     watcher = PrefixWatcher(
@@ -120,11 +120,21 @@ async def start_router(config: RouterConfig) -> RunningRouter:
     )
 
 
+def advertised_host(host: str, advertise_host: str) -> str:
+    """The host other services dial: explicit, else the listen host unless it is a wildcard."""
+    if advertise_host:
+        return advertise_host
+    return socket.gethostname() if host in ("0.0.0.0", "::", "[::]", "") else host
+
+
 def parse_args(argv: list[str] | None) -> RouterConfig:
     d = RouterConfig()
     p = argparse.ArgumentParser(prog="kvmesh router", description="Run a kvmesh router.")
     p.add_argument("--host", default=d.host, help="address to listen on (default %(default)s)")
     p.add_argument("--port", type=int, default=d.port, help="gRPC port; 0 = OS picks")
+    p.add_argument(
+        "--advertise-host", default=d.advertise_host, help="host others reach this router at"
+    )
     p.add_argument("--router-id", default=d.router_id, help="id in etcd (default host-port)")
     p.add_argument("--cluster", default=d.cluster, help="etcd cluster name (default %(default)s)")
     p.add_argument(
@@ -156,6 +166,7 @@ def parse_args(argv: list[str] | None) -> RouterConfig:
     return RouterConfig(
         host=a.host,
         port=a.port,
+        advertise_host=a.advertise_host,
         router_id=a.router_id,
         cluster=a.cluster,
         etcd_endpoints=tuple(e.strip() for e in a.etcd.split(",") if e.strip()),

