@@ -287,7 +287,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     for name, module in (("router", "services.router.main"), ("worker", "services.worker.main")):
         p = sub.add_parser(
-            name, help=f"run one {name} process (see kvmesh {name} --help)", add_help=False
+            name,
+            help=f"run one {name} process (see kvmesh {name} --help)",
+            add_help=False,
+            prefix_chars="\0",  # every argument, --flags included, goes to the service's parser
         )
         p.add_argument("args", nargs=argparse.REMAINDER)
         p.set_defaults(
