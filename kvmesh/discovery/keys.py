@@ -36,7 +36,7 @@ class WorkerState(StrEnum):
 
 def check_name(kind: str, value: str) -> str:
     """Cluster names and ids become key segments: letters, digits, '.', '_' and '-' only."""
-    if not _NAME_RE.match(value):
+    if not _NAME_RE.fullmatch(value):
         raise ValueError(
             f"{kind} {value!r} is not a valid name: use 1-128 letters, digits, '.', '_' or '-', "
             "starting with a letter or digit"

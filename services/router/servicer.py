@@ -32,7 +32,6 @@ _tracer = tracer(__name__)
 @dataclass(slots=True)
 class _Active:
     worker_id: WorkerId
-    aborted: bool = False
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
@@ -138,10 +137,13 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             remaining if remaining is not None else self._config.default_timeout_s
         )
         tried: set[WorkerId] = set()
+        last_failure = ""
         while True:
             candidates = [
                 v for v in self._workers.candidates(route.model) if v.record.worker_id not in tried
             ]
+            if not candidates and last_failure:
+                raise errors.Unavailable(f"{last_failure}; no other serving worker to try")
             with _tracer.start_as_current_span("route") as span:
                 decision = self._policy.pick(route, candidates)
                 span.set_attribute("worker_id", decision.worker_id)
@@ -189,6 +191,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 code = exc.code()
                 retryable = code is grpc.StatusCode.UNAVAILABLE and not sent_any
                 if retryable and len(tried) < self._config.max_retries:
+                    last_failure = f"worker {decision.worker_id} unavailable: {exc.details()}"
                     log.warning(
                         "worker %s unavailable before the first token of %s; retrying elsewhere",
                         decision.worker_id,

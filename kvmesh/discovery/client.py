@@ -1,0 +1,212 @@
+"""The aetcd connection shared by the registrar and the watcher: endpoint parsing, one client at a
+time rotating over the endpoints, a deadline on every call, and backoff for retry loops.
+
+aetcd's ``Client`` speaks to one ``host:port``; several endpoints of one cluster are used in turn:
+after a failure the current client is closed and the next endpoint gets a fresh client (a fresh
+gRPC channel, so no reconnect backoff is inherited from the dead connection).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+import aetcd
+import grpc
+
+from kvmesh.errors import Unavailable
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# What a retry loop survives: etcd down or restarting (UNAVAILABLE, "no leader"), deadlines, and
+# the connection dropping mid-stream. aetcd wraps gRPC errors into ClientError subclasses.
+RETRYABLE: tuple[type[BaseException], ...] = (
+    aetcd.ClientError,
+    grpc.RpcError,
+    TimeoutError,
+    OSError,
+)
+
+# gRPC channel options: reconnect quickly after an etcd restart, and notice a silent peer (a
+# half-open connection) by keepalive pings (etcd refuses pings more often than every 5 s). A local
+# subchannel pool: otherwise a fresh channel shares the process-wide subchannel of the dead one and
+# fails at once with its cached "connection refused" until gRPC's own reconnect backoff expires.
+_CHANNEL_OPTIONS = {
+    "grpc.use_local_subchannel_pool": 1,
+    "grpc.initial_reconnect_backoff_ms": 100,
+    "grpc.min_reconnect_backoff_ms": 100,
+    "grpc.max_reconnect_backoff_ms": 2000,
+    "grpc.keepalive_time_ms": 10_000,
+    "grpc.keepalive_timeout_ms": 5_000,
+    "grpc.http2.max_pings_without_data": 0,  # else pings stop after 2 on an idle watch stream
+    "grpc.http2.ping_timeout_ms": 5_000,
+    # A prefix listing arrives in one message: allow more than gRPC's default 4 MiB.
+    "grpc.max_receive_message_length": 64 * 1024 * 1024,
+}
+
+
+class EtcdUnavailable(Unavailable):
+    """etcd did not answer in time (down, restarting, unreachable, or no leader)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+
+def parse_endpoint(raw: str) -> Endpoint:
+    """``host:port``, ``http://host:port`` or ``[v6addr]:port``; the port defaults to 2379."""
+    text = raw.strip()
+    for scheme in ("http://", "https://"):
+        if text.startswith(scheme):
+            text = text[len(scheme) :]
+    text = text.rstrip("/")
+    if text.startswith("["):
+        host, sep, rest = text[1:].partition("]")
+        port_text = rest[1:] if rest.startswith(":") else ""
+        if not sep or (rest and not rest.startswith(":")):
+            raise ValueError(f"bad etcd endpoint {raw!r}: expected [addr]:port")
+    elif text.count(":") == 1:
+        host, _, port_text = text.partition(":")
+    elif ":" not in text:
+        host, port_text = text, ""
+    else:
+        raise ValueError(f"bad etcd endpoint {raw!r}: write an IPv6 address as [addr]:port")
+    if not host:
+        raise ValueError(f"bad etcd endpoint {raw!r}: no host")
+    try:
+        port = int(port_text) if port_text else 2379
+    except ValueError:
+        raise ValueError(f"bad etcd endpoint {raw!r}: port {port_text!r} is not a number") from None
+    if not 0 < port < 65536:
+        raise ValueError(f"bad etcd endpoint {raw!r}: port {port} out of range")
+    return Endpoint(host, port)
+
+
+def parse_endpoints(raws: Sequence[str]) -> tuple[Endpoint, ...]:
+    if isinstance(raws, str):
+        raise TypeError("endpoints must be a sequence of 'host:port' strings, not one string")
+    endpoints = tuple(parse_endpoint(r) for r in raws)
+    if not endpoints:
+        raise ValueError("no etcd endpoints given")
+    return endpoints
+
+
+class Backoff:
+    """Exponential backoff with +-20% jitter: initial, initial*2, ... up to maximum."""
+
+    def __init__(self, initial_s: float = 0.1, maximum_s: float = 2.0) -> None:
+        self.initial_s = initial_s
+        self.maximum_s = max(maximum_s, initial_s)
+        self._next = initial_s
+
+    def next(self) -> float:
+        delay = self._next
+        self._next = min(self._next * 2, self.maximum_s)
+        return delay * random.uniform(0.8, 1.2)
+
+    def reset(self) -> None:
+        self._next = self.initial_s
+
+
+class RotatingClient:
+    """One aetcd client at a time, on one of the endpoints; ``rotate()`` moves to the next."""
+
+    def __init__(self, endpoints: Sequence[str], op_timeout_s: float) -> None:
+        if op_timeout_s <= 0:
+            raise ValueError(f"op_timeout_s must be > 0, got {op_timeout_s}")
+        self.endpoints = parse_endpoints(endpoints)
+        self.op_timeout_s = op_timeout_s
+        self._index = 0
+        self._client: aetcd.Client | None = None
+
+    @property
+    def endpoint(self) -> Endpoint:
+        return self.endpoints[self._index]
+
+    def client(self) -> aetcd.Client:
+        """The current client, created on first use (aetcd connects lazily, without I/O)."""
+        if self._client is None:
+            ep = self.endpoint
+            self._client = aetcd.Client(
+                host=ep.host, port=ep.port, timeout=self.op_timeout_s, options=_CHANNEL_OPTIONS
+            )
+        return self._client
+
+    async def call(
+        self, fn: Callable[[aetcd.Client], Awaitable[T]], timeout_s: float | None = None
+    ) -> T:
+        """One attempt on the current endpoint, bounded end to end by ``timeout_s`` (default
+        ``op_timeout_s``)."""
+        async with asyncio.timeout(self.op_timeout_s if timeout_s is None else timeout_s):
+            return await fn(self.client())
+
+    async def call_within(self, fn: Callable[[aetcd.Client], Awaitable[T]], what: str) -> T:
+        """Retry ``fn`` over the endpoints with backoff until ``op_timeout_s`` has passed.
+
+        Raises EtcdUnavailable naming the endpoints and the last error. Used by ``start()`` so a
+        service started a moment before etcd still comes up, and one with a wrong address fails
+        within a bounded time.
+        """
+        deadline = time.monotonic() + self.op_timeout_s
+        backoff = Backoff(0.05, 0.5)
+        last: BaseException | None = None
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                async with asyncio.timeout(max(remaining, 0.01)):
+                    return await fn(self.client())
+            except RETRYABLE as exc:
+                last = exc
+            if time.monotonic() + 0.05 >= deadline:
+                break
+            await self.rotate()
+            await asyncio.sleep(min(backoff.next(), max(deadline - time.monotonic(), 0)))
+        tried = ", ".join(str(ep) for ep in self.endpoints)
+        raise EtcdUnavailable(
+            f"etcd unreachable at {tried} for {self.op_timeout_s:g} s while trying to {what}: "
+            f"{describe_error(last) if last else 'no attempt finished'}"
+        ) from last
+
+    async def rotate(self) -> None:
+        """Drop the current client (it may be broken) and move to the next endpoint."""
+        await self.close()
+        self._index = (self._index + 1) % len(self.endpoints)
+
+    async def close(self) -> None:
+        client, self._client = self._client, None
+        if client is None:
+            return
+        try:
+            async with asyncio.timeout(self.op_timeout_s):
+                await client.close()
+        except Exception as exc:  # closing a broken client must not break the caller
+            log.debug("closing etcd client for %s: %s", self.endpoint, describe_error(exc))
+
+
+def describe_error(exc: BaseException) -> str:
+    """One line for logs and error messages: the exception's type and text."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+async def stop_task(task: asyncio.Task[None] | None) -> None:
+    """Cancel a background task and wait for it; a cancellation of the caller still propagates."""
+    if task is None:
+        return
+    if not task.done():
+        task.cancel()
+        await asyncio.wait([task])
+    if not task.cancelled() and task.exception() is not None:
+        log.error("background task %s failed", task.get_name(), exc_info=task.exception())
