@@ -9,6 +9,7 @@ waits, and kills whatever is left.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -199,7 +200,9 @@ def stop_child(child: Child, grace_s: float) -> None:
             child.proc.wait(grace_s)
         except subprocess.TimeoutExpired:
             log.warning("%s did not stop within %.0f s; killing it", child.name, grace_s)
-            child.proc.kill()
+            # Its whole process group: a worker's vLLM engine core is a child of its own.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child.proc.pid, signal.SIGKILL)
             child.proc.wait(10)
 
 

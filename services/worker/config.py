@@ -1,0 +1,58 @@
+"""The worker's configuration: one frozen tree, defaults < flags (loaded in main())."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvmesh.discovery.keys import Role
+from kvmesh.telemetry import Exporter
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """What the vLLM engine is built from (``engine.VllmEngine.start``)."""
+
+    model: str = ""  # path of the model directory (weights + tokenizer); required
+    served_model_name: str = ""  # name routers and clients use; empty: the model directory's name
+    dtype: str = "auto"  # weights/activations dtype: auto, float32, bfloat16, float16
+    max_model_len: int = 0  # context length in tokens (prompt + completion); 0: the model's own
+    block_size: int = 32  # tokens per KV block; on CPU a multiple of 32
+    kv_cache_bytes: int = 256 * 1024 * 1024  # KV cache size in bytes
+    enable_prefix_caching: bool = True  # reuse KV of shared prompt prefixes
+    max_num_seqs: int = 0  # most requests running at once; 0: vLLM's default
+    seed: int = 0  # engine-wide random seed (per-request seeds override it)
+    # Seconds the engine core keeps serving in-flight requests when a signal reaches it directly
+    # (Ctrl-C or a signal to the whole process group); 0: it aborts them at once.
+    core_drain_s: int = 30
+    kv_events_config: Mapping[str, Any] | None = None  # vLLM KVEventsConfig fields (ZMQ events)
+    kv_transfer_config: Mapping[str, Any] | None = None  # vLLM KVTransferConfig fields (connector)
+    engine_extra: Mapping[str, Any] | None = None  # more vLLM EngineArgs fields, passed unchanged
+
+    @property
+    def model_name(self) -> str:
+        """The served model name, defaulting to the model directory's name."""
+        if self.served_model_name:
+            return self.served_model_name
+        return self.model.rstrip("/").rsplit("/", 1)[-1] or self.model
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    engine: EngineConfig = EngineConfig()
+    host: str = "127.0.0.1"  # address to listen on
+    port: int = 0  # gRPC port; 0 lets the OS pick (printed in the ready line)
+    advertise_host: str = ""  # host others reach us at (etcd record); empty: host, or hostname
+    worker_id: str = ""  # etcd id; empty: <hostname>-<port>
+    cluster: str = "default"  # etcd cluster name (key prefix /kvmesh/<cluster>/)
+    etcd_endpoints: tuple[str, ...] = ()  # host:port of etcd; empty: do not register (standalone)
+    etcd_ttl_s: float = 10.0  # lease TTL of the worker's etcd record, seconds
+    role: Role = Role.BOTH  # prefill, decode or both
+    node: str = ""  # node (host) name in the etcd record; empty: this host's name
+    drain_grace_s: float = 30.0  # on SIGTERM, seconds in-flight requests get before abort
+    load_interval_s: float = 0.25  # default minimum seconds between two WatchLoad pushes
+    max_request_bytes: int = 16 * 1024 * 1024  # largest request message, bytes
+    trace_exporter: Exporter = Exporter.NONE  # where spans go: none, console, otlp
+    otlp_endpoint: str = ""  # OTLP collector (host:port) when trace_exporter is otlp
+    log_level: str = "INFO"

@@ -1,0 +1,126 @@
+"""Values the worker works with, and the engine interface the servicer talks to.
+
+Transport-free: no grpc, vllm or torch here. The servicer converts protobuf to and from these;
+``engine.VllmEngine`` implements ``Engine`` on vLLM; tests may implement it with a fake.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Protocol
+
+
+class FinishReason(StrEnum):
+    STOP = "stop"  # end-of-sequence token, stop string or stop token id
+    LENGTH = "length"  # max_tokens or the context length
+    ABORT = "abort"  # client cancel, Abort RPC, deadline, drain
+
+
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    """How to sample; None leaves the engine's default (see common.proto SamplingParams)."""
+
+    max_tokens: int
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # 0 or -1 disable it
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateRequest:
+    request_id: str
+    prompt_token_ids: tuple[int, ...] = field(repr=False)
+    sampling: Sampling
+
+
+@dataclass(frozen=True, slots=True)
+class Timing:
+    """When things happened to one request, in ``time.monotonic()`` seconds of this process.
+
+    ``scheduled_s`` comes from vLLM's engine core (its SCHEDULED event: first time the scheduler
+    picked the request); the core runs in a child process but reads the same system-wide
+    monotonic clock. None when the request was never scheduled or produced no token.
+    """
+
+    arrived_s: float  # the engine adapter got the request
+    scheduled_s: float | None = None
+    first_token_s: float | None = None  # the first token reached this process
+    finished_s: float | None = None
+
+    @property
+    def time_to_first_token_s(self) -> float:
+        return 0.0 if self.first_token_s is None else self.first_token_s - self.arrived_s
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    reason: FinishReason
+    stop_reason: str = ""  # the stop string or stop token id (as text) that ended it
+
+
+@dataclass(frozen=True, slots=True)
+class OutputDelta:
+    """New output of one request since the previous delta (one per engine step)."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    text: str  # detokenized text of token_ids (stop strings already cut by the engine)
+    prompt_tokens: int
+    cached_tokens: int  # prompt tokens whose KV came from the prefix cache
+    completion_tokens: int  # all completion tokens so far, this delta included
+    finish: Finish | None = None  # set on the last delta only
+    timing: Timing | None = None  # set on the last delta only
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """The engine's own counters, from its latest scheduler stats."""
+
+    running_requests: int = 0
+    waiting_requests: int = 0
+    kv_cache_usage: float = 0.0  # fraction of KV blocks in use, [0, 1]
+    prefix_cache_queried_tokens: int = 0  # cumulative since start
+    prefix_cache_hit_tokens: int = 0  # cumulative since start
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    model: str  # served model name
+    model_path: str
+    max_model_len: int  # tokens, prompt + completion
+    block_size: int  # tokens per KV block
+    vocab_size: int  # token ids must be < this
+
+
+class Engine(Protocol):
+    """What the servicer needs from an inference engine."""
+
+    @property
+    def info(self) -> EngineInfo: ...
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[OutputDelta]:
+        """Streams deltas; the last one has ``finish``. Raises ``InvalidArgument`` for parameters
+        the engine rejects, ``Unavailable`` when the engine cannot serve. Closing the iterator
+        early aborts the request in the engine."""
+        ...
+
+    async def abort(self, request_id: str) -> None:
+        """Aborts a running request (its stream ends with reason ABORT). ``NotFound`` if the
+        engine is not running it."""
+        ...
+
+    def is_running(self, request_id: str) -> bool: ...
+
+    def load(self) -> EngineLoad: ...
+
+    def add_load_listener(self, listener: Callable[[], None]) -> None:
+        """``listener()`` is called (on the event loop) whenever the load may have changed."""
+        ...
+
+    async def close(self) -> None: ...

@@ -1,0 +1,367 @@
+"""``Engine`` on vLLM's v1 ``AsyncLLM``.
+
+How it runs: AsyncLLM always puts its EngineCore (scheduler + model) in a child process and
+talks to it over ZMQ; this process keeps the asyncio front end (input processing,
+detokenization, the output handler task). ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (set by main())
+only makes that child run the model itself instead of spawning one more worker process. So an
+engine step never blocks our event loop. The child is started with ``spawn``: a script that
+builds an engine must guard its entry point with ``if __name__ == "__main__"``.
+
+Load comes from vLLM's own scheduler stats through a stat logger (``_StatsSink``) that keeps
+the latest ``SchedulerStats``; vLLM pushes them after every engine step, including the step
+that retires finished or aborted requests, so an idle engine's last snapshot reads 0 running.
+
+Library code: reads no environment variables (main() sets vLLM's before importing this).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from vllm import SamplingParams
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.exceptions import (
+    GracefulHTTPError,
+    RetryableRequestError,
+    VLLMClientError,
+    VLLMNotFoundError,
+)
+from vllm.inputs import TokensPrompt
+from vllm.outputs import RequestOutput
+from vllm.sampling_params import RequestOutputKind
+from vllm.v1.engine.async_llm import AsyncLLM
+from vllm.v1.engine.exceptions import EngineDeadError
+from vllm.v1.metrics.loggers import StatLoggerBase
+from vllm.v1.metrics.stats import IterationStats, MultiModalCacheStats, SchedulerStats
+
+from kvmesh import errors
+
+from .config import EngineConfig
+from .core import (
+    EngineInfo,
+    EngineLoad,
+    Finish,
+    FinishReason,
+    GenerateRequest,
+    OutputDelta,
+    Sampling,
+    Timing,
+)
+from .vllm_ext import EXTENSION_CLS
+
+log = logging.getLogger(__name__)
+
+_FINISH_REASONS = {
+    "stop": FinishReason.STOP,
+    "length": FinishReason.LENGTH,
+    "abort": FinishReason.ABORT,
+    "repetition": FinishReason.STOP,  # vLLM's repetition detector: a stop by the engine
+}
+
+
+def build_engine_args(config: EngineConfig) -> AsyncEngineArgs:
+    """The vLLM engine arguments for ``config`` (tests build reference engines from these)."""
+    if not config.model:
+        raise errors.InvalidArgument("engine.model is empty; pass the model directory (--model)")
+    kwargs: dict[str, Any] = {
+        "model": config.model,
+        "served_model_name": config.model_name,
+        "dtype": config.dtype,
+        "block_size": config.block_size,
+        "kv_cache_memory_bytes": config.kv_cache_bytes,
+        "enable_prefix_caching": config.enable_prefix_caching,
+        "enforce_eager": True,
+        "seed": config.seed,
+        # Our stat logger enables stats; this only turns off vLLM's default loggers.
+        "disable_log_stats": True,
+        "worker_extension_cls": EXTENSION_CLS,
+        "shutdown_timeout": max(0, config.core_drain_s),
+    }
+    if config.max_model_len > 0:
+        kwargs["max_model_len"] = config.max_model_len
+    if config.max_num_seqs > 0:
+        kwargs["max_num_seqs"] = config.max_num_seqs
+    if config.kv_events_config is not None:
+        from vllm.config import KVEventsConfig
+
+        kwargs["kv_events_config"] = KVEventsConfig(**dict(config.kv_events_config))
+    if config.kv_transfer_config is not None:
+        from vllm.config import KVTransferConfig
+
+        kwargs["kv_transfer_config"] = KVTransferConfig(**dict(config.kv_transfer_config))
+    extra = dict(config.engine_extra or {})
+    clash = sorted(set(extra) & set(kwargs))
+    if clash:
+        raise errors.InvalidArgument(
+            f"engine_extra sets {clash}, which have their own settings; use those instead"
+        )
+    return AsyncEngineArgs(**kwargs, **extra)
+
+
+def sampling_params(s: Sampling) -> SamplingParams:
+    """vLLM sampling parameters for ``s``, streaming deltas. Raises ``InvalidArgument`` for
+    values vLLM refuses."""
+    kwargs: dict[str, Any] = {
+        "max_tokens": s.max_tokens,
+        "ignore_eos": s.ignore_eos,
+        "output_kind": RequestOutputKind.DELTA,
+    }
+    if s.temperature is not None:
+        kwargs["temperature"] = s.temperature
+    if s.top_p is not None:
+        kwargs["top_p"] = s.top_p
+    if s.top_k is not None and s.top_k > 0:  # -1 and 0 both mean "disabled" (vLLM: 0)
+        kwargs["top_k"] = s.top_k
+    if s.seed is not None:
+        kwargs["seed"] = s.seed
+    if s.stop:
+        kwargs["stop"] = list(s.stop)
+    if s.stop_token_ids:
+        kwargs["stop_token_ids"] = list(s.stop_token_ids)
+    try:
+        return SamplingParams(**kwargs)
+    except (ValueError, TypeError, VLLMClientError) as exc:
+        raise errors.InvalidArgument(f"sampling parameters rejected by the engine: {exc}") from exc
+
+
+def _domain_error(exc: BaseException) -> errors.KvmeshError | None:
+    """The domain error for an exception vLLM raised while serving a request, if any."""
+    if isinstance(exc, VLLMNotFoundError):
+        return errors.NotFound(str(exc))
+    if isinstance(exc, VLLMClientError | ValueError):
+        return errors.InvalidArgument(f"the engine rejected the request: {exc}")
+    if isinstance(exc, GracefulHTTPError):  # admission control: queue full
+        return errors.ResourceExhausted(f"the engine is saturated: {exc}")
+    if isinstance(exc, EngineDeadError | RetryableRequestError):
+        return errors.Unavailable(f"the engine cannot serve: {exc}")
+    return None
+
+
+class _StatsSink(StatLoggerBase):
+    """A vLLM stat logger that keeps the latest scheduler stats and cumulative prefix cache
+    counters (vLLM's are per-step deltas), and tells listeners after each update."""
+
+    def __init__(self) -> None:  # vLLM's factory signature is satisfied by a closure
+        self.latest = SchedulerStats()
+        self.queried_tokens = 0
+        self.hit_tokens = 0
+        self.updates = 0
+        self.listeners: list[Callable[[], None]] = []
+
+    def record(
+        self,
+        scheduler_stats: SchedulerStats | None,
+        iteration_stats: IterationStats | None,
+        mm_cache_stats: MultiModalCacheStats | None = None,
+        engine_idx: int = 0,
+    ) -> None:
+        if scheduler_stats is None:
+            return
+        self.latest = scheduler_stats
+        pc = scheduler_stats.prefix_cache_stats
+        if pc is not None:  # same counting as vLLM's Prometheus counters
+            self.queried_tokens += pc.queries
+            self.hit_tokens += pc.hits
+        self.updates += 1
+        for listener in self.listeners:
+            try:
+                listener()
+            except Exception:
+                log.exception("load listener failed")
+
+    def log_engine_initialized(self) -> None:
+        pass
+
+
+class VllmEngine:
+    """One vLLM engine. Build with ``await VllmEngine.start(config)``; ``close()`` when done."""
+
+    def __init__(self, llm: AsyncLLM, stats: _StatsSink, info: EngineInfo) -> None:
+        self._llm = llm
+        self._stats = stats
+        self._info = info
+        self._running: set[str] = set()
+
+    @classmethod
+    async def start(cls, config: EngineConfig) -> VllmEngine:
+        """Starts the engine (spawns its core process; seconds) and waits until it is ready."""
+        args = build_engine_args(config)
+        stats = _StatsSink()
+        started = time.monotonic()
+
+        # Blocks this thread until the core process is ready; nothing else runs before it.
+        def stats_factory(_vllm_config: object, _engine_index: int = 0) -> StatLoggerBase:
+            return stats
+
+        llm = AsyncLLM.from_engine_args(args, stat_loggers=[stats_factory])
+        try:
+            amx = await llm.collective_rpc("kvmesh_init_amx")
+            await llm.collective_rpc("kvmesh_die_with_parent", args=(os.getpid(),))
+            model_config = llm.model_config
+            vocab = model_config.get_vocab_size()
+            tokenizer = llm.tokenizer
+            if tokenizer is not None:
+                vocab = max(vocab, tokenizer.max_token_id + 1)
+            info = EngineInfo(
+                model=config.model_name,
+                model_path=config.model,
+                max_model_len=model_config.max_model_len,
+                block_size=llm.vllm_config.cache_config.block_size,
+                vocab_size=vocab,
+            )
+        except BaseException:
+            llm.shutdown()
+            raise
+        log.info(
+            "engine ready in %.1f s: model=%s dtype=%s max_model_len=%d block_size=%d "
+            "vocab_size=%d kv_cache_bytes=%d amx=%s",
+            time.monotonic() - started,
+            info.model,
+            model_config.dtype,
+            info.max_model_len,
+            info.block_size,
+            info.vocab_size,
+            config.kv_cache_bytes,
+            amx,
+        )
+        return cls(llm, stats, info)
+
+    @property
+    def info(self) -> EngineInfo:
+        return self._info
+
+    @property
+    def llm(self) -> AsyncLLM:
+        """The vLLM engine itself (tests compare against it; later work adds connectors)."""
+        return self._llm
+
+    def is_running(self, request_id: str) -> bool:
+        return request_id in self._running
+
+    def load(self) -> EngineLoad:
+        s = self._stats.latest
+        running, waiting = s.num_running_reqs, s.num_waiting_reqs + s.num_skipped_waiting_reqs
+        usage = s.kv_cache_usage
+        if self._llm.get_num_unfinished_requests() == 0 and (running or waiting):
+            # Belt and braces: the front end has retired every request but the core has not
+            # pushed stats since (not observed with vLLM 0.32: the retiring step pushes them).
+            running = waiting = 0
+        return EngineLoad(
+            running_requests=running,
+            waiting_requests=waiting,
+            kv_cache_usage=min(max(usage, 0.0), 1.0),
+            prefix_cache_queried_tokens=self._stats.queried_tokens,
+            prefix_cache_hit_tokens=self._stats.hit_tokens,
+        )
+
+    def add_load_listener(self, listener: Callable[[], None]) -> None:
+        self._stats.listeners.append(listener)
+
+    async def abort(self, request_id: str) -> None:
+        if request_id not in self._running:
+            raise errors.NotFound(f"request {request_id!r} is not running on this worker")
+        await self._llm.abort(request_id)
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[OutputDelta]:
+        rid = request.request_id
+        if rid in self._running:
+            raise errors.InvalidArgument(
+                f"request_id {rid!r} is already running on this worker; use a unique id"
+            )
+        params = sampling_params(request.sampling)
+        arrived = time.monotonic()
+        prompt_tokens = len(request.prompt_token_ids)
+        try:
+            # Token ids in, so rendering is cheap (no tokenizer); vLLM's preferred input form.
+            (engine_input,) = self._llm.renderer.render_cmpl(
+                [TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))]
+            )
+        except Exception as exc:
+            domain = _domain_error(exc)
+            if domain is None:
+                raise
+            raise domain from exc
+        self._running.add(rid)
+        try:
+            stream = self._llm.generate(engine_input, params, rid)
+            # aclosing: if our consumer stops early, vLLM's generator is closed right away,
+            # which aborts the request in the engine.
+            async with contextlib.aclosing(stream):
+                first_token_s: float | None = None
+                completion = 0
+                while True:
+                    try:
+                        out: RequestOutput = await anext(stream)
+                    except StopAsyncIteration:
+                        return
+                    except Exception as exc:
+                        domain = _domain_error(exc)
+                        if domain is None:
+                            raise
+                        raise domain from exc
+                    now = time.monotonic()
+                    c = out.outputs[0]
+                    token_ids = tuple(c.token_ids)
+                    completion += len(token_ids)
+                    if first_token_s is None and token_ids:
+                        first_token_s = now
+                    finish = timing = None
+                    if out.finished:
+                        finish = _finish(rid, c.finish_reason, c.stop_reason)
+                        timing = Timing(
+                            arrived_s=arrived,
+                            scheduled_s=_scheduled_s(out),
+                            first_token_s=first_token_s,
+                            finished_s=now,
+                        )
+                    yield OutputDelta(
+                        request_id=rid,
+                        token_ids=token_ids,
+                        text=c.text,
+                        prompt_tokens=prompt_tokens,
+                        cached_tokens=out.num_cached_tokens or 0,
+                        completion_tokens=completion,
+                        finish=finish,
+                        timing=timing,
+                    )
+                    if out.finished:
+                        return
+        finally:
+            self._running.discard(rid)
+
+    async def close(self) -> None:
+        running = list(self._running)
+        if running:
+            await self._llm.abort(running)
+        llm = self._llm
+        llm.shutdown()
+        # AsyncLLM.__del__ calls shutdown() again, possibly at interpreter exit when vLLM's
+        # module globals are already gone ("'NoneType' object is not callable").
+        llm.shutdown = _already_shut_down  # type: ignore[method-assign]
+
+
+def _already_shut_down(timeout: float | None = None) -> None:
+    pass
+
+
+def _finish(request_id: str, reason: str | None, stop_reason: int | str | None) -> Finish:
+    if reason == "error":
+        # vLLM: a retryable request-level failure inside the engine (e.g. KV load failure).
+        raise errors.Unavailable(f"the engine failed request {request_id!r} (retryable); retry it")
+    kind = _FINISH_REASONS.get(reason or "")
+    if kind is None:
+        log.warning("unknown finish reason %r for request_id=%s", reason, request_id)
+        kind = FinishReason.STOP
+    return Finish(reason=kind, stop_reason="" if stop_reason is None else str(stop_reason))
+
+
+def _scheduled_s(out: RequestOutput) -> float | None:
+    """When the engine core first scheduled the request (its monotonic clock), if known."""
+    metrics = getattr(out, "metrics", None)
+    ts = getattr(metrics, "scheduled_ts", 0.0) or 0.0
+    return ts if ts > 0 else None

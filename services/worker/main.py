@@ -1,0 +1,177 @@
+"""The worker process: ``kvmesh worker`` (or ``python -m services.worker.main``).
+
+Sets vLLM's environment before vLLM is imported, starts the engine, serves it over gRPC,
+registers in etcd, prints ``KVMESH_WORKER_READY worker_id=... address=host:port port=...`` on
+stdout, and on SIGTERM/SIGINT drains and exits 0.
+
+vLLM starts its engine core with ``spawn``, which imports this module again in the child as
+``__mp_main__``: keep module-level imports light and everything else inside functions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import math
+import os
+import re
+import signal
+import sys
+from typing import Any
+
+from kvmesh.discovery.keys import Role
+from kvmesh.errors import KvmeshError
+from kvmesh.telemetry import Exporter, setup_logging, setup_tracing
+
+from .config import EngineConfig, WorkerConfig
+
+log = logging.getLogger(__name__)
+
+VLLM_ENVIRONMENT = {
+    # The engine core child runs the model itself (no third process); start ~10 s instead of
+    # ~15 s. AsyncLLM keeps the core in a child process either way.
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    # vLLM logs to stdout by default; stdout carries our ready line.
+    "VLLM_LOGGING_STREAM": "ext://sys.stderr",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+}
+"""Set (unless already set) before vLLM is imported; the engine core child inherits them."""
+
+_SIZE_RE = re.compile(r"^\s*(\d+)\s*([KMGT]i?B?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    """``67108864``, ``64MiB``, ``64M`` or ``1GiB`` as a number of bytes (binary units)."""
+    m = _SIZE_RE.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (e.g. 268435456, 256MiB)")
+    return int(m.group(1)) * _UNITS[(m.group(2) or "")[:1].upper()]
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("want a JSON object ({...})")
+    return value
+
+
+def parse_args(argv: list[str] | None) -> WorkerConfig:
+    d, e = WorkerConfig(), EngineConfig()
+    p = argparse.ArgumentParser(prog="kvmesh worker", description="Run a kvmesh vLLM worker.")
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", required=True, metavar="PATH", help="model directory")
+    g.add_argument("--served-model-name", default=e.served_model_name, help="default: dir name")
+    g.add_argument("--dtype", default=e.dtype, help="auto, float32, bfloat16, float16")
+    g.add_argument("--max-model-len", type=int, default=e.max_model_len, help="0: the model's")
+    g.add_argument("--block-size", type=int, default=e.block_size, help="tokens per KV block")
+    g.add_argument(
+        "--kv-cache-bytes", type=parse_bytes, default=e.kv_cache_bytes, help="KV cache size"
+    )
+    g.add_argument("--max-num-seqs", type=int, default=e.max_num_seqs, help="0: vLLM's default")
+    g.add_argument("--seed", type=int, default=e.seed)
+    g.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
+    g.add_argument("--kv-events-config", type=_json_object, help="vLLM KVEventsConfig as JSON")
+    g.add_argument("--kv-transfer-config", type=_json_object, help="vLLM KVTransferConfig, JSON")
+    s = p.add_argument_group("service")
+    s.add_argument("--host", default=d.host, help="address to listen on (default %(default)s)")
+    s.add_argument("--port", type=int, default=d.port, help="gRPC port; 0 = OS picks")
+    s.add_argument("--advertise-host", default=d.advertise_host, help="host others dial")
+    s.add_argument("--worker-id", default=d.worker_id, help="id in etcd (default host-port)")
+    s.add_argument("--cluster", default=d.cluster, help="etcd cluster name (default %(default)s)")
+    s.add_argument(
+        "--etcd", default="", metavar="ENDPOINTS", help="host:port,...; empty: do not register"
+    )
+    s.add_argument("--etcd-ttl-s", type=float, default=d.etcd_ttl_s)
+    s.add_argument("--role", default=d.role.value, choices=[r.value for r in Role])
+    s.add_argument("--node", default=d.node, help="node name in the etcd record (default host)")
+    s.add_argument("--drain-grace-s", type=float, default=d.drain_grace_s)
+    s.add_argument("--load-interval-s", type=float, default=d.load_interval_s)
+    s.add_argument(
+        "--trace-exporter", default=d.trace_exporter.value, choices=[x.value for x in Exporter]
+    )
+    s.add_argument("--otlp-endpoint", default=d.otlp_endpoint)
+    s.add_argument("--log-level", default=d.log_level)
+    a = p.parse_args(argv)
+    return WorkerConfig(
+        engine=EngineConfig(
+            model=a.model,
+            served_model_name=a.served_model_name,
+            dtype=a.dtype,
+            max_model_len=a.max_model_len,
+            block_size=a.block_size,
+            kv_cache_bytes=a.kv_cache_bytes,
+            enable_prefix_caching=not a.no_prefix_caching,
+            max_num_seqs=a.max_num_seqs,
+            seed=a.seed,
+            core_drain_s=math.ceil(a.drain_grace_s),
+            kv_events_config=a.kv_events_config,
+            kv_transfer_config=a.kv_transfer_config,
+        ),
+        host=a.host,
+        port=a.port,
+        advertise_host=a.advertise_host,
+        worker_id=a.worker_id,
+        cluster=a.cluster,
+        etcd_endpoints=tuple(x.strip() for x in a.etcd.split(",") if x.strip()),
+        etcd_ttl_s=a.etcd_ttl_s,
+        role=Role(a.role),
+        node=a.node,
+        drain_grace_s=a.drain_grace_s,
+        load_interval_s=a.load_interval_s,
+        trace_exporter=Exporter(a.trace_exporter),
+        otlp_endpoint=a.otlp_endpoint,
+        log_level=a.log_level,
+    )
+
+
+def prepare_environment() -> None:
+    """vLLM's environment; must run before anything imports vllm."""
+    for key, value in VLLM_ENVIRONMENT.items():
+        os.environ.setdefault(key, value)
+
+
+async def serve(config: WorkerConfig) -> int:
+    from .engine import VllmEngine
+    from .server import start_worker
+    from .traced import TracedEngine
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    engine = await VllmEngine.start(config.engine)
+    try:
+        worker = await start_worker(config, TracedEngine(engine))
+    except BaseException:
+        await engine.close()
+        raise
+    print(worker.ready_line(), flush=True)
+    await stop.wait()
+    log.info("signal received: stopping worker %s", worker.worker_id)
+    await worker.stop()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = parse_args(argv)
+    prepare_environment()
+    setup_logging("worker", config.log_level)
+    setup_tracing("kvmesh-worker", config.trace_exporter, config.otlp_endpoint)
+    try:
+        return asyncio.run(serve(config))
+    except KvmeshError as exc:
+        log.error("worker failed: %s", exc)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,167 @@
+"""A running worker: the engine, the gRPC server (Worker + health + reflection) and its etcd
+record, started in order and stopped in the reverse order with a drain."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import socket
+import time
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvmesh import __version__
+from kvmesh.discovery.etcd import Registrar
+from kvmesh.discovery.keys import WorkerId, WorkerRecord, WorkerState, check_name, worker_key
+from kvmesh.telemetry import server_interceptors
+from kvmesh.v1 import worker_pb2, worker_pb2_grpc
+
+from .config import WorkerConfig
+from .core import Engine
+from .servicer import WorkerServicer
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+READY_LINE = "KVMESH_WORKER_READY"
+
+
+@dataclass
+class RunningWorker:
+    """A started worker: what main(), tests and ``kvmesh up`` need to reach and stop it."""
+
+    worker_id: str
+    address: str
+    port: int
+    servicer: WorkerServicer
+    engine: Engine
+    record: WorkerRecord
+    _server: grpc.aio.Server
+    _health: health.aio.HealthServicer
+    _registrar: Registrar | None  # None: standalone (no etcd)
+    _config: WorkerConfig
+
+    def ready_line(self) -> str:
+        return f"{READY_LINE} worker_id={self.worker_id} address={self.address} port={self.port}"
+
+    async def stop(self, close_engine: bool = True) -> None:
+        """Drains and stops, in order: health NOT_SERVING -> etcd record draining -> refuse new
+        Generate calls -> wait for in-flight ones up to drain_grace_s -> abort the rest ->
+        revoke the lease -> stop the server -> shut the engine down."""
+        cfg = self._config
+        await self._health.enter_graceful_shutdown()
+        self.servicer.draining = True
+        registrar = self._registrar
+        if registrar is not None:
+            draining = dataclasses.replace(self.record, state=WorkerState.DRAINING)
+            try:
+                await registrar.update(draining.to_json())
+            except Exception as exc:  # etcd down: the lease still expires; keep draining
+                log.warning("could not mark %s draining in etcd: %s", self.worker_id, exc)
+        in_flight = self.servicer.in_flight
+        log.info("draining: %d requests in flight, up to %.1f s", in_flight, cfg.drain_grace_s)
+        started = time.monotonic()
+        if not await self.servicer.wait_idle(cfg.drain_grace_s):
+            n = await self.servicer.abort_all()
+            log.warning("drain grace over: aborted %d requests", n)
+            await self.servicer.wait_idle(5.0)  # their streams end with reason ABORT
+        log.info("drained in %.2f s", time.monotonic() - started)
+        if registrar is not None:
+            try:
+                await registrar.close(revoke=True)
+            except Exception as exc:
+                log.warning("could not revoke the etcd lease of %s: %s", self.worker_id, exc)
+        await self.servicer.close()
+        await self._server.stop(grace=1.0)
+        if close_engine:
+            await self.engine.close()
+        log.info("worker %s stopped", self.worker_id)
+
+
+def advertised_host(host: str, advertise_host: str) -> str:
+    """The host other services dial: explicit, else the listen host unless it is a wildcard."""
+    if advertise_host:
+        return advertise_host
+    return socket.gethostname() if host in ("0.0.0.0", "::", "[::]", "") else host
+
+
+def default_worker_id(port: int) -> str:
+    """``<hostname>-<port>``, made a valid etcd key segment."""
+    host = "".join(c if c.isalnum() or c in "._-" else "-" for c in socket.gethostname())
+    return check_name("worker id", f"{host.strip('.-_') or 'worker'}-{port}")
+
+
+async def start_worker(config: WorkerConfig, engine: Engine) -> RunningWorker:
+    """Serves ``engine`` (already started): gRPC server up, health SERVING, etcd record put."""
+    if config.worker_id:
+        check_name("worker id", config.worker_id)
+    check_name("cluster", config.cluster)
+    server = grpc.aio.server(
+        interceptors=server_interceptors(),
+        options=[
+            ("grpc.max_receive_message_length", config.max_request_bytes),
+            ("grpc.max_send_message_length", config.max_request_bytes),
+        ],
+    )
+    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    worker_id = config.worker_id or default_worker_id(port)
+    address = f"{advertised_host(config.host, config.advertise_host)}:{port}"
+    servicer = WorkerServicer(engine, worker_id, config.role, config.load_interval_s)
+    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+    await server.start()
+    info = engine.info
+    record = WorkerRecord(
+        worker_id=WorkerId(worker_id),
+        address=address,
+        model=info.model,
+        model_path=info.model_path,
+        role=config.role,
+        node=config.node or socket.gethostname(),
+        version=__version__,
+        state=WorkerState.SERVING,
+        max_model_len=info.max_model_len,
+        block_size=info.block_size,
+        vocab_size=info.vocab_size,
+    )
+    registrar = None
+    try:
+        if config.etcd_endpoints:
+            registrar = Registrar(
+                list(config.etcd_endpoints),
+                worker_key(config.cluster, config.role, worker_id),
+                record.to_json(),
+                ttl_s=config.etcd_ttl_s,
+            )
+            await registrar.start()
+        for name in ("", SERVICE_NAME):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    except BaseException:
+        await server.stop(grace=None)
+        raise
+    log.info(
+        "worker %s serving %s on %s (registered: %s)",
+        worker_id,
+        info.model,
+        address,
+        "etcd " + registrar.key if registrar is not None else "no, standalone",
+    )
+    return RunningWorker(
+        worker_id=worker_id,
+        address=address,
+        port=port,
+        servicer=servicer,
+        engine=engine,
+        record=record,
+        _server=server,
+        _health=health_servicer,
+        _registrar=registrar,
+        _config=config,
+    )

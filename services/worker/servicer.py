@@ -1,0 +1,299 @@
+"""kvmesh.v1.Worker over gRPC: converts messages to core values and back, calls the engine."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+
+from kvmesh import errors
+from kvmesh.discovery.keys import Role
+from kvmesh.grpc_errors import abort_with
+from kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+
+from . import validation
+from .core import Engine, EngineLoad, FinishReason, GenerateRequest, OutputDelta, Sampling
+
+log = logging.getLogger(__name__)
+
+ROLE_PB = {
+    Role.BOTH: common_pb2.WORKER_ROLE_BOTH,
+    Role.PREFILL: common_pb2.WORKER_ROLE_PREFILL,
+    Role.DECODE: common_pb2.WORKER_ROLE_DECODE,
+}
+FINISH_PB = {
+    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
+}
+
+
+def sampling_from_pb(s: common_pb2.SamplingParams) -> Sampling:
+    return Sampling(
+        max_tokens=s.max_tokens,
+        temperature=s.temperature if s.HasField("temperature") else None,
+        top_p=s.top_p if s.HasField("top_p") else None,
+        top_k=s.top_k if s.HasField("top_k") else None,
+        seed=s.seed if s.HasField("seed") else None,
+        stop=tuple(s.stop),
+        stop_token_ids=tuple(s.stop_token_ids),
+        ignore_eos=s.ignore_eos,
+    )
+
+
+def request_from_pb(r: worker_pb2.WorkerGenerateRequest) -> GenerateRequest:
+    return GenerateRequest(
+        request_id=r.request_id,
+        prompt_token_ids=tuple(r.prompt_token_ids),
+        sampling=sampling_from_pb(r.sampling),
+    )
+
+
+def response_to_pb(d: OutputDelta, worker_id: str) -> worker_pb2.WorkerGenerateResponse:
+    msg = worker_pb2.WorkerGenerateResponse(
+        request_id=d.request_id, token_ids=d.token_ids, text=d.text
+    )
+    if d.finish is not None:
+        msg.finished.CopyFrom(
+            common_pb2.Finished(
+                reason=FINISH_PB[d.finish.reason],
+                stop_reason=d.finish.stop_reason,
+                usage=common_pb2.Usage(
+                    prompt_tokens=d.prompt_tokens,
+                    cached_prompt_tokens=d.cached_tokens,
+                    completion_tokens=d.completion_tokens,
+                    worker_id=worker_id,
+                    time_to_first_token_s=d.timing.time_to_first_token_s if d.timing else 0.0,
+                ),
+            )
+        )
+    return msg
+
+
+def load_to_pb(load: EngineLoad, in_flight: int, worker_id: str) -> worker_pb2.WorkerLoad:
+    return worker_pb2.WorkerLoad(
+        worker_id=worker_id,
+        running_requests=load.running_requests,
+        waiting_requests=load.waiting_requests,
+        kv_cache_usage=load.kv_cache_usage,
+        prefix_cache_queried_tokens=load.prefix_cache_queried_tokens,
+        prefix_cache_hit_tokens=load.prefix_cache_hit_tokens,
+        in_flight_requests=in_flight,
+    )
+
+
+class _Changes:
+    """A version number that waiters can block on until it moves."""
+
+    def __init__(self) -> None:
+        self.version = 0
+        self._event = asyncio.Event()
+
+    def notify(self) -> None:
+        self.version += 1
+        event, self._event = self._event, asyncio.Event()
+        event.set()
+
+    async def wait(self, seen: int) -> None:
+        event = self._event
+        if self.version == seen:
+            await event.wait()
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    def __init__(
+        self,
+        engine: Engine,
+        worker_id: str,
+        role: Role = Role.BOTH,
+        load_interval_s: float = 0.25,
+    ) -> None:
+        self._engine = engine
+        self._worker_id = worker_id
+        self._role = role
+        self._load_interval_s = load_interval_s
+        self._active: dict[str, object] = {}  # request id -> token of the RPC serving it
+        self._changes = _Changes()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._closed = False
+        self.draining = False
+        engine.add_load_listener(self._changes.notify)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._active)
+
+    @property
+    def worker_id(self) -> str:
+        return self._worker_id
+
+    def load(self) -> worker_pb2.WorkerLoad:
+        return load_to_pb(self._engine.load(), self.in_flight, self._worker_id)
+
+    # ---- lifecycle (driven by main) --------------------------------------------------------
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Waits until no request is in flight; False if ``timeout_s`` passed first."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+    async def abort_all(self) -> int:
+        """Aborts every in-flight request in the engine (their streams end with ABORT)."""
+        ids = [rid for rid in self._active if self._engine.is_running(rid)]
+        for rid in ids:
+            try:
+                await self._engine.abort(rid)
+            except errors.NotFound:
+                pass
+        return len(ids)
+
+    async def close(self) -> None:
+        """Ends WatchLoad streams and waits for background aborts."""
+        self._closed = True
+        self._changes.notify()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    # ---- RPCs ----------------------------------------------------------------------------
+    async def Generate(
+        self, request: worker_pb2.WorkerGenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.WorkerGenerateResponse]:
+        rid = request.request_id
+        try:
+            if self.draining:
+                raise errors.Unavailable("worker is draining; retry on another worker")
+            req = request_from_pb(request)
+            validation.check_request(req, self._engine.info)
+            if rid in self._active:
+                raise errors.InvalidArgument(
+                    f"request_id {rid!r} is already in flight on this worker; use a unique id"
+                )
+        except errors.KvmeshError as exc:
+            log.info("rejected request_id=%s: %s", rid, exc)
+            await abort_with(context, exc, rid)
+            return
+        token = object()
+        self._start(rid, token)
+        context.add_done_callback(lambda _ctx: self._on_rpc_done(rid, token))
+        started = time.monotonic()
+        log.debug("generate request_id=%s prompt_tokens=%d", rid, len(req.prompt_token_ids))
+        last: OutputDelta | None = None
+        try:
+            async for delta in self._engine.generate(req):
+                last = delta
+                yield response_to_pb(delta, self._worker_id)
+        except errors.KvmeshError as exc:
+            log.info("request_id=%s failed: %s", rid, exc)
+            await abort_with(context, exc, rid)
+        except asyncio.CancelledError:
+            log.info("request_id=%s cancelled by the client or its deadline", rid)
+            raise
+        except Exception as exc:  # unexpected: INTERNAL with the request id, trace in the log
+            await abort_with(context, exc, rid)
+        finally:
+            self._finish(rid, token)
+            if last is not None and last.finish is not None:
+                log.info(
+                    "finished request_id=%s reason=%s prompt_tokens=%d cached_tokens=%d "
+                    "completion_tokens=%d ttft_s=%.3f total_s=%.3f",
+                    rid,
+                    last.finish.reason.value,
+                    last.prompt_tokens,
+                    last.cached_tokens,
+                    last.completion_tokens,
+                    last.timing.time_to_first_token_s if last.timing else 0.0,
+                    time.monotonic() - started,
+                )
+
+    async def Abort(
+        self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.AbortResponse:
+        rid = request.request_id
+        try:
+            if rid not in self._active:
+                raise errors.NotFound(f"request {rid!r} is not in flight on this worker")
+            await self._engine.abort(rid)
+        except errors.KvmeshError as exc:
+            await abort_with(context, exc, rid)
+        log.info("aborted request_id=%s by Abort", rid)
+        return common_pb2.AbortResponse()
+
+    async def GetLoad(
+        self, request: worker_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.WorkerLoad:
+        return self.load()
+
+    async def WatchLoad(
+        self, request: worker_pb2.WatchLoadRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.WorkerLoad]:
+        interval = request.min_interval_s or self._load_interval_s
+        if interval < 0:
+            await abort_with(
+                context,
+                errors.InvalidArgument(
+                    f"min_interval_s must be >= 0 (0: the worker's default), got {interval:g}"
+                ),
+            )
+            return
+        last: worker_pb2.WorkerLoad | None = None
+        while not self._closed:
+            seen = self._changes.version
+            load = self.load()
+            if load != last:
+                yield load
+                last = load
+            await asyncio.sleep(interval)
+            await self._changes.wait(seen)
+
+    async def GetInfo(
+        self, request: worker_pb2.GetInfoRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.WorkerInfo:
+        info = self._engine.info
+        return worker_pb2.WorkerInfo(
+            worker_id=self._worker_id,
+            model=info.model,
+            max_model_len=info.max_model_len,
+            block_size=info.block_size,
+            vocab_size=info.vocab_size,
+            role=ROLE_PB[self._role],
+        )
+
+    # ---- internals -----------------------------------------------------------------------
+    def _start(self, rid: str, token: object) -> None:
+        self._active[rid] = token
+        self._idle.clear()
+        self._changes.notify()
+
+    def _finish(self, rid: str, token: object) -> None:
+        if self._active.get(rid) is token:
+            del self._active[rid]
+            if not self._active:
+                self._idle.set()
+            self._changes.notify()
+
+    def _on_rpc_done(self, rid: str, token: object) -> None:
+        """The RPC ended (also by cancel or deadline). If its stream was not closed, the engine
+        may still run the request: abort it there."""
+        if self._active.get(rid) is not token:
+            return
+        self._finish(rid, token)
+        if self._engine.is_running(rid):
+            log.info("request_id=%s: RPC ended with the request still running; aborting", rid)
+            task = asyncio.get_running_loop().create_task(self._abort_quietly(rid))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _abort_quietly(self, rid: str) -> None:
+        try:
+            await self._engine.abort(rid)
+        except errors.NotFound:
+            pass
+        except Exception:
+            log.exception("abort of request_id=%s failed", rid)
