@@ -191,6 +191,7 @@ def _pump(child: Child, ready_tag: str, logf) -> None:  # type: ignore[no-untype
             logf.write(line)
     finally:
         logf.close()
+        child.proc.stdout.close()
 
 
 def stop_child(child: Child, grace_s: float) -> None:

@@ -200,7 +200,16 @@ BAD_INPUTS = [
         id="empty-text",
     ),
     pytest.param(
-        make_request([], max_tokens=4), grpc.StatusCode.INVALID_ARGUMENT, "no input", id="no-input"
+        make_request([], max_tokens=4),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "the prompt has no tokens",
+        id="empty-token-ids",
+    ),
+    pytest.param(
+        router_pb2.GenerateRequest(sampling=common_pb2.SamplingParams(max_tokens=4)),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "no input: set one of text, chat or token_ids",
+        id="no-input",
     ),
     pytest.param(
         make_request([1] * MAX_MODEL_LEN, max_tokens=4),
