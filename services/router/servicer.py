@@ -14,13 +14,14 @@ import grpc
 from kvmesh import errors
 from kvmesh.discovery.keys import WorkerId
 from kvmesh.grpc_errors import abort_with, from_rpc_error
+from kvmesh.sampling import check_prompt, check_sampling, sampling_from_pb
 from kvmesh.telemetry import tracer
 from kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2
 
 from .config import RouterConfig
 from .core import validation
 from .core.routing import RoutingPolicy
-from .core.types import ChatMessage, RouteRequest, Sampling
+from .core.types import ChatMessage, RouteRequest
 from .core.workers import ModelSummary, WorkerSet
 from .pool import WorkerPool
 from .tokenizer import Tokenizers
@@ -66,11 +67,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 raise errors.Unavailable("router is shutting down; retry on another router")
             model = self._resolve_model(request.model)
             sampling = sampling_from_pb(request.sampling)
-            validation.check_sampling(sampling)
+            check_sampling(sampling, model.vocab_size)
             with _tracer.start_as_current_span("tokenize") as span:
                 ids = await self._prompt_ids(request, model)
                 span.set_attribute("prompt_tokens", len(ids))
-            validation.check_prompt(ids, model.vocab_size, model.max_model_len, sampling.max_tokens)
+            check_prompt(ids, sampling.max_tokens, model.vocab_size, model.max_model_len)
             route = RouteRequest(
                 request_id=rid,
                 model=model.name,
@@ -262,16 +263,3 @@ def trace_first_token(ttft_s: float) -> None:
     from opentelemetry import trace
 
     trace.get_current_span().add_event("first_token", {"ttft_s": ttft_s})
-
-
-def sampling_from_pb(p: common_pb2.SamplingParams) -> Sampling:
-    return Sampling(
-        max_tokens=p.max_tokens,
-        temperature=p.temperature if p.HasField("temperature") else None,
-        top_p=p.top_p if p.HasField("top_p") else None,
-        top_k=p.top_k if p.HasField("top_k") else None,
-        seed=p.seed if p.HasField("seed") else None,
-        stop=tuple(p.stop),
-        stop_token_ids=tuple(p.stop_token_ids),
-        ignore_eos=p.ignore_eos,
-    )

@@ -11,25 +11,15 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Protocol
 
+from kvmesh.sampling import Sampling
+
+__all__ = ["Sampling"]  # re-exported: the worker's values in one place
+
 
 class FinishReason(StrEnum):
     STOP = "stop"  # end-of-sequence token, stop string or stop token id
     LENGTH = "length"  # max_tokens or the context length
     ABORT = "abort"  # client cancel, Abort RPC, deadline, drain
-
-
-@dataclass(frozen=True, slots=True)
-class Sampling:
-    """How to sample; None leaves the engine's default (see common.proto SamplingParams)."""
-
-    max_tokens: int
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None  # 0 or -1 disable it
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,10 +12,11 @@ import grpc
 from kvmesh import errors
 from kvmesh.discovery.keys import Role
 from kvmesh.grpc_errors import abort_with
+from kvmesh.sampling import sampling_from_pb
 from kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 from . import validation
-from .core import Engine, EngineLoad, FinishReason, GenerateRequest, OutputDelta, Sampling
+from .core import Engine, EngineLoad, FinishReason, GenerateRequest, OutputDelta
 
 log = logging.getLogger(__name__)
 
@@ -29,19 +30,6 @@ FINISH_PB = {
     FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
     FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
 }
-
-
-def sampling_from_pb(s: common_pb2.SamplingParams) -> Sampling:
-    return Sampling(
-        max_tokens=s.max_tokens,
-        temperature=s.temperature if s.HasField("temperature") else None,
-        top_p=s.top_p if s.HasField("top_p") else None,
-        top_k=s.top_k if s.HasField("top_k") else None,
-        seed=s.seed if s.HasField("seed") else None,
-        stop=tuple(s.stop),
-        stop_token_ids=tuple(s.stop_token_ids),
-        ignore_eos=s.ignore_eos,
-    )
 
 
 def request_from_pb(r: worker_pb2.WorkerGenerateRequest) -> GenerateRequest:

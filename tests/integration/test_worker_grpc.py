@@ -271,7 +271,7 @@ async def test_duplicate_request_id_in_flight_is_invalid(h: Harness) -> None:
 
 # ---- validation -----------------------------------------------------------------------------
 BAD_REQUESTS = [
-    pytest.param(gen_request("bad", [], 4), "prompt_token_ids is empty", id="empty-prompt"),
+    pytest.param(gen_request("bad", [], 4), "the prompt has no tokens", id="empty-prompt"),
     pytest.param(gen_request("bad", [5, VOCAB_SIZE], 4), f"token id {VOCAB_SIZE}", id="oov-token"),
     pytest.param(gen_request("bad", [5, 6], 0), "max_tokens must be > 0", id="max-tokens-0"),
     pytest.param(

@@ -10,7 +10,7 @@ from kvmesh.discovery.keys import Role, WorkerId, WorkerRecord, WorkerState, wor
 from kvmesh.errors import InvalidArgument, Unavailable
 from services.router.core import validation
 from services.router.core.routing import LeastLoaded, RandomPick, RoundRobin, make_policy
-from services.router.core.types import ChatMessage, LoadSnapshot, RouteRequest, Sampling
+from services.router.core.types import ChatMessage, LoadSnapshot, RouteRequest
 from services.router.core.workers import WorkerSet
 
 CLUSTER = "test"
@@ -156,68 +156,7 @@ class TestRouting:
             make_policy("fastest")
 
 
-S = Sampling(max_tokens=8)
-
-
 class TestValidation:
-    @pytest.mark.parametrize(
-        "sampling,match",
-        [
-            pytest.param(Sampling(max_tokens=0), r"max_tokens must be > 0", id="max-tokens-0"),
-            pytest.param(
-                Sampling(max_tokens=1, temperature=2.5),
-                r"temperature must be in \[0, 2\]",
-                id="temp-high",
-            ),
-            pytest.param(Sampling(max_tokens=1, temperature=-0.1), r"temperature", id="temp-neg"),
-            pytest.param(
-                Sampling(max_tokens=1, top_p=0.0), r"top_p must be in \(0, 1\]", id="top-p-0"
-            ),
-            pytest.param(Sampling(max_tokens=1, top_p=1.5), r"top_p", id="top-p-high"),
-            pytest.param(Sampling(max_tokens=1, top_k=-2), r"top_k", id="top-k"),
-            pytest.param(Sampling(max_tokens=1, stop=("",)), r"empty string", id="empty-stop"),
-            pytest.param(Sampling(max_tokens=1, stop=("x",) * 17), r"at most 16", id="many-stops"),
-        ],
-    )
-    def test_bad_sampling(self, sampling, match):
-        with pytest.raises(InvalidArgument, match=match):
-            validation.check_sampling(sampling)
-
-    @pytest.mark.parametrize(
-        "sampling",
-        [
-            Sampling(max_tokens=1),
-            Sampling(max_tokens=1, temperature=0.0, top_p=1.0, top_k=-1),
-            Sampling(max_tokens=1, temperature=2.0, top_p=0.01, top_k=0),
-        ],
-        ids=["defaults", "greedy", "edges"],
-    )
-    def test_good_sampling(self, sampling):
-        validation.check_sampling(sampling)
-
-    @pytest.mark.parametrize(
-        "ids,max_tokens,match",
-        [
-            pytest.param([], 1, "no tokens", id="empty"),
-            pytest.param(
-                [1, 1024],
-                1,
-                r"token id 1024 is outside the model's vocabulary \[0, 1024\)",
-                id="vocab",
-            ),
-            pytest.param(
-                [1] * 100, 1, "prompt has 100 tokens but the model's context is 100", id="too-long"
-            ),
-            pytest.param([1] * 90, 20, "lower max_tokens to at most 10", id="no-room"),
-        ],
-    )
-    def test_bad_prompt(self, ids, max_tokens, match):
-        with pytest.raises(InvalidArgument, match=match):
-            validation.check_prompt(ids, vocab_size=1024, max_model_len=100, max_tokens=max_tokens)
-
-    def test_prompt_that_fits_exactly(self):
-        validation.check_prompt([1] * 90, vocab_size=1024, max_model_len=100, max_tokens=10)
-
     @pytest.mark.parametrize(
         "messages,match",
         [

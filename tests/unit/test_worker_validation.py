@@ -35,8 +35,8 @@ GOOD = [
 BAD = [
     pytest.param(req(rid=""), "request_id is empty", id="no-request-id"),
     pytest.param(req(rid="x" * 300), "use at most 256", id="long-request-id"),
-    pytest.param(req(prompt=()), "prompt_token_ids is empty", id="empty-prompt"),
-    pytest.param(req(prompt=(1, 50)), "token id 50, outside the model's vocabulary [0, 50)", id="oov"),
+    pytest.param(req(prompt=()), "the prompt has no tokens", id="empty-prompt"),
+    pytest.param(req(prompt=(1, 50)), "token id 50 is outside the model's vocabulary [0, 50)", id="oov"),
     pytest.param(req(prompt=(1, -1)), "token id -1", id="negative-token"),
     pytest.param(req(max_tokens=0), "sampling.max_tokens must be > 0 (got 0)", id="max-tokens-0"),
     pytest.param(req(max_tokens=-3), "must be > 0 (got -3)", id="max-tokens-negative"),

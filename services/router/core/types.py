@@ -8,18 +8,6 @@ from kvmesh.discovery.keys import WorkerId
 
 
 @dataclass(frozen=True, slots=True)
-class Sampling:
-    max_tokens: int
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-
-
-@dataclass(frozen=True, slots=True)
 class ChatMessage:
     role: str
     content: str
