@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 
+from kvmesh.models import MODEL_NAMES, ensure_model
+
 DEFAULT_ROUTER = "127.0.0.1:50051"
 
 
@@ -31,11 +33,8 @@ def model_cache_root() -> Path:
 
 def resolve_model(name_or_path: str) -> Path:
     """A built-in model name (tiny, smollm2) is built on first use; anything else is a path."""
-    from kvmesh.models import smollm2, tiny
-
-    builders = {"tiny": tiny.ensure_tiny, "smollm2": smollm2.ensure_smollm2}
-    if name_or_path in builders:
-        return builders[name_or_path](model_cache_root())
+    if name_or_path in MODEL_NAMES:
+        return ensure_model(name_or_path, model_cache_root())
     path = Path(name_or_path)
     if not (path / "config.json").is_file():
         raise SystemExit(
@@ -80,7 +79,8 @@ def _mesh_spec(a: argparse.Namespace):  # type: ignore[no-untyped-def]
 
     return MeshSpec(
         model_path=resolve_model(a.model),
-        served_model_name=a.served_model_name,
+        # A built-in model is served under its short name (tiny, smollm2).
+        served_model_name=a.served_model_name or (a.model if a.model in MODEL_NAMES else ""),
         workers=a.workers,
         router_port=a.port,
         etcd_endpoints=tuple(e for e in a.etcd.split(",") if e),
