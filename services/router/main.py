@@ -8,7 +8,7 @@ import logging
 import signal
 import socket
 import sys
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import grpc
@@ -23,7 +23,7 @@ from kvmesh.v1 import router_pb2, router_pb2_grpc
 
 from .config import RouterConfig
 from .core.routing import POLICIES, make_policy
-from .core.workers import WorkerSet
+from .core.workers import Change, WorkerSet
 from .pool import WorkerPool
 from .servicer import RouterServicer
 from .tokenizer import Tokenizers
@@ -63,13 +63,8 @@ async def start_router(config: RouterConfig) -> RunningRouter:
     workers = WorkerSet(config.cluster)
     pool = WorkerPool(workers, load_interval_s=config.load_interval_s)
     executor = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tokenize")
-    servicer = RouterServicer(
-        config,
-        workers,
-        pool,
-        make_policy(config.policy),
-        Tokenizers(executor, config.tokenizer_overrides),
-    )
+    tokenizers = Tokenizers(executor, config.tokenizer_overrides)
+    servicer = RouterServicer(config, workers, pool, make_policy(config.policy), tokenizers)
     server = grpc.aio.server(
         interceptors=server_interceptors(),
         options=[
@@ -87,14 +82,30 @@ async def start_router(config: RouterConfig) -> RunningRouter:
     address = f"{advertised_host(config.host, config.advertise_host)}:{port}"
     await server.start()
 
+    ready = asyncio.Event()
+    starting: list[Future[None]] = []  # tokenizer loads to wait for before SERVING
+
+    def on_change(change: Change) -> None:
+        pool.apply(change)
+        for rec in change.added:
+            loading = tokenizers.preload(rec.model, rec.model_path)
+            if not ready.is_set():
+                starting.append(loading)
+
     watcher = PrefixWatcher(
         list(config.etcd_endpoints),
         workers_prefix(config.cluster),
-        on_snapshot=lambda items: pool.apply(workers.apply_snapshot(items)),
-        on_put=lambda k, v: pool.apply(workers.apply_put(k, v)),
-        on_delete=lambda k: pool.apply(workers.apply_delete(k)),
+        on_snapshot=lambda items: on_change(workers.apply_snapshot(items)),
+        on_put=lambda k, v: on_change(workers.apply_put(k, v)),
+        on_delete=lambda k: on_change(workers.apply_delete(k)),
     )
     await watcher.start()
+    # Tokenizers of the models already served load before we report SERVING, so the first
+    # request's time to first token is not spent importing transformers.
+    if starting:
+        await asyncio.wait([asyncio.wrap_future(f) for f in starting], timeout=60.0)
+    ready.set()
+    starting.clear()
     router_id = config.router_id or f"{socket.gethostname()}-{port}"
     registrar = Registrar(
         list(config.etcd_endpoints),

@@ -6,7 +6,7 @@ import asyncio
 import logging
 import threading
 from collections.abc import Sequence
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
 from typing import Any
 
 from kvmesh.errors import InvalidArgument, Unavailable
@@ -43,6 +43,18 @@ class Tokenizers:
                 self._cache[path] = tok
                 log.info("loaded tokenizer for model %s from %s", model, path)
             return tok
+
+    def preload(self, model: str, path: str) -> Future[None]:
+        """Loads a model's tokenizer in the background, so its first request does not pay for
+        importing transformers and reading the tokenizer (seconds). Errors surface on use."""
+
+        def run() -> None:
+            try:
+                self._load(model, path)
+            except Exception as exc:  # logged here; a request using it reports it
+                log.warning("preloading the tokenizer of %s failed: %s", model, exc)
+
+        return self._executor.submit(run)
 
     async def encode_text(self, model: str, path: str, text: str) -> list[int]:
         def run() -> list[int]:
