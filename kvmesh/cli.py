@@ -146,7 +146,7 @@ def cmd_demo(a: argparse.Namespace) -> int:
     t0 = time.monotonic()
     spec = _mesh_spec(a)
     print(
-        f"demo: starting etcd, {spec.workers} vLLM workers ({spec.model_path.name}) and a router ...",
+        f"demo: starting etcd, {spec.workers} vLLM workers ({spec.served_model_name or spec.model_path.name}) and a router ...",
         flush=True,
     )
     with Mesh(spec) as mesh:
