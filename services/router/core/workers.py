@@ -60,7 +60,8 @@ class WorkerSet:
         removed = tuple(w for w in self._workers if w not in records)
         for wid in removed:
             del self._workers[wid]
-        added, updated = [], []
+        added: list[WorkerRecord] = []
+        updated: list[WorkerRecord] = []
         for wid, rec in records.items():
             (updated if wid in self._workers else added).append(rec)
             self._upsert(rec)
