@@ -1,11 +1,23 @@
 from kvmesh.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class KvTier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_TIER_UNSPECIFIED: _ClassVar[KvTier]
+    KV_TIER_GPU: _ClassVar[KvTier]
+    KV_TIER_CPU: _ClassVar[KvTier]
+    KV_TIER_DISK: _ClassVar[KvTier]
+KV_TIER_UNSPECIFIED: KvTier
+KV_TIER_GPU: KvTier
+KV_TIER_CPU: KvTier
+KV_TIER_DISK: KvTier
 
 class WorkerGenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling")
@@ -76,3 +88,61 @@ class WorkerInfo(_message.Message):
     vocab_size: int
     role: _common_pb2.WorkerRole
     def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., role: _Optional[_Union[_common_pb2.WorkerRole, str]] = ...) -> None: ...
+
+class WatchKvEventsRequest(_message.Message):
+    __slots__ = ("epoch", "from_seq")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    FROM_SEQ_FIELD_NUMBER: _ClassVar[int]
+    epoch: str
+    from_seq: int
+    def __init__(self, epoch: _Optional[str] = ..., from_seq: _Optional[int] = ...) -> None: ...
+
+class BlockStored(_message.Message):
+    __slots__ = ("block_hashes", "parent_hash", "tier", "block_size")
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    parent_hash: int
+    tier: KvTier
+    block_size: int
+    def __init__(self, block_hashes: _Optional[_Iterable[int]] = ..., parent_hash: _Optional[int] = ..., tier: _Optional[_Union[KvTier, str]] = ..., block_size: _Optional[int] = ...) -> None: ...
+
+class BlockRemoved(_message.Message):
+    __slots__ = ("block_hashes", "tier")
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    tier: KvTier
+    def __init__(self, block_hashes: _Optional[_Iterable[int]] = ..., tier: _Optional[_Union[KvTier, str]] = ...) -> None: ...
+
+class AllBlocksCleared(_message.Message):
+    __slots__ = ("tier",)
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    tier: KvTier
+    def __init__(self, tier: _Optional[_Union[KvTier, str]] = ...) -> None: ...
+
+class KvEvent(_message.Message):
+    __slots__ = ("stored", "removed", "cleared")
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    CLEARED_FIELD_NUMBER: _ClassVar[int]
+    stored: BlockStored
+    removed: BlockRemoved
+    cleared: AllBlocksCleared
+    def __init__(self, stored: _Optional[_Union[BlockStored, _Mapping]] = ..., removed: _Optional[_Union[BlockRemoved, _Mapping]] = ..., cleared: _Optional[_Union[AllBlocksCleared, _Mapping]] = ...) -> None: ...
+
+class KvEventBatch(_message.Message):
+    __slots__ = ("worker_id", "epoch", "seq", "events", "snapshot")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    epoch: str
+    seq: int
+    events: _containers.RepeatedCompositeFieldContainer[KvEvent]
+    snapshot: bool
+    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[str] = ..., seq: _Optional[int] = ..., events: _Optional[_Iterable[_Union[KvEvent, _Mapping]]] = ..., snapshot: bool = ...) -> None: ...

@@ -60,6 +60,11 @@ class WorkerStub(object):
                 request_serializer=kvmesh_dot_v1_dot_worker__pb2.GetInfoRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_worker__pb2.WorkerInfo.FromString,
                 _registered_method=True)
+        self.WatchKvEvents = channel.unary_stream(
+                '/kvmesh.v1.Worker/WatchKvEvents',
+                request_serializer=kvmesh_dot_v1_dot_worker__pb2.WatchKvEventsRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_worker__pb2.KvEventBatch.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer(object):
@@ -101,6 +106,15 @@ class WorkerServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchKvEvents(self, request, context):
+        """The engine's KV block events (blocks stored / removed / cleared), in order. Starts with a
+        snapshot of every block the worker holds (one batch with `snapshot` set) unless the request
+        resumes an epoch whose next batches are still buffered; then live batches follow.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -128,6 +142,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.GetInfo,
                     request_deserializer=kvmesh_dot_v1_dot_worker__pb2.GetInfoRequest.FromString,
                     response_serializer=kvmesh_dot_v1_dot_worker__pb2.WorkerInfo.SerializeToString,
+            ),
+            'WatchKvEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchKvEvents,
+                    request_deserializer=kvmesh_dot_v1_dot_worker__pb2.WatchKvEventsRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_worker__pb2.KvEventBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -265,6 +284,33 @@ class Worker(object):
             '/kvmesh.v1.Worker/GetInfo',
             kvmesh_dot_v1_dot_worker__pb2.GetInfoRequest.SerializeToString,
             kvmesh_dot_v1_dot_worker__pb2.WorkerInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchKvEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvmesh.v1.Worker/WatchKvEvents',
+            kvmesh_dot_v1_dot_worker__pb2.WatchKvEventsRequest.SerializeToString,
+            kvmesh_dot_v1_dot_worker__pb2.KvEventBatch.FromString,
             options,
             channel_credentials,
             insecure,
