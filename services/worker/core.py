@@ -6,12 +6,15 @@ Transport-free: no grpc, vllm or torch here. The servicer converts protobuf to a
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Protocol
 
+from kvmesh.kv.events import KvEvent
 from kvmesh.sampling import Sampling
+
+KvEventSink = Callable[[Sequence[KvEvent]], None]
 
 __all__ = ["Sampling"]  # re-exported: the worker's values in one place
 
@@ -111,6 +114,12 @@ class Engine(Protocol):
 
     def add_load_listener(self, listener: Callable[[], None]) -> None:
         """``listener()`` is called (on the event loop) whenever the load may have changed."""
+        ...
+
+    def set_kv_event_sink(self, sink: KvEventSink) -> None:
+        """From now on, ``sink(events)`` is called on the event loop with each engine step's KV
+        block events (stored / removed / cleared), in the order the engine produced them. An
+        engine that publishes no events never calls it."""
         ...
 
     async def close(self) -> None: ...
