@@ -1,19 +1,31 @@
 """Routing policies: given the serving candidates for a request, pick one.
 
-This is the small interface the precise prefix-cache scheduler (filters -> scorers -> picker)
-will plug into; for now there is least-loaded, plus round-robin and random as baselines.
+``make_policy`` builds a scheduler profile (``core/scheduler``: filters -> weighted scorers ->
+picker) by name or from a YAML file. The three small classes below are the original
+hand-written policies, kept as references for the profiles of the same names.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Protocol
 
+from kvmesh.discovery.keys import WorkerId
 from kvmesh.errors import InvalidArgument, Unavailable
 
+from .scheduler import (
+    BUILTIN_PROFILES,
+    PluginEnv,
+    PrefixIndex,
+    Registry,
+    build_scheduler,
+    builtin_profile,
+)
+from .scheduler import load_profile as _load_profile
 from .types import RouteDecision, RouteRequest
-from .workers import WorkerView
+from .workers import WorkerView, outstanding
 
 
 class RoutingPolicy(Protocol):
@@ -21,14 +33,30 @@ class RoutingPolicy(Protocol):
 
     def pick(self, request: RouteRequest, candidates: Sequence[WorkerView]) -> RouteDecision: ...
 
+    def on_routed(self, request: RouteRequest, decision: RouteDecision) -> None:
+        """The request was sent to ``decision.worker_id`` (once per attempt)."""
 
-def outstanding(view: WorkerView) -> int:
-    """Requests a worker is busy with: the larger of what this router sent it and what the
-    worker reports (other routers' requests show up only in the worker's report)."""
-    return max(view.router_in_flight, view.load.in_flight_requests)
+    def on_first_token(self, request: RouteRequest, worker_id: WorkerId) -> None:
+        """The worker sent the first token (prefill done)."""
+
+    def on_finished(self, request: RouteRequest, worker_id: WorkerId) -> None:
+        """The attempt on ``worker_id`` ended, however it ended."""
 
 
-class LeastLoaded:
+class _Stateless:
+    """No-op feedback hooks for policies that learn nothing."""
+
+    def on_routed(self, request: RouteRequest, decision: RouteDecision) -> None:
+        pass
+
+    def on_first_token(self, request: RouteRequest, worker_id: WorkerId) -> None:
+        pass
+
+    def on_finished(self, request: RouteRequest, worker_id: WorkerId) -> None:
+        pass
+
+
+class LeastLoaded(_Stateless):
     """Fewest outstanding requests, then most free KV cache; ties broken at random."""
 
     name = "least-loaded"
@@ -49,7 +77,7 @@ class LeastLoaded:
         )
 
 
-class RoundRobin:
+class RoundRobin(_Stateless):
     name = "round-robin"
 
     def __init__(self) -> None:
@@ -62,7 +90,7 @@ class RoundRobin:
         return RouteDecision(chosen.record.worker_id, self.name, "turn")
 
 
-class RandomPick:
+class RandomPick(_Stateless):
     name = "random"
 
     def __init__(self, rng: random.Random | None = None) -> None:
@@ -83,17 +111,25 @@ def _require(request: RouteRequest, candidates: Sequence[WorkerView]) -> None:
         )
 
 
-POLICIES: dict[str, Callable[[], RoutingPolicy]] = {
-    LeastLoaded.name: LeastLoaded,
-    RoundRobin.name: RoundRobin,
-    RandomPick.name: RandomPick,
-}
+POLICIES: dict[str, str] = BUILTIN_PROFILES  # built-in profile name -> its YAML
 
 
-def make_policy(name: str) -> RoutingPolicy:
-    try:
-        return POLICIES[name]()
-    except KeyError:
+def make_policy(
+    name: str,
+    *,
+    index: PrefixIndex | None = None,
+    rng: random.Random | None = None,
+    registry: Registry | None = None,
+) -> RoutingPolicy:
+    """A built-in profile by name (round-robin, random, least-loaded, approximate-prefix,
+    precise-prefix, precise-sticky), or a profile file when ``name`` ends in .yaml/.yml.
+    ``index`` is the KV block index (a ``scheduler.PrefixIndex``) the precise profiles need."""
+    env = PluginEnv(index=index, rng=rng or random.Random())
+    if name.endswith((".yaml", ".yml")):
+        return _load_profile(Path(name), registry=registry, env=env)
+    if name not in POLICIES:
         raise InvalidArgument(
-            f"unknown routing policy {name!r}; choose one of {sorted(POLICIES)}"
-        ) from None
+            f"unknown routing policy {name!r}; choose one of {sorted(POLICIES)} or give a "
+            "profile file (.yaml)"
+        )
+    return build_scheduler(builtin_profile(name), registry, env)

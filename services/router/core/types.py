@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvmesh.discovery.keys import WorkerId
+from kvmesh.discovery.keys import Role, WorkerId
+from kvmesh.kv.events import BlockHash
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,14 +34,118 @@ class RouteRequest:
 
     request_id: str
     model: str
-    prompt_token_ids: tuple[int, ...] = field(repr=False)
+    prompt_token_ids: tuple[int, ...] = field(default=(), repr=False)
     session_id: str = ""
     tenant: str = ""
     priority: int = 0
+    # The prompt's full blocks, hashed as vLLM hashes them (chained: block i's hash covers
+    # blocks 0..i). Empty: prefix-aware scorers score every worker 0.
+    block_hashes: tuple[BlockHash, ...] = field(default=(), repr=False)
+    # Prompt length in tokens; 0: len(prompt_token_ids). A simulator may set it and send no ids.
+    prompt_tokens: int = 0
+    # The stage this request needs: BOTH (prefill and decode on one worker), PREFILL or DECODE.
+    role: Role = Role.BOTH
+
+    def __post_init__(self) -> None:
+        if not self.prompt_tokens:
+            object.__setattr__(self, "prompt_tokens", len(self.prompt_token_ids))
+
+
+@dataclass(frozen=True, slots=True)
+class Explanation:
+    """Why a scheduler profile chose a worker. Built on the hot path from references and floats
+    only; ``details()`` formats it when someone asks (a debug log, a test, an admin endpoint).
+
+    Scores are weighted (score in [0, 1] times the scorer's weight), in ``scorers`` order; a
+    worker's total is their sum."""
+
+    profile: str
+    # The scorer whose weighted margin over the runner-up was largest; "tie-break" when every
+    # candidate tied, "only-candidate", or the picker's name when it ignores scores.
+    deciding: str
+    candidates: int  # workers offered to the profile
+    eligible: int  # workers left after the filters
+    scorers: tuple[str, ...]
+    winner_scores: tuple[float, ...]
+    runner_up: WorkerId | None = None  # the best worker not tied with the winner
+    runner_up_scores: tuple[float, ...] = ()
+    tied: int = 1  # workers sharing the best total (the picker chose among them at random)
+    cached_blocks: int = -1  # winner's matched prefix in blocks per the profile's prefix source
+    cached_tokens: int = -1  # the same in tokens; -1: the profile has no prefix source
+    total_blocks: int = 0  # blocks of the request
+    stages: tuple[str, ...] = ()  # filters, scorers, picker, in the order they ran
+    stage_ns: tuple[int, ...] = ()  # time each stage took
+    # Every eligible worker's id and every scorer's weighted column, for ``details(full=True)``.
+    worker_ids: tuple[WorkerId, ...] = field(default=(), repr=False)
+    columns: tuple[tuple[float, ...] | list[float], ...] = field(default=(), repr=False)
+
+    @property
+    def winner_total(self) -> float:
+        return sum(self.winner_scores)
+
+    @property
+    def runner_up_total(self) -> float:
+        return sum(self.runner_up_scores)
+
+    @property
+    def margin(self) -> float:
+        return self.winner_total - self.runner_up_total if self.runner_up is not None else 0.0
+
+    def details(self, full: bool = False) -> str:
+        def fmt(scores: tuple[float, ...] | list[float]) -> str:
+            parts = (f"{n}={s:.3f}" for n, s in zip(self.scorers, scores, strict=True))
+            return f"total={sum(scores):.3f} [{' '.join(parts)}]"
+
+        lines = [
+            f"profile={self.profile} deciding={self.deciding} candidates={self.candidates} "
+            f"eligible={self.eligible} tied={self.tied} cached_blocks={self.cached_blocks}/"
+            f"{self.total_blocks}",
+            f"  winner: {fmt(self.winner_scores)}",
+        ]
+        if self.runner_up is not None:
+            lines.append(f"  runner-up {self.runner_up}: {fmt(self.runner_up_scores)}")
+        if self.stages:
+            timing = " ".join(
+                f"{n}={ns / 1000:.1f}us" for n, ns in zip(self.stages, self.stage_ns, strict=True)
+            )
+            lines.append(f"  time: {timing}")
+        if full and self.worker_ids:
+            for i, wid in enumerate(self.worker_ids):
+                lines.append(f"  {wid}: {fmt(tuple(col[i] for col in self.columns))}")
+        return "\n".join(lines)
 
 
 @dataclass(frozen=True, slots=True)
 class RouteDecision:
     worker_id: WorkerId
     policy: str
+    # Short and from a closed set (safe as a metric label): Explanation.deciding for scheduler
+    # profiles; a short free text for the legacy policies.
     reason: str
+    explanation: Explanation | None = field(default=None, repr=False, compare=False)
+
+    def details(self, full: bool = False) -> str:
+        head = f"worker={self.worker_id} policy={self.policy} reason={self.reason}"
+        if self.explanation is None:
+            return head
+        return f"{head}\n{self.explanation.details(full)}"
+
+    def attributes(self) -> dict[str, str | int | float]:
+        """Span attributes: counts, ids and scores, never prompt text."""
+        out: dict[str, str | int | float] = {
+            "worker_id": self.worker_id,
+            "policy": self.policy,
+            "reason": self.reason,
+        }
+        e = self.explanation
+        if e is not None:
+            out["eligible"] = e.eligible
+            out["tied"] = e.tied
+            out["score"] = e.winner_total
+            out["margin"] = e.margin
+            if e.cached_blocks >= 0:
+                out["cached_blocks"] = e.cached_blocks
+                out["total_blocks"] = e.total_blocks
+            if e.runner_up is not None:
+                out["runner_up"] = e.runner_up
+        return out

@@ -30,6 +30,12 @@ class WorkerView:
         return self.record.state is WorkerState.SERVING
 
 
+def outstanding(view: WorkerView) -> int:
+    """Requests a worker is busy with: the larger of what this router sent it and what the
+    worker reports (other routers' requests show up only in the worker's report)."""
+    return max(view.router_in_flight, view.load.in_flight_requests)
+
+
 @dataclass(frozen=True, slots=True)
 class ModelSummary:
     name: str

@@ -1,0 +1,177 @@
+"""The scheduler's plugin interfaces: tiny Protocols, after llm-d's router.
+
+A scheduling cycle runs one profile over the candidates of a request::
+
+    [Admission (flow control: a later stage, not here)]
+        -> Filter* (narrow the candidates)
+        -> Scorer* (a score in [0, 1] per candidate; the framework clamps, weights and sums)
+        -> Picker  (choose one, usually the best total)
+
+Plugins see the request and the candidates through a ``CycleContext``, which also carries what
+plugins share within one cycle (the prefix match, computed once) and across cycles (the ledger
+of requests in flight). Plugins that learn from what happened implement ``Feedback``.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvmesh.discovery.keys import WorkerId
+from kvmesh.kv.events import BlockHash
+
+from ..types import RouteDecision, RouteRequest
+from ..workers import WorkerView
+from .ledger import InFlightLedger
+
+
+# ---- the KV block index, as the precise prefix scorer sees it ----------------------------------
+class PrefixMatchLike(Protocol):
+    """One worker's match of a request's block hashes."""
+
+    @property
+    def blocks(self) -> int:
+        """Contiguous matched prefix, in blocks, counted from the request's first block."""
+
+    @property
+    def gpu_blocks(self) -> int:
+        """How many of those blocks are best held in the engine's own (GPU) cache; the three
+        tier counts add up to ``blocks`` (each block counted once, on its best tier)."""
+
+    @property
+    def cpu_blocks(self) -> int: ...
+
+    @property
+    def disk_blocks(self) -> int: ...
+
+    @property
+    def exact(self) -> bool:
+        """False when the index's view of the worker is degraded (events lost, resyncing)."""
+
+
+class PrefixIndex(Protocol):
+    def match(
+        self, hashes: Sequence[BlockHash], workers: Iterable[WorkerId] | None = None
+    ) -> Mapping[WorkerId, PrefixMatchLike]:
+        """Each worker's contiguous matched prefix of ``hashes`` (workers with no match may be
+        absent). ``workers`` limits the answer to those workers; None: all."""
+
+
+@dataclass(frozen=True, slots=True)
+class Matched:
+    """A ``PrefixMatchLike`` value for sources that know no tiers (the approximate scorer)."""
+
+    blocks: int
+    gpu_blocks: int = 0
+    cpu_blocks: int = 0
+    disk_blocks: int = 0
+    exact: bool = False
+
+
+class PrefixSource(Protocol):
+    """A plugin that can say how much of a request each candidate already holds. The first one in
+    a profile is the profile's prefix source: the cost model and the decision's
+    ``cached_blocks`` read it through ``CycleContext.prefix()``."""
+
+    def prefix_match(self, ctx: CycleContext) -> Mapping[WorkerId, PrefixMatchLike]: ...
+
+
+# ---- the cycle's context ------------------------------------------------------------------------
+class CycleContext:
+    """One scheduling cycle: the request, the eligible candidates (set after the filters), the
+    ledger, and the prefix match computed at most once per cycle."""
+
+    __slots__ = ("_prefix", "candidates", "ledger", "prefix_source", "request")
+
+    def __init__(
+        self,
+        request: RouteRequest,
+        candidates: Sequence[WorkerView],
+        ledger: InFlightLedger,
+        source: PrefixSource | None,
+    ) -> None:
+        self.request = request
+        self.candidates = candidates
+        self.ledger = ledger
+        self.prefix_source = source
+        self._prefix: Mapping[WorkerId, PrefixMatchLike] | None = None
+
+    def prefix(self) -> Mapping[WorkerId, PrefixMatchLike]:
+        """The profile's prefix source's match for the eligible candidates (memoised)."""
+        if self._prefix is None:
+            if self.prefix_source is None or not self.request.block_hashes:
+                self._prefix = {}
+            else:
+                self._prefix = self.prefix_source.prefix_match(self)
+        return self._prefix
+
+    @property
+    def prefix_computed(self) -> bool:
+        return self._prefix is not None
+
+
+# ---- the plugin kinds ---------------------------------------------------------------------------
+class Filter(Protocol):
+    name: str
+
+    def filter(self, ctx: CycleContext, candidates: Sequence[WorkerView]) -> Sequence[WorkerView]:
+        """The candidates that may serve the request, in their given order."""
+
+
+class Scorer(Protocol):
+    name: str
+
+    def score(self, ctx: CycleContext, candidates: Sequence[WorkerView]) -> Sequence[float]:
+        """One score per candidate, in candidate order; 1 is best. The framework clamps to [0, 1]
+        (NaN counts as 0), so a scorer need not, but every built-in does."""
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    index: int  # the chosen candidate
+    runner_up: int = -1  # the best candidate not tied with the winner; -1: none
+    tied: int = 1  # candidates sharing the best total (the winner among them)
+    uses_scores: bool = True  # False: the picker ignores scores (round-robin, random)
+
+
+class Picker(Protocol):
+    name: str
+
+    def pick(
+        self, ctx: CycleContext, candidates: Sequence[WorkerView], totals: Sequence[float]
+    ) -> Choice: ...
+
+
+class Feedback(Protocol):
+    """Hooks for plugins that learn from routing (session table, approximate prefix). Each is
+    optional: the scheduler calls whichever of them a plugin has, in profile order."""
+
+    def on_routed(self, request: RouteRequest, decision: RouteDecision) -> None: ...
+
+    def on_first_token(self, request: RouteRequest, worker_id: WorkerId) -> None: ...
+
+    def on_finished(self, request: RouteRequest, worker_id: WorkerId) -> None: ...
+
+
+class Admission(Protocol):
+    """Flow control (tenant priorities, fairness, saturation queueing): NOT implemented yet.
+
+    It plugs in *in front of* the scheduler, in the servicer: ``await admission.admit(request)``
+    returns when the request may be scheduled (or raises ``ResourceExhausted`` /
+    ``DeadlineExceeded``), and ``release`` is called from the same place as ``on_finished``. It
+    is async because it may hold a request in a per-tenant, per-priority queue while every
+    candidate is saturated; the scheduler itself stays synchronous. See docs/scheduler.md."""
+
+    async def admit(self, request: RouteRequest) -> None: ...
+
+    def release(self, request: RouteRequest) -> None: ...
+
+
+@dataclass(slots=True)
+class PluginEnv:
+    """What plugins may depend on beyond their parameters, given when a profile is built."""
+
+    index: PrefixIndex | None = None  # the KV block index (precise prefix scorer)
+    rng: random.Random = field(default_factory=random.Random)  # seed it for reproducible runs
