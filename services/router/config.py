@@ -16,7 +16,9 @@ class RouterConfig:
     cluster: str = "default"  # etcd cluster name (key prefix /kvmesh/<cluster>/)
     etcd_endpoints: tuple[str, ...] = ("127.0.0.1:2379",)  # host:port of etcd
     etcd_ttl_s: float = 10.0  # lease TTL of the router's own etcd record
-    policy: str = "least-loaded"  # routing policy (least-loaded, round-robin, random)
+    policy: str = "least-loaded"  # scheduler profile name or a profile YAML file
+    hash_algo: str = "sha256"  # block hash algorithm; must match the workers' vLLM setting
+    hash_seed: str | None = None  # root-hash seed (workers' PYTHONHASHSEED); None: vLLM default
     tokenizer_overrides: dict[str, str] = field(default_factory=dict)  # model -> tokenizer path
     tokenizer_threads: int = 2  # threads tokenizing off the event loop
     default_timeout_s: float = 600.0  # deadline used when a client sets none

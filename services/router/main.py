@@ -24,6 +24,7 @@ from kvmesh.v1 import router_pb2, router_pb2_grpc
 from .config import RouterConfig
 from .core.routing import POLICIES, make_policy
 from .core.workers import Change, WorkerSet
+from .hashing import PromptHasher
 from .pool import WorkerPool
 from .servicer import RouterServicer
 from .tokenizer import Tokenizers
@@ -64,7 +65,8 @@ async def start_router(config: RouterConfig) -> RunningRouter:
     pool = WorkerPool(workers, load_interval_s=config.load_interval_s)
     executor = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tokenize")
     tokenizers = Tokenizers(executor, config.tokenizer_overrides)
-    servicer = RouterServicer(config, workers, pool, make_policy(config.policy), tokenizers)
+    hasher = PromptHasher(executor, config.hash_algo, config.hash_seed)
+    servicer = RouterServicer(config, workers, pool, make_policy(config.policy), tokenizers, hasher)
     server = grpc.aio.server(
         interceptors=server_interceptors(),
         options=[
@@ -151,7 +153,20 @@ def parse_args(argv: list[str] | None) -> RouterConfig:
     p.add_argument(
         "--etcd", default=",".join(d.etcd_endpoints), help="etcd endpoints, host:port,..."
     )
-    p.add_argument("--policy", default=d.policy, choices=sorted(POLICIES), help="routing policy")
+    p.add_argument(
+        "--policy",
+        default=d.policy,
+        help=f"scheduler profile: one of {', '.join(sorted(POLICIES))}, or a profile YAML file "
+        "(default %(default)s)",
+    )
+    p.add_argument(
+        "--hash-algo", default=d.hash_algo, help="block hash algorithm, as the workers' vLLM"
+    )
+    p.add_argument(
+        "--hash-seed",
+        default=d.hash_seed,
+        help="root-hash seed, the workers' PYTHONHASHSEED (default: unset, vLLM's fixed seed)",
+    )
     p.add_argument(
         "--tokenizer",
         action="append",
@@ -182,6 +197,8 @@ def parse_args(argv: list[str] | None) -> RouterConfig:
         cluster=a.cluster,
         etcd_endpoints=tuple(e.strip() for e in a.etcd.split(",") if e.strip()),
         policy=a.policy,
+        hash_algo=a.hash_algo,
+        hash_seed=a.hash_seed,
         tokenizer_overrides=overrides,
         default_timeout_s=a.default_timeout_s,
         max_request_bytes=a.max_request_bytes,

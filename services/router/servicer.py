@@ -23,6 +23,7 @@ from .core import validation
 from .core.routing import RoutingPolicy
 from .core.types import ChatMessage, RouteRequest
 from .core.workers import ModelSummary, WorkerSet
+from .hashing import PromptHasher
 from .pool import WorkerPool
 from .tokenizer import Tokenizers
 
@@ -43,8 +44,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         pool: WorkerPool,
         policy: RoutingPolicy,
         tokenizers: Tokenizers,
+        hasher: PromptHasher,
     ) -> None:
         self._config = config
+        self._hasher = hasher
         self._workers = workers
         self._pool = pool
         self._policy = policy
@@ -72,6 +75,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 ids = await self._prompt_ids(request, model)
                 span.set_attribute("prompt_tokens", len(ids))
             check_prompt(ids, sampling.max_tokens, model.vocab_size, model.max_model_len)
+            with _tracer.start_as_current_span("hash") as span:
+                hashed = await self._hasher.hash(model.block_size, request.session_id, ids)
+                span.set_attribute("blocks", len(hashed.hashes))
+                span.set_attribute("reused_blocks", hashed.reused_blocks)
             route = RouteRequest(
                 request_id=rid,
                 model=model.name,
@@ -79,6 +86,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 session_id=request.session_id,
                 tenant=request.tenant,
                 priority=request.priority,
+                block_hashes=hashed.hashes,
             )
             async for chunk in self._proxy(route, request.sampling, context, arrived):
                 yield chunk
@@ -147,9 +155,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 raise errors.Unavailable(f"{last_failure}; no other serving worker to try")
             with _tracer.start_as_current_span("route") as span:
                 decision = self._policy.pick(route, candidates)
-                span.set_attribute("worker_id", decision.worker_id)
-                span.set_attribute("policy", decision.policy)
-                span.set_attribute("reason", decision.reason)
+                span.set_attributes(decision.attributes())
             stub = self._pool.stub(decision.worker_id)
             if stub is None:  # left between pick and call
                 tried.add(decision.worker_id)
@@ -164,6 +170,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             sent_any = False
             self._active[route.request_id] = _Active(decision.worker_id)
             self._workers.started(decision.worker_id)
+            self._policy.on_routed(route, decision)
             call = stub.Generate(
                 worker_pb2.WorkerGenerateRequest(
                     request_id=route.request_id,
@@ -185,6 +192,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                         if msg.HasField("finished"):
                             out.finished.usage.time_to_first_token_s = ttft
                         trace_first_token(ttft)
+                        self._policy.on_first_token(route, decision.worker_id)
                         sent_any = True
                     yield out
                 return
@@ -214,6 +222,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             finally:
                 call.cancel()  # no-op when finished; aborts the engine request otherwise
                 self._workers.finished(decision.worker_id)
+                self._policy.on_finished(route, decision.worker_id)
                 self._active.pop(route.request_id, None)
 
     # ---- Abort, ListModels ----------------------------------------------------------------

@@ -1,0 +1,45 @@
+"""Prompt block hashing for routing, off the event loop, with session-turn reuse.
+
+Hashes are computed exactly as the workers' vLLM engines compute them (``kvmesh.kv.hashing``);
+the algorithm and the root seed are mesh-wide settings, the block size comes from the model's
+workers. A session's next turn that extends its previous prompt reuses that prompt's hash chain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from concurrent.futures import Executor
+
+from kvmesh.kv.hashing import HashAlgo, HashConfig, SessionHasher, SessionHashes
+
+
+class PromptHasher:
+    def __init__(
+        self,
+        executor: Executor,
+        algo: HashAlgo | str = HashAlgo.SHA256,
+        seed: str | None = None,
+        max_sessions: int = 4096,
+    ) -> None:
+        self._executor = executor
+        self._algo = HashAlgo(algo)
+        self._seed = seed
+        self._max_sessions = max_sessions
+        self._by_block_size: dict[int, SessionHasher] = {}
+
+    def _hasher(self, block_size: int) -> SessionHasher:
+        hasher = self._by_block_size.get(block_size)
+        if hasher is None:
+            cfg = HashConfig(algo=self._algo, block_size=block_size, seed=self._seed)
+            hasher = SessionHasher(cfg, max_sessions=self._max_sessions)
+            self._by_block_size[block_size] = hasher
+        return hasher
+
+    async def hash(
+        self, block_size: int, session_id: str, token_ids: Sequence[int]
+    ) -> SessionHashes:
+        hasher = self._hasher(block_size)
+        return await asyncio.get_running_loop().run_in_executor(
+            self._executor, hasher.hash, session_id or None, token_ids
+        )

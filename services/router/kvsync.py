@@ -1,0 +1,330 @@
+"""The workers' KV event streams (Worker.WatchKvEvents), kept open and handed to the index.
+
+One ``KvEventSubscriber`` per worker keeps a stream open: it reconnects with backoff, resumes
+with ``(epoch, last seq + 1)`` after a lost stream (the worker replays the missed batches if it
+still buffers them, else starts with a snapshot), and asks for a snapshot (empty epoch) whenever
+``on_batch`` says the index cannot apply what came (a gap, a new epoch) or a batch does not follow
+the previous one. ``KvEventSync`` owns one subscriber per worker and follows the worker set like
+``WorkerPool`` does (``apply(change)``).
+
+Callbacks run on the event loop, one worker's batches in order:
+
+- ``on_batch(batch) -> bool``: apply the batch; True means "resync me": the stream is dropped and
+  reopened for a snapshot (return True for the index's GAP / NEW_EPOCH results);
+- ``on_live(worker_id)``: the stream is open and caught up (a snapshot applied, or a resume
+  whose missed batches, if any, are applied); from now on the index is current for this worker;
+- ``on_lost(worker_id)``: a live stream broke; the index may treat the worker's blocks as
+  uncertain until ``on_live`` (after a resume, nothing needs to be re-applied).
+
+Streams are long-lived and have no deadline; a worker that disappears is removed through etcd
+(``apply``), which cancels its stream. Each stream has its own channel, so the snapshot size limit
+(``max_message_bytes``) does not widen the router's other worker calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from kvmesh.discovery.keys import WorkerId
+from kvmesh.kv.events import (
+    AllBlocksCleared,
+    BlockHash,
+    BlockRemoved,
+    BlockStored,
+    KvEvent,
+    KvEventBatch,
+    Tier,
+)
+from kvmesh.telemetry import client_interceptors
+from kvmesh.v1 import worker_pb2, worker_pb2_grpc
+
+from .core.workers import Change
+
+log = logging.getLogger(__name__)
+
+OnBatch = Callable[[KvEventBatch], bool]
+OnWorker = Callable[[WorkerId], None]
+
+# The worker's WatchKvEvents headers (services/worker/servicer.py): its log's last seq when the
+# stream started, and whether the stream resumes ("1") or starts with a snapshot ("0").
+KV_SEQ_KEY = "kvmesh-kv-seq"
+KV_RESUMED_KEY = "kvmesh-kv-resumed"
+
+BACKOFF_S = (0.1, 0.2, 0.5, 1.0, 2.0)
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024  # matches the worker's kv_snapshot_max_bytes default
+
+TIER_OF = {
+    worker_pb2.KV_TIER_GPU: Tier.GPU,
+    worker_pb2.KV_TIER_CPU: Tier.CPU,
+    worker_pb2.KV_TIER_DISK: Tier.DISK,
+}
+
+
+# ---- protobuf -> values ----------------------------------------------------------------------
+def _tier(value: int) -> Tier:
+    # Stored/removed always carry a tier; proto3's default (unspecified) reads as the engine's.
+    return TIER_OF.get(value, Tier.GPU)
+
+
+def kv_event_from_pb(msg: worker_pb2.KvEvent) -> KvEvent | None:
+    kind = msg.WhichOneof("event")
+    if kind == "stored":
+        s = msg.stored
+        parent = BlockHash(s.parent_hash) if s.HasField("parent_hash") else None
+        hashes = tuple(BlockHash(h) for h in s.block_hashes)
+        return BlockStored(hashes, parent, _tier(s.tier), s.block_size)
+    if kind == "removed":
+        r = msg.removed
+        return BlockRemoved(tuple(BlockHash(h) for h in r.block_hashes), _tier(r.tier))
+    if kind == "cleared":
+        return AllBlocksCleared(TIER_OF.get(msg.cleared.tier))
+    return None  # an event kind newer than this router: skipped
+
+
+def kv_batch_from_pb(msg: worker_pb2.KvEventBatch) -> KvEventBatch:
+    events = (kv_event_from_pb(e) for e in msg.events)
+    return KvEventBatch(
+        worker_id=msg.worker_id,
+        epoch=msg.epoch,
+        seq=msg.seq,
+        events=tuple(e for e in events if e is not None),
+        snapshot=msg.snapshot,
+    )
+
+
+# ---- one worker --------------------------------------------------------------------------------
+@dataclass(slots=True)
+class KvStreamStats:
+    """One worker's KV event stream, for metrics (counters are cumulative)."""
+
+    live: bool = False  # a stream is open and caught up with the worker's log
+    epoch: str = ""  # the epoch of the last batch applied
+    last_seq: int = 0  # the seq of the last batch applied
+    batches: int = 0  # batches received, snapshots included
+    snapshots: int = 0
+    blocks_stored: int = 0  # block hashes in BlockStored events (snapshots included)
+    blocks_removed: int = 0
+    resyncs: int = 0  # snapshots asked for because a batch could not be applied
+    reconnects: int = 0  # streams opened again after one ended or failed
+    lost: int = 0  # streams that broke after delivering batches (on_lost calls)
+    last_batch_s: float = 0.0  # time.monotonic() when the last batch arrived
+
+
+def _count(stats: KvStreamStats, batch: KvEventBatch) -> None:
+    stats.batches += 1
+    stats.snapshots += batch.snapshot
+    stats.last_batch_s = time.monotonic()
+    for ev in batch.events:
+        if isinstance(ev, BlockStored):
+            stats.blocks_stored += len(ev.block_hashes)
+        elif isinstance(ev, BlockRemoved):
+            stats.blocks_removed += len(ev.block_hashes)
+
+
+def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        # Reconnect quickly after a blip; the stream loop has its own backoff on top.
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.min_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 2000),
+    ]
+
+
+class KvEventSubscriber:
+    """Follows one worker's KV events until ``close()``."""
+
+    def __init__(
+        self,
+        worker_id: WorkerId,
+        address: str,
+        on_batch: OnBatch,
+        on_lost: OnWorker | None = None,
+        on_live: OnWorker | None = None,
+        backoff_s: Sequence[float] = BACKOFF_S,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
+    ) -> None:
+        self.worker_id = worker_id
+        self.address = address
+        self.stats = KvStreamStats()
+        self._on_batch = on_batch
+        self._on_lost = on_lost
+        self._on_live = on_live
+        self._backoff_s = tuple(backoff_s) or (0.0,)
+        self._channel = grpc.aio.insecure_channel(
+            address,
+            options=channel_options(max_message_bytes),
+            interceptors=client_interceptors(),
+        )
+        self._stub = worker_pb2_grpc.WorkerStub(self._channel)
+        self._epoch = ""  # where to resume; empty: ask for a snapshot
+        self._next_seq = 0
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(
+            self._run(), name=f"kv-events-{self.worker_id}"
+        )
+
+    async def close(self, grace_s: float = 1.0) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        await self._channel.close(grace=grace_s)
+
+    async def _run(self) -> None:
+        attempt = 0
+        opened = False
+        while True:
+            if opened:
+                self.stats.reconnects += 1
+            opened = True
+            resync = False
+            request = worker_pb2.WatchKvEventsRequest(epoch=self._epoch, from_seq=self._next_seq)
+            call = self._stub.WatchKvEvents(request)
+            try:
+                # Headers come first; they say how far the worker's log was when it started.
+                md = dict(await call.initial_metadata() or ())
+                caught_up = int(md.get(KV_SEQ_KEY, 0) or 0)
+                if md.get(KV_RESUMED_KEY) == "1" and self._next_seq > caught_up:
+                    self._set_live()  # resumed with nothing missed
+                    attempt = 0
+                async for msg in call:
+                    batch = kv_batch_from_pb(msg)
+                    if not self._handle(batch):
+                        resync = True
+                        break
+                    attempt = 0
+                    if batch.snapshot or batch.seq >= caught_up:
+                        self._set_live()
+                ended = "the worker ended the stream"
+            except grpc.aio.AioRpcError as exc:
+                ended = f"{exc.code().name}: {exc.details()}"
+            finally:
+                call.cancel()
+            if resync:
+                self.stats.resyncs += 1
+                self.stats.live = False  # the index asked for it: on_live again after the snapshot
+                self._epoch, self._next_seq = "", 0
+                log.info("KV events of %s: resubscribing for a snapshot", self.worker_id)
+                if attempt:  # the last stream applied nothing either: do not spin
+                    await asyncio.sleep(self._backoff_s[min(attempt, len(self._backoff_s) - 1)])
+                attempt += 1
+                continue
+            log.info("KV event stream of %s ended (%s)", self.worker_id, ended)
+            self._set_lost()
+            await asyncio.sleep(self._backoff_s[min(attempt, len(self._backoff_s) - 1)])
+            attempt += 1
+
+    def _set_live(self) -> None:
+        if self.stats.live:
+            return
+        self.stats.live = True
+        if self._on_live is not None:
+            try:
+                self._on_live(self.worker_id)
+            except Exception:
+                log.exception("on_live failed for %s", self.worker_id)
+
+    def _set_lost(self) -> None:
+        if not self.stats.live:
+            return
+        self.stats.live = False
+        self.stats.lost += 1
+        if self._on_lost is not None:
+            try:
+                self._on_lost(self.worker_id)
+            except Exception:
+                log.exception("on_lost failed for %s", self.worker_id)
+
+    def _handle(self, batch: KvEventBatch) -> bool:
+        """Applies one batch; False if the stream must be reset to a snapshot."""
+        _count(self.stats, batch)
+        follows = batch.snapshot or (
+            batch.epoch == self._epoch and batch.seq == self._next_seq and self._next_seq > 0
+        )
+        if not follows:  # the worker sent what we did not ask for; do not apply it
+            log.warning(
+                "KV events of %s: batch epoch=%s seq=%d does not follow epoch=%s seq=%d",
+                self.worker_id,
+                batch.epoch,
+                batch.seq,
+                self._epoch,
+                self._next_seq - 1,
+            )
+            return False
+        try:
+            resync = self._on_batch(batch)
+        except Exception:
+            log.exception("on_batch failed for %s seq=%d; resyncing", self.worker_id, batch.seq)
+            resync = True
+        if resync:
+            return False
+        self._epoch, self._next_seq = batch.epoch, batch.seq + 1
+        self.stats.epoch, self.stats.last_seq = batch.epoch, batch.seq
+        return True
+
+
+# ---- all workers -------------------------------------------------------------------------------
+class KvEventSync:
+    """One ``KvEventSubscriber`` per worker of the set; follows its changes like ``WorkerPool``."""
+
+    def __init__(
+        self,
+        on_batch: OnBatch,
+        on_lost: OnWorker | None = None,
+        on_live: OnWorker | None = None,
+        backoff_s: Sequence[float] = BACKOFF_S,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
+    ) -> None:
+        self._on_batch = on_batch
+        self._on_lost = on_lost
+        self._on_live = on_live
+        self._backoff_s = tuple(backoff_s)
+        self._max_message_bytes = max_message_bytes
+        self._subscribers: dict[WorkerId, KvEventSubscriber] = {}
+        self._closing: set[asyncio.Task[None]] = set()
+
+    def apply(self, change: Change) -> None:
+        """Opens streams for new workers (or moved ones), closes them for gone ones (on the
+        loop)."""
+        for wid in change.removed:
+            self._drop(wid)
+        for rec in (*change.added, *change.updated):
+            current = self._subscribers.get(rec.worker_id)
+            if current is not None and current.address == rec.address:
+                continue
+            self._drop(rec.worker_id)
+            sub = KvEventSubscriber(
+                rec.worker_id,
+                rec.address,
+                self._on_batch,
+                self._on_lost,
+                self._on_live,
+                self._backoff_s,
+                self._max_message_bytes,
+            )
+            self._subscribers[rec.worker_id] = sub
+            sub.start()
+
+    def stats(self) -> dict[WorkerId, KvStreamStats]:
+        return {wid: sub.stats for wid, sub in self._subscribers.items()}
+
+    def _drop(self, worker_id: WorkerId) -> None:
+        sub = self._subscribers.pop(worker_id, None)
+        if sub is not None:
+            closer = asyncio.get_running_loop().create_task(sub.close())
+            self._closing.add(closer)
+            closer.add_done_callback(self._closing.discard)
+
+    async def close(self) -> None:
+        for wid in list(self._subscribers):
+            self._drop(wid)
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)
