@@ -1,0 +1,388 @@
+"""``SimulatedEngine``: the worker's ``Engine`` protocol over a ``SimulatedWorker``, in asyncio
+real time (optionally sped up). It computes nothing: it streams made-up token ids (a deterministic
+function of the request id) at the times the simulated server would produce them, reports the
+cached prompt tokens the simulated prefix cache would serve, and publishes the KV events a vLLM
+server would. Lets the real worker service, router and index run at cluster scale without GPUs.
+
+Prompt token ids are turned into block hashes by the injected ``hasher`` (pass vLLM-exact
+hashing to make the events comparable with a real engine's); the default,
+``simple_block_hashes``, is a deterministic chained hash that is NOT vLLM-compatible.
+
+Not simulated: text (each token's text is `` t<id>``), stop strings (only ``stop_token_ids``,
+``max_tokens``, the context length and an optional simulated end of sequence end a request),
+sampling parameters (ignored).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field, replace
+
+from kvmesh import errors
+from kvmesh.kv.events import BlockHash, KvEvent
+
+from ..core import (
+    EngineInfo,
+    EngineLoad,
+    Finish,
+    FinishReason,
+    GenerateRequest,
+    KvEventSink,
+    OutputDelta,
+    Timing,
+)
+from .model import SimRequest, SimResult, SimulatedWorker, SimWorkerConfig
+
+log = logging.getLogger(__name__)
+
+Hasher = Callable[[Sequence[int]], Sequence[BlockHash]]
+"""Token ids -> hashes of the prompt's full blocks, prefix-chained."""
+
+_MASK = (1 << 64) - 1
+HASH_IN_THREAD_TOKENS = 8_192  # prompts longer than this are hashed off the event loop
+
+
+def simple_block_hashes(block_size: int) -> Hasher:
+    """A deterministic prefix-chained block hash (the same in every process). NOT vLLM's: use
+    it only where nothing compares the hashes with a real engine's."""
+
+    def hasher(token_ids: Sequence[int]) -> list[BlockHash]:
+        out: list[BlockHash] = []
+        parent = 0
+        for i in range(0, len(token_ids) - block_size + 1, block_size):
+            parent = hash((parent, *token_ids[i : i + block_size])) & _MASK
+            out.append(BlockHash(parent))
+        return out
+
+    return hasher
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return x ^ (x >> 31)
+
+
+def fake_token_ids(request_id: str, count: int, vocab_size: int) -> list[int]:
+    """The made-up output of ``request_id``: the same ids for the same request id everywhere."""
+    seed = int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=8).digest(), "big")
+    return [_splitmix64(seed + i) % vocab_size for i in range(count)]
+
+
+@dataclass(frozen=True, slots=True)
+class SimEngineConfig:
+    worker: SimWorkerConfig = field(default_factory=SimWorkerConfig)
+    model: str = "simulated"  # served model name
+    max_model_len: int = 0  # context length in tokens; 0: what the KV capacity holds
+    vocab_size: int = 32_000  # token ids must be < this
+    speedup: float = 1.0  # virtual seconds per real second
+    eos_after_tokens: int = 0  # > 0: the "model" ends with STOP after this many tokens unless
+    # the request sets ignore_eos (0: every request runs to max_tokens)
+
+
+class _Stream:
+    __slots__ = ("done", "output", "queue", "request", "stop_reason")
+
+    def __init__(self, request: SimRequest, output: list[int], stop_reason: str | None) -> None:
+        self.request = request
+        self.output = output  # the token ids it will produce
+        self.stop_reason = stop_reason  # None: it ends by length
+        self.queue: asyncio.Queue[int | SimResult] = asyncio.Queue()  # new tokens, or the end
+        self.done = False
+
+
+class SimulatedEngine:
+    """Implements ``services.worker.core.Engine`` on a simulated server. Construct, serve, then
+    ``await close()``; its clock task starts with the first request."""
+
+    def __init__(
+        self,
+        config: SimEngineConfig | None = None,
+        *,
+        hasher: Hasher | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        cfg = config or SimEngineConfig()
+        if cfg.speedup <= 0:
+            raise ValueError("speedup must be > 0")
+        self._config = cfg
+        wcfg = replace(cfg.worker, coalesce_decode_steps=False)  # stream every step's token
+        capacity_tokens = wcfg.capacity_blocks * wcfg.block_size
+        max_len = cfg.max_model_len or capacity_tokens - wcfg.block_size
+        if max_len > capacity_tokens - wcfg.block_size:
+            raise ValueError(
+                f"max_model_len {max_len} does not fit the simulated KV capacity "
+                f"({capacity_tokens} tokens, one block kept for the partial block)"
+            )
+        self._info = EngineInfo(
+            model=cfg.model,
+            model_path="(simulated)",
+            max_model_len=max_len,
+            block_size=wcfg.block_size,
+            vocab_size=cfg.vocab_size,
+        )
+        self._hasher = hasher or simple_block_hashes(wcfg.block_size)
+        self._clock = clock
+        self._t0 = clock()
+        self._worker = SimulatedWorker(wcfg, kv_sink=self._on_kv, token_sink=self._on_tokens)
+        self._streams: dict[str, _Stream] = {}
+        self._listeners: list[Callable[[], None]] = []
+        self._kv_sink: KvEventSink | None = None
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._closed = False
+
+    # ---- Engine protocol -------------------------------------------------------------------
+    @property
+    def info(self) -> EngineInfo:
+        return self._info
+
+    @property
+    def worker(self) -> SimulatedWorker:
+        """The simulated server (tests look at its cache)."""
+        return self._worker
+
+    def is_running(self, request_id: str) -> bool:
+        return request_id in self._streams
+
+    def load(self) -> EngineLoad:
+        s = self._worker.load()
+        return EngineLoad(
+            running_requests=s.running,
+            waiting_requests=s.waiting,
+            kv_cache_usage=s.kv_usage,
+            prefix_cache_queried_tokens=s.prefix_queried_tokens,
+            prefix_cache_hit_tokens=s.prefix_hit_tokens,
+        )
+
+    def add_load_listener(self, listener: Callable[[], None]) -> None:
+        self._listeners.append(listener)
+
+    def set_kv_event_sink(self, sink: KvEventSink) -> None:
+        self._kv_sink = sink
+
+    async def abort(self, request_id: str) -> None:
+        stream = self._streams.get(request_id)
+        if stream is None or stream.done:
+            raise errors.NotFound(f"request {request_id!r} is not running on this worker")
+        self._abort(stream)
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[OutputDelta]:
+        rid = request.request_id
+        if self._closed:
+            raise errors.Unavailable("the simulated engine is closed")
+        if rid in self._streams:
+            raise errors.InvalidArgument(
+                f"request_id {rid!r} is already running on this worker; use a unique id"
+            )
+        arrived = time.monotonic()
+        prompt = request.prompt_token_ids
+        if len(prompt) > HASH_IN_THREAD_TOKENS:
+            hashes = await asyncio.to_thread(self._hasher, prompt)
+        else:
+            hashes = self._hasher(prompt)
+        if len(hashes) != len(prompt) // self._info.block_size:
+            raise ValueError(
+                f"the hasher gave {len(hashes)} block hashes for {len(prompt)} tokens; it must "
+                f"hash full blocks of {self._info.block_size} tokens (the engine's block size)"
+            )
+        stream = self._new_stream(request, tuple(hashes))
+        if rid in self._streams:  # another call with this id won the race while we hashed
+            raise errors.InvalidArgument(
+                f"request_id {rid!r} is already running on this worker; use a unique id"
+            )
+        self._ensure_task()
+        self._streams[rid] = stream
+        try:
+            self._worker.advance_to(self._virtual_now())
+            self._worker.submit(stream.request)
+            self._changed()
+            async for delta in self._deltas(stream, arrived):
+                yield delta
+        finally:
+            if not stream.done:  # the consumer went away (closed early, cancelled)
+                self._abort(stream)
+            self._streams.pop(rid, None)
+
+    async def close(self) -> None:
+        self._closed = True
+        for stream in list(self._streams.values()):
+            if not stream.done:
+                self._abort(stream)
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    # ---- internals -------------------------------------------------------------------------
+    def _new_stream(self, request: GenerateRequest, hashes: tuple[BlockHash, ...]) -> _Stream:
+        s = request.sampling
+        info = self._info
+        n_prompt = len(request.prompt_token_ids)
+        limit = min(s.max_tokens, max(info.max_model_len - n_prompt, 0))
+        if limit <= 0:
+            raise errors.InvalidArgument(
+                f"the prompt has {n_prompt} tokens; the model's context is {info.max_model_len}"
+            )
+        eos = self._config.eos_after_tokens
+        if eos > 0 and not s.ignore_eos:
+            limit = min(limit, eos)
+        output = fake_token_ids(request.request_id, limit, info.vocab_size)
+        stop_reason: str | None = None
+        if eos > 0 and not s.ignore_eos and limit == eos:
+            stop_reason = ""
+        if s.stop_token_ids:
+            stops = set(s.stop_token_ids)
+            hit = next((i for i, t in enumerate(output) if t in stops), None)
+            if hit is not None:
+                output = output[: hit + 1]
+                stop_reason = str(output[hit])
+        sim = SimRequest(request.request_id, hashes, n_prompt, len(output))
+        if self._worker.blocks_needed(sim) > self._worker.config.capacity_blocks:
+            raise errors.InvalidArgument(
+                f"prompt ({n_prompt} tokens) + output ({len(output)} tokens) exceeds the "
+                "simulated KV capacity; lower max_tokens or shorten the prompt"
+            )
+        return _Stream(sim, output, stop_reason)
+
+    async def _deltas(self, stream: _Stream, arrived: float) -> AsyncIterator[OutputDelta]:
+        rid = stream.request.request_id
+        prompt_tokens = stream.request.prompt_tokens
+        completion = 0
+        first_token_s: float | None = None
+        while True:
+            items = [await stream.queue.get()]
+            while not stream.queue.empty():
+                items.append(stream.queue.get_nowait())
+            new = sum(i for i in items if isinstance(i, int))
+            end = next((i for i in items if isinstance(i, SimResult)), None)
+            now = time.monotonic()
+            token_ids = tuple(stream.output[completion : completion + new])
+            completion += len(token_ids)
+            if token_ids and first_token_s is None:
+                first_token_s = now
+            finish = timing = None
+            cached = self._cached_tokens(rid, end)
+            if end is not None:
+                stream.done = True
+                if end.aborted:
+                    finish = Finish(FinishReason.ABORT)
+                elif stream.stop_reason is not None:
+                    finish = Finish(FinishReason.STOP, stream.stop_reason)
+                else:
+                    finish = Finish(FinishReason.LENGTH)
+                timing = Timing(
+                    arrived_s=arrived,
+                    scheduled_s=self._wall(end.admitted_s),
+                    first_token_s=first_token_s,
+                    finished_s=now,
+                )
+            elif not token_ids:
+                continue
+            yield OutputDelta(
+                request_id=rid,
+                token_ids=token_ids,
+                text="".join(f" t{t}" for t in token_ids),
+                prompt_tokens=prompt_tokens,
+                cached_tokens=cached,
+                completion_tokens=completion,
+                finish=finish,
+                timing=timing,
+            )
+            if end is not None:
+                return
+
+    def _cached_tokens(self, rid: str, end: SimResult | None) -> int:
+        if end is not None:
+            return end.cached_tokens
+        return self._worker.cached_tokens_of(rid)
+
+    def _abort(self, stream: _Stream) -> None:
+        rid = stream.request.request_id
+        result = self._worker.abort(rid)
+        if result is not None:
+            stream.queue.put_nowait(result)
+        stream.done = True
+        self._changed()
+
+    def _on_tokens(self, request_id: str, count: int, _t: float) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.queue.put_nowait(count)
+
+    def _on_kv(self, events: Sequence[KvEvent]) -> None:
+        sink = self._kv_sink
+        if sink is not None:
+            try:
+                sink(events)
+            except Exception:
+                log.exception("KV event sink failed")
+
+    def _virtual_now(self) -> float:
+        return (self._clock() - self._t0) * self._config.speedup
+
+    def _wall(self, virtual_s: float | None) -> float | None:
+        return None if virtual_s is None else self._t0 + virtual_s / self._config.speedup
+
+    def _changed(self) -> None:
+        self._wake.set()
+        for listener in self._listeners:
+            try:
+                listener()
+            except Exception:
+                log.exception("load listener failed")
+
+    def _ensure_task(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="sim-engine")
+
+    def _deliver(self, results: list[SimResult]) -> None:
+        for result in results:
+            stream = self._streams.get(result.request_id)
+            if stream is not None:
+                stream.queue.put_nowait(result)
+
+    async def _run(self) -> None:
+        """The clock: runs the simulated server's steps as real time reaches them."""
+        worker = self._worker
+        speedup = self._config.speedup
+        due = 0.0  # a step end the timer woke us for (the clock may read a hair early)
+        while True:
+            self._wake.clear()
+            now = max(self._virtual_now(), due)
+            before = worker.next_event_time()
+            results = worker.advance_to(now)
+            self._deliver(results)
+            nxt = worker.next_event_time()
+            if results or nxt != before:
+                for listener in self._listeners:
+                    try:
+                        listener()
+                    except Exception:
+                        log.exception("load listener failed")
+            due = 0.0
+            if nxt == math.inf:
+                await self._wake.wait()
+                continue
+            fired: list[bool] = []
+            timer = asyncio.get_running_loop().call_later(
+                max(0.0, (nxt - now) / speedup), self._on_timer, fired
+            )
+            try:
+                await self._wake.wait()
+            finally:
+                timer.cancel()
+            if fired:
+                due = nxt
+
+    def _on_timer(self, fired: list[bool]) -> None:
+        fired.append(True)
+        self._wake.set()

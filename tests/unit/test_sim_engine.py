@@ -1,0 +1,154 @@
+"""SimulatedEngine on its own (asyncio, no grpc): deltas, finish reasons, cached tokens, abort,
+early close, KV events and load, at a high speed-up so simulated seconds pass in milliseconds."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import replace
+
+import pytest
+
+from kvmesh import errors
+from kvmesh.kv.events import BlockStored
+from kvmesh.sampling import Sampling
+from services.worker.core import FinishReason, GenerateRequest
+from services.worker.sim.engine import (
+    SimEngineConfig,
+    SimulatedEngine,
+    fake_token_ids,
+    simple_block_hashes,
+)
+from services.worker.sim.model import SimWorkerConfig
+
+FAST = SimEngineConfig(worker=SimWorkerConfig(capacity_blocks=256), vocab_size=1000, speedup=50.0)
+
+
+def gen(rid: str, prompt: list[int], max_tokens: int = 8, **kw: object) -> GenerateRequest:
+    return GenerateRequest(rid, tuple(prompt), Sampling(max_tokens=max_tokens, **kw))
+
+
+async def collect(engine: SimulatedEngine, request: GenerateRequest):
+    return [d async for d in engine.generate(request)]
+
+
+@pytest.fixture
+async def engine():
+    e = SimulatedEngine(FAST)
+    yield e
+    await e.close()
+
+
+async def test_streams_deterministic_tokens_and_reports_cache_hits(engine):
+    events = []
+    engine.set_kv_event_sink(events.append)
+    prompt = list(range(100))
+    first = await collect(engine, gen("r1", prompt, 6))
+    tokens = [t for d in first for t in d.token_ids]
+    assert tokens == fake_token_ids("r1", 6, 1000)
+    last = first[-1]
+    assert last.finish.reason is FinishReason.LENGTH and last.completion_tokens == 6
+    assert (last.prompt_tokens, last.cached_tokens) == (100, 0)
+    assert last.timing.first_token_s >= last.timing.arrived_s
+    assert last.timing.finished_s >= last.timing.first_token_s
+    assert [d.completion_tokens for d in first] == sorted(d.completion_tokens for d in first)
+    hashes = simple_block_hashes(32)(prompt)
+    assert [e for batch in events for e in batch] == [
+        BlockStored(tuple(hashes), None, block_size=32)
+    ]
+    second = await collect(engine, gen("r2", prompt, 2))
+    assert second[-1].cached_tokens == 96  # 3 full blocks of 32; the tail is recomputed
+    load = engine.load()
+    assert (load.running_requests, load.waiting_requests, load.kv_cache_usage) == (0, 0, 0.0)
+    assert (load.prefix_cache_queried_tokens, load.prefix_cache_hit_tokens) == (200, 96)
+
+
+async def test_stop_token_ids_and_simulated_eos():
+    e = SimulatedEngine(replace(FAST, eos_after_tokens=3))
+    try:
+        stop = fake_token_ids("s1", 8, 1000)[4]
+        out = await collect(e, gen("s1", [1, 2, 3], 8, stop_token_ids=(stop,), ignore_eos=True))
+        assert out[-1].finish.reason is FinishReason.STOP
+        assert out[-1].finish.stop_reason == str(stop) and out[-1].completion_tokens == 5
+        out = await collect(e, gen("s2", [1, 2, 3], 8))
+        assert (out[-1].finish.reason, out[-1].completion_tokens) == (FinishReason.STOP, 3)
+        out = await collect(e, gen("s3", [1, 2, 3], 8, ignore_eos=True))
+        assert (out[-1].finish.reason, out[-1].completion_tokens) == (FinishReason.LENGTH, 8)
+    finally:
+        await e.close()
+
+
+async def test_abort_ends_the_stream_with_abort(engine):
+    stream = engine.generate(gen("a1", list(range(50)), 10_000))
+    first = await anext(stream)
+    assert engine.is_running("a1") and first.token_ids
+    await engine.abort("a1")
+    rest = [d async for d in stream]
+    assert rest[-1].finish.reason is FinishReason.ABORT
+    assert not engine.is_running("a1")
+    with pytest.raises(errors.NotFound):
+        await engine.abort("a1")
+    assert engine.load().running_requests == 0
+
+
+async def test_closing_the_stream_early_aborts_in_the_simulator(engine):
+    stream = engine.generate(gen("c1", list(range(50)), 10_000))
+    await anext(stream)
+    await stream.aclose()
+    assert not engine.is_running("c1") and not engine.worker.is_active("c1")
+
+
+async def test_cancelling_the_consumer_aborts(engine):
+    async def consume():
+        async with contextlib.aclosing(engine.generate(gen("x1", [5] * 40, 10_000))) as s:
+            async for _ in s:
+                pass
+
+    task = asyncio.create_task(consume())
+    for _ in range(1000):
+        if engine.worker.is_active("x1"):
+            break
+        await asyncio.sleep(0.001)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert not engine.worker.is_active("x1") and not engine.is_running("x1")
+
+
+async def test_rejects_duplicates_and_oversized_requests(engine):
+    stream = engine.generate(gen("d1", [1, 2], 10_000))
+    await anext(stream)
+    with pytest.raises(errors.InvalidArgument, match="already running"):
+        await anext(engine.generate(gen("d1", [1, 2], 4)))
+    await stream.aclose()
+    with pytest.raises(errors.InvalidArgument):
+        await anext(engine.generate(gen("d2", [1] * 8200, 10)))  # over 256 blocks of 32
+
+
+async def test_load_listeners_and_concurrent_requests(engine):
+    calls = []
+    engine.add_load_listener(lambda: calls.append(engine.load()))
+    outs = await asyncio.gather(*(collect(engine, gen(f"p{i}", [i + 1] * 64, 4)) for i in range(5)))
+    assert all(o[-1].completion_tokens == 4 for o in outs)
+    assert max(c.running_requests + c.waiting_requests for c in calls) == 5  # all at once
+    assert calls[-1].running_requests == 0
+
+
+async def test_simulated_timing_follows_the_speedup():
+    cfg = SimEngineConfig(
+        worker=SimWorkerConfig(
+            capacity_blocks=64, step_s=0.01, decode_s_per_seq=0.0, prefill_s_per_token=0.0
+        ),
+        speedup=2.0,
+    )
+    e = SimulatedEngine(cfg)
+    try:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        out = await collect(e, gen("t1", [1, 2, 3], 10))
+        took = loop.time() - t0
+        # 10 steps of ~10 ms (plus a little context term) at 2x: ~50 ms of real time.
+        assert 0.045 <= took < 0.5
+        assert out[-1].completion_tokens == 10
+    finally:
+        await e.close()
