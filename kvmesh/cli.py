@@ -285,6 +285,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     model_cli.register(sub)
 
+    from benchmarks.replay import cli as replay_cli
+
+    replay_cli.register(sub)
+
     for name, module in (("router", "services.router.main"), ("worker", "services.worker.main")):
         p = sub.add_parser(
             name,

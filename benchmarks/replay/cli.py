@@ -1,0 +1,162 @@
+"""``kvmesh bench replay``: a request trace through the real router core against simulated
+workers, one table row (or JSON object) per policy.
+
+    kvmesh bench replay --trace mooncake --workers 16 --capacity-blocks 16384
+    kvmesh bench replay --trace agentic --sessions 32 --policy precise-sticky,round-robin --json
+
+Policies: the router's scheduler profiles (round-robin, random, least-loaded, approximate-prefix,
+precise-prefix, precise-sticky, or a profile YAML file), run with the real KV index fed by the
+simulated workers' KV events; plus oracle-prefix and oracle-cost, which read the simulated caches
+directly (upper bounds no real router can reach).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections.abc import Iterable, Iterator
+from dataclasses import replace
+from pathlib import Path
+
+from services.router.core.routing import POLICIES
+from services.worker.sim.model import SimWorkerConfig
+
+DEFAULT_POLICIES = "round-robin,least-loaded,approximate-prefix,precise-prefix,precise-sticky"
+ORACLES = ("oracle-prefix", "oracle-cost")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    bench = subparsers.add_parser("bench", help="benchmarks (replay a trace through the router)")
+    sub = bench.add_subparsers(dest="bench_command", required=True)
+    p = sub.add_parser(
+        "replay",
+        help="replay a request trace through the router core against simulated workers",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    d = SimWorkerConfig()
+    p.add_argument(
+        "--trace", default="mooncake", help="mooncake, agentic, or a Mooncake JSONL file"
+    )
+    p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    p.add_argument("--sessions", type=int, default=32, help="agentic: concurrent main sessions")
+    p.add_argument("--seed", type=int, default=0, help="agentic generator and tie-break seed")
+    p.add_argument(
+        "--workers", type=int, default=16, help="simulated workers (default %(default)s)"
+    )
+    p.add_argument(
+        "--capacity-blocks", type=int, default=d.capacity_blocks, help="KV blocks per worker"
+    )
+    p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
+    p.add_argument(
+        "--policy",
+        default=DEFAULT_POLICIES,
+        help=f"comma-separated: {', '.join([*sorted(POLICIES), *ORACLES])}, or profile .yaml files",
+    )
+    p.add_argument(
+        "--speed",
+        type=float,
+        default=None,
+        help="pace at N x real time (default: as fast as possible)",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object per policy")
+    p.set_defaults(func=run)
+
+
+def _requests(a: argparse.Namespace) -> Iterable:  # type: ignore[type-arg]
+    from .agentic import AgenticConfig, agentic_sessions
+    from .traces import MOONCAKE_TRACE, load_mooncake
+
+    if a.trace == "agentic":
+        reqs: Iterable = agentic_sessions(  # type: ignore[type-arg]
+            AgenticConfig(seed=a.seed, sessions=a.sessions, block_size=a.block_size)
+        )
+        if a.limit:
+            reqs = (r for i, r in zip(range(a.limit), reqs, strict=False))
+        return reqs
+    path = MOONCAKE_TRACE if a.trace == "mooncake" else Path(a.trace)
+    return load_mooncake(path, a.block_size, a.limit)
+
+
+def _progress(reqs: Iterable, label: str, total: int | None) -> Iterator:  # type: ignore[type-arg]
+    """Passes requests through, drawing a progress line on stderr."""
+    n = 0
+    for r in reqs:
+        n += 1
+        if (n % 100 == 0 and sys.stderr.isatty()) or n % 1000 == 0:
+            done = f"{n}/{total}" if total else str(n)
+            bar = ""
+            if total:
+                filled = int(30 * n / total)
+                bar = "[" + "#" * filled + "." * (30 - filled) + "] "
+            print(f"\r{label}: {bar}{done} requests", end="", file=sys.stderr, flush=True)
+        yield r
+    print(f"\r{label}: {n} requests replayed" + " " * 20, file=sys.stderr, flush=True)
+
+
+def run(a: argparse.Namespace) -> int:
+    from .driver import replay
+    from .policies import BUILTIN
+    from .router_policy import RouterPolicy
+
+    cfg = replace(SimWorkerConfig(), capacity_blocks=a.capacity_blocks, block_size=a.block_size)
+    rows = []
+    for name in [n.strip() for n in a.policy.split(",") if n.strip()]:
+        requests = list(_requests(a))
+        on_kv = None
+        if name in ORACLES:
+            policy = BUILTIN[name]()
+        else:
+            policy = RouterPolicy(name, a.workers, seed=a.seed)
+            on_kv = policy.on_kv_events
+        report = replay(
+            _progress(requests, name, len(requests)),
+            policy,
+            workers=a.workers,
+            config=cfg,
+            on_kv_events=on_kv,
+            pace=a.speed,
+            policy_name=name,
+        )
+        row = {
+            "policy": name,
+            "requests": report.requests,
+            "input_tokens": report.input_tokens,
+            "cached_tokens": report.cached_tokens,
+            "reusable_tokens": report.reusable_tokens,
+            "reusable_captured": report.reusable_captured_tokens,
+            "hit_rate": report.hit_rate,
+            "capture_rate": report.capture_rate,
+            "ceiling": report.ceiling,
+            "load_max_over_mean": report.load_balance,
+            "ttft_p50_s": report.ttft_p50_s,
+            "ttft_p99_s": report.ttft_p99_s,
+            "wall_s": report.wall_s,
+        }
+        if isinstance(policy, RouterPolicy) and policy.decision_s:
+            ds = sorted(policy.decision_s)
+            row["decision_p50_ms"] = statistics.median(ds) * 1e3
+            row["decision_p99_ms"] = ds[int(0.99 * (len(ds) - 1))] * 1e3
+            row["index_blocks"] = policy.index.stats().blocks
+        rows.append(row)
+        if a.json:
+            print(json.dumps(row), flush=True)
+    if not a.json:
+        print(
+            f"\ntrace={a.trace} workers={a.workers} capacity_blocks={a.capacity_blocks} "
+            f"block_size={a.block_size}\n"
+        )
+        print(
+            "| policy | hit rate | ceiling | reusable captured | max/mean load | TTFT p50 s "
+            "| TTFT p99 s | decision p50 ms |\n|---|---|---|---|---|---|---|---|"
+        )
+        for r in rows:
+            dec = f"{r['decision_p50_ms']:.2f}" if "decision_p50_ms" in r else "-"
+            print(
+                f"| {r['policy']} | {r['hit_rate']:.1%} | {r['ceiling']:.1%} "
+                f"| {r['capture_rate']:.1%} | {r['load_max_over_mean']:.2f} "
+                f"| {r['ttft_p50_s']:.2f} | {r['ttft_p99_s']:.2f} | {dec} |"
+            )
+    return 0

@@ -1,0 +1,94 @@
+"""The real router core as a replay policy: the scheduler profile (``make_policy``) and the KV
+index, fed by the simulated workers' KV events exactly as the router's KV event streams feed it.
+
+Only the transport is missing: events go straight from the simulated worker to the index (one
+numbered batch per worker step, after an empty snapshot that makes each view exact), loads come
+from the simulated workers' own reports, and the scheduler's feedback hooks are called when the
+driver shows a request is no longer active.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Sequence
+
+from kvmesh.discovery.keys import WorkerId, WorkerRecord
+from kvmesh.kv.events import KvEvent, KvEventBatch
+from services.router.core.index import KvIndex
+from services.router.core.index_types import IndexConfig
+from services.router.core.routing import make_policy
+from services.router.core.types import LoadSnapshot, RouteRequest
+from services.router.core.workers import WorkerSet
+
+from .driver import ClusterView
+from .traces import ReplayRequest
+
+EPOCH = "replay"
+MODEL = "sim"
+
+
+class RouterPolicy:
+    """A scheduler profile over the real KvIndex, as a ``RoutePolicy`` for the replay driver."""
+
+    def __init__(
+        self, profile: str, workers: int, seed: int = 0, index_max_blocks: int = 8_000_000
+    ) -> None:
+        self.name = profile
+        self.index = KvIndex(IndexConfig(max_blocks=index_max_blocks))
+        self.scheduler = make_policy(profile, index=self.index, rng=random.Random(seed))
+        self.workers = WorkerSet("replay")
+        self._ids = [WorkerId(f"sim-{i:03d}") for i in range(workers)]
+        self._slot = {wid: i for i, wid in enumerate(self._ids)}
+        self._seq = [0] * workers
+        for wid in self._ids:
+            rec = WorkerRecord(worker_id=wid, address="sim", model=MODEL, model_path="")
+            self.workers.apply_put(f"/kvmesh/replay/workers/both/{wid}", rec.to_json())
+            self.index.apply(KvEventBatch(wid, EPOCH, 0, (), snapshot=True))
+        self._active: dict[str, tuple[RouteRequest, int]] = {}
+        self._n = 0
+        self.decision_s: list[float] = []  # wall time of each scheduling decision
+        self.reasons: dict[str, int] = {}
+
+    def on_kv_events(self, worker: int, events: Sequence[KvEvent]) -> None:
+        self._seq[worker] += 1
+        self.index.apply(KvEventBatch(self._ids[worker], EPOCH, self._seq[worker], tuple(events)))
+
+    def __call__(self, request: ReplayRequest, view: ClusterView) -> int:
+        self._retire_finished(view)
+        for i, sim in enumerate(view.workers):
+            load = sim.load()
+            self.workers.set_load(
+                self._ids[i],
+                LoadSnapshot(
+                    running_requests=load.running,
+                    waiting_requests=load.waiting,
+                    in_flight_requests=load.running + load.waiting,
+                    kv_cache_usage=load.kv_usage,
+                ),
+            )
+        route = RouteRequest(
+            request_id=str(self._n),  # the driver names its n-th request str(n) too
+            model=MODEL,
+            session_id=request.session_id,
+            block_hashes=request.block_hashes,
+            prompt_tokens=request.input_tokens,
+        )
+        start = time.perf_counter()
+        decision = self.scheduler.pick(route, self.workers.candidates(MODEL))
+        self.decision_s.append(time.perf_counter() - start)
+        self.reasons[decision.reason] = self.reasons.get(decision.reason, 0) + 1
+        self.scheduler.on_routed(route, decision)
+        self._n += 1
+        slot = self._slot[decision.worker_id]
+        self._active[route.request_id] = (route, slot)
+        return slot
+
+    def _retire_finished(self, view: ClusterView) -> None:
+        done = [
+            rid for rid, (_, slot) in self._active.items() if not view.workers[slot].is_active(rid)
+        ]
+        for rid in done:
+            route, slot = self._active.pop(rid)
+            self.scheduler.on_first_token(route, self._ids[slot])
+            self.scheduler.on_finished(route, self._ids[slot])
