@@ -12,13 +12,14 @@ A block on two tiers of one worker simply has two tier bits set.
 
 A worker whose blocks must all go (it left, restarted, or resyncs with a snapshot) gets a fresh
 slot at once and its old slot is *retired*: match() never looks at it again, and a sweep clears
-its bits in bounded steps (a few per ``apply``) before the slot is reused. So dropping a worker is
+its bits in bounded steps (one per ``apply``) before the slot is reused. So dropping a worker is
 O(1) however big the index is.
 
 Memory is bounded by ``IndexConfig.max_blocks`` distinct hashes: past it the least recently stored
 blocks go (a dict keeps insertion order and a block moves to the end whenever a worker stores it).
 A dropped block only costs affinity: the index never claims a block a worker does not hold because
 of it. Identical holder ints are shared (interned), so most blocks cost a dict slot and their key.
+More, with measurements: docs/index.md.
 """
 
 from __future__ import annotations
@@ -74,8 +75,8 @@ def _tier_index(tier: Tier) -> int:
     return _DISK
 
 
-def _slots(mask: int) -> Iterable[int]:
-    """Slots whose any-bit (bit 4s) or tier bits are set in ``mask``, as bit positions."""
+def _bits(mask: int) -> Iterable[int]:
+    """Positions of the set bits of ``mask``, lowest first (position p: slot p >> 2, bit p & 3)."""
     while mask:
         low = mask & -mask
         yield low.bit_length() - 1
@@ -120,6 +121,8 @@ class KvIndex:
     # ---- events ---------------------------------------------------------------------------
     def apply(self, batch: KvEventBatch) -> ApplyResult:
         """Applies one worker's batch if it is the next one (see ``ApplyResult``)."""
+        if self._dirty or self._sweep_keys:  # first, so a pass this batch needs starts later
+            self.sweep(self._cfg.sweep_keys_per_apply)
         if len(self._intern) > self._cfg.intern_values:
             self._intern.clear()
         wid = WorkerId(batch.worker_id)
@@ -130,26 +133,22 @@ class KvIndex:
             w = self._fresh(wid, w, batch)
             self._apply_events(w, batch.events)
             w.state, w.synced = ViewState.EXACT, True
-            result = ApplyResult.SNAPSHOT_APPLIED
-        elif w is None or w.epoch != batch.epoch:
+            return ApplyResult.SNAPSHOT_APPLIED
+        if w is None or w.epoch != batch.epoch:
             w = self._fresh(wid, w, batch)
             self._apply_events(w, batch.events)
             w.state, w.synced = ViewState.DEGRADED, False
-            result = ApplyResult.NEW_EPOCH
-        elif batch.seq <= w.seq:
+            return ApplyResult.NEW_EPOCH
+        if batch.seq <= w.seq:
             return ApplyResult.STALE
-        elif batch.seq != w.seq + 1:
+        if batch.seq != w.seq + 1:
             w.state = ViewState.DEGRADED
             return ApplyResult.GAP
-        else:
-            self._apply_events(w, batch.events)
-            w.seq = batch.seq
-            if w.synced:
-                w.state = ViewState.EXACT
-            result = ApplyResult.APPLIED
-        if self._sweep_keys:
-            self.sweep(self._cfg.sweep_keys_per_apply)
-        return result
+        self._apply_events(w, batch.events)
+        w.seq = batch.seq
+        if w.synced:
+            w.state = ViewState.EXACT
+        return ApplyResult.APPLIED
 
     def drop_worker(self, worker_id: WorkerId) -> bool:
         """Forgets a worker (it left etcd). O(1); its bits are swept later. False: unknown."""
@@ -168,10 +167,19 @@ class KvIndex:
 
     def sweep(self, max_keys: int | None = None) -> int:
         """Clears retired slots' bits, visiting at most ``max_keys`` keys (None: until done).
-        ``apply`` calls it with ``sweep_keys_per_apply``. Returns the keys left to visit."""
+        A pass starts with a snapshot of the keys (~12 ns a key), which is all a bounded call
+        does that time. ``apply`` calls it with ``sweep_keys_per_apply``; the adapter may call it
+        when the streams are idle. Returns the keys left to visit (0: nothing to sweep)."""
         budget = sys.maxsize if max_keys is None else max_keys
         d = self._d
-        while self._sweep_keys and budget > 0:
+        while budget > 0:
+            if not self._sweep_keys:
+                if not self._dirty:
+                    break
+                self._start_pass()
+                if max_keys is not None:
+                    break
+                continue
             pos = self._sweep_pos
             chunk = self._sweep_keys[pos : pos + budget]
             budget -= len(chunk)
@@ -187,7 +195,10 @@ class KvIndex:
                     del d[h]
             if self._sweep_pos >= len(self._sweep_keys):
                 self._finish_pass()
-        return len(self._sweep_keys) - self._sweep_pos
+        return self._sweep_pending()
+
+    def _sweep_pending(self) -> int:
+        return len(self._sweep_keys) - self._sweep_pos + (len(self._d) if self._dirty else 0)
 
     # ---- queries --------------------------------------------------------------------------
     def match(
@@ -230,7 +241,7 @@ class KvIndex:
         owner = self._owner
         out: list[PrefixMatch] = []
         for length, mask in ends:
-            for pos in _slots(mask):
+            for pos in _bits(mask):
                 w = owner[pos >> 2]
                 cpu, disk = lower.get(pos, (0, 0))
                 out.append(
@@ -269,9 +280,9 @@ class KvIndex:
                     if on_gpu == active:
                         continue
                     on_cpu = (v >> 2) & active & ~on_gpu
-                    for pos in _slots(on_cpu):
+                    for pos in _bits(on_cpu):
                         cpu[pos] = cpu.get(pos, 0) + c
-                    for pos in _slots(active & ~on_gpu & ~on_cpu):
+                    for pos in _bits(active & ~on_gpu & ~on_cpu):
                         disk[pos] = disk.get(pos, 0) + c
             start = end
         return {pos: (cpu.get(pos, 0), disk.get(pos, 0)) for pos in cpu.keys() | disk.keys()}
@@ -301,7 +312,7 @@ class KvIndex:
             blocks=len(d),
             entries=sum(self._totals),
             evicted_blocks=self._evicted,
-            sweep_pending=len(self._sweep_keys) - self._sweep_pos,
+            sweep_pending=self._sweep_pending(),
             estimated_bytes=est,
         )
 
@@ -313,7 +324,7 @@ class KvIndex:
             assert v, f"block {h:#x} has no holders"
             assert not v & ~(live4 | garbage), f"block {h:#x} has bits of a free slot"
             live = v & live4
-            for pos in _slots(live):
+            for pos in _bits(live):
                 per_bit[pos] += 1
             any_bits = live & self._live_any
             assert any_bits == ((live >> 1) | (live >> 2) | (live >> 3)) & self._live_any, (
@@ -368,9 +379,7 @@ class KvIndex:
             totals[t] -= c
             held = held or c > 0
         if held:
-            self._dirty |= ab
-            if not self._sweep_keys:
-                self._start_pass()
+            self._dirty |= ab  # the next sweep pass clears it
         else:
             heappush(self._free, w.slot)
         w.counts = [0, 0, 0]
@@ -384,13 +393,11 @@ class KvIndex:
             self._finish_pass()
 
     def _finish_pass(self) -> None:
-        for pos in _slots(self._sweeping):
+        for pos in _bits(self._sweeping):
             heappush(self._free, pos >> 2)
         self._sweeping = 0
         self._sweep_keys = []
         self._sweep_pos = 0
-        if self._dirty:
-            self._start_pass()
 
     def _apply_events(self, w: _Worker, events: Iterable[KvEvent]) -> None:
         for ev in events:
@@ -477,7 +484,7 @@ class KvIndex:
         self._evicted += n
         owner, totals = self._owner, self._totals
         for v, c in holders.items():
-            for pos in _slots(v):
+            for pos in _bits(v):
                 t = (pos & 3) - 1
                 if t >= 0:
                     owner[pos >> 2].counts[t] -= c
