@@ -16,7 +16,8 @@ class RouterConfig:
     cluster: str = "default"  # etcd cluster name (key prefix /kvmesh/<cluster>/)
     etcd_endpoints: tuple[str, ...] = ("127.0.0.1:2379",)  # host:port of etcd
     etcd_ttl_s: float = 10.0  # lease TTL of the router's own etcd record
-    policy: str = "least-loaded"  # scheduler profile name or a profile YAML file
+    policy: str = "precise-sticky"  # scheduler profile name or a profile YAML file
+    index_max_blocks: int = 4_000_000  # KV index bound in distinct blocks (~80 B each)
     hash_algo: str = "sha256"  # block hash algorithm; must match the workers' vLLM setting
     hash_seed: str | None = None  # root-hash seed (workers' PYTHONHASHSEED); None: vLLM default
     tokenizer_overrides: dict[str, str] = field(default_factory=dict)  # model -> tokenizer path

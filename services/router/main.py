@@ -22,9 +22,12 @@ from kvmesh.telemetry import Exporter, server_interceptors, setup_logging, setup
 from kvmesh.v1 import router_pb2, router_pb2_grpc
 
 from .config import RouterConfig
+from .core.index import KvIndex
+from .core.index_types import IndexConfig
 from .core.routing import POLICIES, make_policy
 from .core.workers import Change, WorkerSet
 from .hashing import PromptHasher
+from .kvsync import KvEventSync
 from .pool import WorkerPool
 from .servicer import RouterServicer
 from .tokenizer import Tokenizers
@@ -45,6 +48,8 @@ class RunningRouter:
     _server: grpc.aio.Server
     _health: health.aio.HealthServicer
     _pool: WorkerPool
+    kv_sync: KvEventSync
+    index: KvIndex
     _registrar: Registrar
     _executor: ThreadPoolExecutor
     _config: RouterConfig
@@ -56,6 +61,7 @@ class RunningRouter:
         await self._registrar.close(revoke=True)
         await self._server.stop(grace=self._config.drain_grace_s)
         await self.watcher.close()
+        await self.kv_sync.close()
         await self._pool.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
 
@@ -66,7 +72,13 @@ async def start_router(config: RouterConfig) -> RunningRouter:
     executor = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tokenize")
     tokenizers = Tokenizers(executor, config.tokenizer_overrides)
     hasher = PromptHasher(executor, config.hash_algo, config.hash_seed)
-    servicer = RouterServicer(config, workers, pool, make_policy(config.policy), tokenizers, hasher)
+    index = KvIndex(IndexConfig(max_blocks=config.index_max_blocks))
+    kv_sync = KvEventSync(
+        on_batch=lambda batch: index.apply(batch).needs_resync,
+        on_lost=index.mark_degraded,
+    )
+    policy = make_policy(config.policy, index=index)
+    servicer = RouterServicer(config, workers, pool, policy, tokenizers, hasher)
     server = grpc.aio.server(
         interceptors=server_interceptors(),
         options=[
@@ -89,6 +101,9 @@ async def start_router(config: RouterConfig) -> RunningRouter:
 
     def on_change(change: Change) -> None:
         pool.apply(change)
+        kv_sync.apply(change)
+        for wid in change.removed:
+            index.drop_worker(wid)
         for rec in change.added:
             loading = tokenizers.preload(rec.model, rec.model_path)
             if not ready.is_set():
@@ -120,16 +135,18 @@ async def start_router(config: RouterConfig) -> RunningRouter:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("router %s serving on %s with %d workers known", router_id, address, len(workers))
     return RunningRouter(
-        address,
-        servicer,
-        workers,
-        watcher,
-        server,
-        health_servicer,
-        pool,
-        registrar,
-        executor,
-        config,
+        address=address,
+        servicer=servicer,
+        workers=workers,
+        watcher=watcher,
+        _server=server,
+        _health=health_servicer,
+        _pool=pool,
+        kv_sync=kv_sync,
+        index=index,
+        _registrar=registrar,
+        _executor=executor,
+        _config=config,
     )
 
 
