@@ -110,6 +110,9 @@ class WorkerServicer(object):
         """The engine's KV block events (blocks stored / removed / cleared), in order. Starts with a
         snapshot of every block the worker holds (one batch with `snapshot` set) unless the request
         resumes an epoch whose next batches are still buffered; then live batches follow.
+        Initial metadata: kvmesh-kv-epoch (the epoch), kvmesh-kv-seq (the log's last seq when the
+        stream started), kvmesh-kv-resumed ("1": missed batches follow; "0": a snapshot follows).
+        A subscriber that falls too far behind is cut off with RESOURCE_EXHAUSTED; it resumes.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -59,7 +59,7 @@ KV_RESUMED_KEY = "kvmesh-kv-resumed"
 BACKOFF_S = (0.1, 0.2, 0.5, 1.0, 2.0)
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024  # matches the worker's kv_snapshot_max_bytes default
 
-TIER_OF = {
+TIER_OF: dict[int, Tier] = {
     worker_pb2.KV_TIER_GPU: Tier.GPU,
     worker_pb2.KV_TIER_CPU: Tier.CPU,
     worker_pb2.KV_TIER_DISK: Tier.DISK,
@@ -190,7 +190,8 @@ class KvEventSubscriber:
             call = self._stub.WatchKvEvents(request)
             try:
                 # Headers come first; they say how far the worker's log was when it started.
-                md = dict(await call.initial_metadata() or ())
+                # Not dict(metadata): grpc's aio.Metadata iterates pairs but has keys().
+                md = {k: v for k, v in await call.initial_metadata() or ()}
                 caught_up = int(md.get(KV_SEQ_KEY, 0) or 0)
                 if md.get(KV_RESUMED_KEY) == "1" and self._next_seq > caught_up:
                     self._set_live()  # resumed with nothing missed
@@ -206,6 +207,9 @@ class KvEventSubscriber:
                 ended = "the worker ended the stream"
             except grpc.aio.AioRpcError as exc:
                 ended = f"{exc.code().name}: {exc.details()}"
+            except Exception as exc:  # a bug must not end the stream for good: log, retry
+                log.exception("KV event stream of %s failed", self.worker_id)
+                ended = f"{type(exc).__name__}: {exc}"
             finally:
                 call.cancel()
             if resync:
@@ -217,7 +221,8 @@ class KvEventSubscriber:
                     await asyncio.sleep(self._backoff_s[min(attempt, len(self._backoff_s) - 1)])
                 attempt += 1
                 continue
-            log.info("KV event stream of %s ended (%s)", self.worker_id, ended)
+            level = logging.INFO if self.stats.live else logging.DEBUG  # not every retry
+            log.log(level, "KV event stream of %s ended (%s)", self.worker_id, ended)
             self._set_lost()
             await asyncio.sleep(self._backoff_s[min(attempt, len(self._backoff_s) - 1)])
             attempt += 1

@@ -76,6 +76,7 @@ async def start_router(config: RouterConfig) -> RunningRouter:
     kv_sync = KvEventSync(
         on_batch=lambda batch: index.apply(batch).needs_resync,
         on_lost=index.mark_degraded,
+        on_live=index.mark_live,
     )
     policy = make_policy(config.policy, index=index)
     servicer = RouterServicer(config, workers, pool, policy, tokenizers, hasher)

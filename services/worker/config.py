@@ -26,7 +26,9 @@ class EngineConfig:
     # Seconds the engine core keeps serving in-flight requests when a signal reaches it directly
     # (Ctrl-C or a signal to the whole process group); 0: it aborts them at once.
     core_drain_s: int = 30
-    kv_events_config: Mapping[str, Any] | None = None  # vLLM KVEventsConfig fields (ZMQ events)
+    # vLLM KVEventsConfig fields. Events are always on (ZMQ); endpoint and replay_endpoint default
+    # to ipc sockets in a temp dir of the engine's own (services/worker/kv_events.py).
+    kv_events_config: Mapping[str, Any] | None = None
     kv_transfer_config: Mapping[str, Any] | None = None  # vLLM KVTransferConfig fields (connector)
     engine_extra: Mapping[str, Any] | None = None  # more vLLM EngineArgs fields, passed unchanged
 
@@ -53,6 +55,12 @@ class WorkerConfig:
     drain_grace_s: float = 30.0  # on SIGTERM, seconds in-flight requests get before abort
     load_interval_s: float = 0.25  # default minimum seconds between two WatchLoad pushes
     max_request_bytes: int = 16 * 1024 * 1024  # largest request message, bytes
+    # Largest KV snapshot message sent to a WatchKvEvents subscriber, bytes (the server's send
+    # limit is the larger of this and max_request_bytes). A snapshot costs ~8 bytes per block in
+    # chained runs and ~30 bytes per unchained block: 256 MiB is >= 8 million blocks.
+    kv_snapshot_max_bytes: int = 256 * 1024 * 1024
+    kv_event_buffer_batches: int = 4096  # KV event batches kept for subscribers that resume
+    kv_event_queue_batches: int = 1024  # live batches queued per subscriber before it is cut off
     trace_exporter: Exporter = Exporter.NONE  # where spans go: none, console, otlp
     otlp_endpoint: str = ""  # OTLP collector (host:port) when trace_exporter is otlp
     log_level: str = "INFO"

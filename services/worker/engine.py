@@ -11,6 +11,10 @@ Load comes from vLLM's own scheduler stats through a stat logger (``_StatsSink``
 the latest ``SchedulerStats``; vLLM pushes them after every engine step, including the step
 that retires finished or aborted requests, so an idle engine's last snapshot reads 0 running.
 
+KV events: every engine publishes vLLM's KV cache events over ZMQ to this process
+(``kv_events.VllmKvEvents``: ipc sockets in a temp dir of the engine's own, subscribed before
+the engine starts); ``set_kv_event_sink`` receives them on the event loop.
+
 Library code: reads no environment variables (main() sets vLLM's before importing this).
 """
 
@@ -20,7 +24,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 from vllm import SamplingParams
@@ -48,10 +52,12 @@ from .core import (
     Finish,
     FinishReason,
     GenerateRequest,
+    KvEventSink,
     OutputDelta,
     Sampling,
     Timing,
 )
+from .kv_events import VllmKvEvents
 from .vllm_ext import EXTENSION_CLS
 
 log = logging.getLogger(__name__)
@@ -64,8 +70,12 @@ _FINISH_REASONS = {
 }
 
 
-def build_engine_args(config: EngineConfig) -> AsyncEngineArgs:
-    """The vLLM engine arguments for ``config`` (tests build reference engines from these)."""
+def build_engine_args(
+    config: EngineConfig, kv_events_config: Mapping[str, Any] | None = None
+) -> AsyncEngineArgs:
+    """The vLLM engine arguments for ``config`` (tests build reference engines from these).
+    ``kv_events_config``: the resolved KV events settings, instead of ``config``'s own (which
+    ``VllmEngine.start`` completes with endpoints of its own)."""
     if not config.model:
         raise errors.InvalidArgument("engine.model is empty; pass the model directory (--model)")
     kwargs: dict[str, Any] = {
@@ -86,10 +96,11 @@ def build_engine_args(config: EngineConfig) -> AsyncEngineArgs:
         kwargs["max_model_len"] = config.max_model_len
     if config.max_num_seqs > 0:
         kwargs["max_num_seqs"] = config.max_num_seqs
-    if config.kv_events_config is not None:
+    events = kv_events_config if kv_events_config is not None else config.kv_events_config
+    if events is not None:
         from vllm.config import KVEventsConfig
 
-        kwargs["kv_events_config"] = KVEventsConfig(**dict(config.kv_events_config))
+        kwargs["kv_events_config"] = KVEventsConfig(**dict(events))
     if config.kv_transfer_config is not None:
         from vllm.config import KVTransferConfig
 
@@ -181,16 +192,27 @@ class _StatsSink(StatLoggerBase):
 class VllmEngine:
     """One vLLM engine. Build with ``await VllmEngine.start(config)``; ``close()`` when done."""
 
-    def __init__(self, llm: AsyncLLM, stats: _StatsSink, info: EngineInfo) -> None:
+    def __init__(
+        self, llm: AsyncLLM, stats: _StatsSink, info: EngineInfo, kv_events: VllmKvEvents
+    ) -> None:
         self._llm = llm
         self._stats = stats
         self._info = info
+        self._kv_events = kv_events
         self._running: set[str] = set()
 
     @classmethod
     async def start(cls, config: EngineConfig) -> VllmEngine:
         """Starts the engine (spawns its core process; seconds) and waits until it is ready."""
-        args = build_engine_args(config)
+        # Subscribed before the engine exists, so its first KV events have a reader.
+        kv_events = VllmKvEvents.open(
+            config.kv_events_config, engine_only=config.kv_transfer_config is None
+        )
+        try:
+            args = build_engine_args(config, kv_events.config)
+        except BaseException:
+            await kv_events.close()
+            raise
         stats = _StatsSink()
         started = time.monotonic()
 
@@ -198,8 +220,13 @@ class VllmEngine:
         def stats_factory(_vllm_config: object, _engine_index: int = 0) -> StatLoggerBase:
             return stats
 
-        llm = AsyncLLM.from_engine_args(args, stat_loggers=[stats_factory])
         try:
+            llm = AsyncLLM.from_engine_args(args, stat_loggers=[stats_factory])
+        except BaseException:
+            await kv_events.close()
+            raise
+        try:
+            await kv_events.start()
             amx = await llm.collective_rpc("kvmesh_init_amx")
             await llm.collective_rpc("kvmesh_die_with_parent", args=(os.getpid(),))
             model_config = llm.model_config
@@ -216,6 +243,7 @@ class VllmEngine:
             )
         except BaseException:
             llm.shutdown()
+            await kv_events.close()
             raise
         log.info(
             "engine ready in %.1f s: model=%s dtype=%s max_model_len=%d block_size=%d "
@@ -229,7 +257,7 @@ class VllmEngine:
             config.kv_cache_bytes,
             amx,
         )
-        return cls(llm, stats, info)
+        return cls(llm, stats, info, kv_events)
 
     @property
     def info(self) -> EngineInfo:
@@ -261,6 +289,14 @@ class VllmEngine:
 
     def add_load_listener(self, listener: Callable[[], None]) -> None:
         self._stats.listeners.append(listener)
+
+    def set_kv_event_sink(self, sink: KvEventSink) -> None:
+        self._kv_events.set_sink(sink)
+
+    @property
+    def kv_events(self) -> VllmKvEvents:
+        """The KV event reader (its ``stats``; its ``config`` went into the engine)."""
+        return self._kv_events
 
     async def abort(self, request_id: str) -> None:
         if request_id not in self._running:
@@ -343,6 +379,7 @@ class VllmEngine:
         # AsyncLLM.__del__ calls shutdown() again, possibly at interpreter exit when vLLM's
         # module globals are already gone ("'NoneType' object is not callable").
         llm.shutdown = _already_shut_down  # type: ignore[method-assign]
+        await self._kv_events.close()
 
 
 def _already_shut_down(timeout: float | None = None) -> None:

@@ -79,7 +79,12 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
     g.add_argument("--max-num-seqs", type=int, default=e.max_num_seqs, help="0: vLLM's default")
     g.add_argument("--seed", type=int, default=e.seed)
     g.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
-    g.add_argument("--kv-events-config", type=_json_object, help="vLLM KVEventsConfig as JSON")
+    g.add_argument(
+        "--kv-events-config",
+        type=_json_object,
+        help="vLLM KVEventsConfig fields as JSON (events are always on; default endpoints: ipc "
+        "sockets in a temp dir)",
+    )
     g.add_argument("--kv-transfer-config", type=_json_object, help="vLLM KVTransferConfig, JSON")
     s = p.add_argument_group("service")
     s.add_argument("--host", default=d.host, help="address to listen on (default %(default)s)")

@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import socket
 import time
+import uuid
 from dataclasses import dataclass
 
 import grpc
@@ -16,11 +17,13 @@ from grpc_reflection.v1alpha import reflection
 from kvmesh import __version__
 from kvmesh.discovery.etcd import Registrar
 from kvmesh.discovery.keys import WorkerId, WorkerRecord, WorkerState, check_name, worker_key
+from kvmesh.kv.eventlog import KvEventLog
 from kvmesh.telemetry import server_interceptors
 from kvmesh.v1 import worker_pb2, worker_pb2_grpc
 
 from .config import WorkerConfig
 from .core import Engine
+from .kv_fanout import KvEventHub
 from .servicer import WorkerServicer
 
 log = logging.getLogger(__name__)
@@ -38,6 +41,7 @@ class RunningWorker:
     port: int
     servicer: WorkerServicer
     engine: Engine
+    kv_events: KvEventHub  # the engine's KV event log (its epoch) and the stream fan-out
     record: WorkerRecord
     _server: grpc.aio.Server
     _health: health.aio.HealthServicer
@@ -95,21 +99,35 @@ def default_worker_id(port: int) -> str:
 
 
 async def start_worker(config: WorkerConfig, engine: Engine) -> RunningWorker:
-    """Serves ``engine`` (already started): gRPC server up, health SERVING, etcd record put."""
+    """Serves ``engine`` (already started): gRPC server up, health SERVING, etcd record put.
+
+    The engine's KV events go to a new ``KvEventLog`` from here on (``engine``'s sink is
+    replaced); its epoch is a fresh uuid, so subscribers of an earlier log take a snapshot."""
     if config.worker_id:
         check_name("worker id", config.worker_id)
     check_name("cluster", config.cluster)
+    max_send = max(config.max_request_bytes, config.kv_snapshot_max_bytes)
     server = grpc.aio.server(
         interceptors=server_interceptors(),
         options=[
             ("grpc.max_receive_message_length", config.max_request_bytes),
-            ("grpc.max_send_message_length", config.max_request_bytes),
+            ("grpc.max_send_message_length", max_send),
         ],
     )
     port = server.add_insecure_port(f"{config.host}:{config.port}")
     worker_id = config.worker_id or default_worker_id(port)
     address = f"{advertised_host(config.host, config.advertise_host)}:{port}"
-    servicer = WorkerServicer(engine, worker_id, config.role, config.load_interval_s)
+    kv_log = KvEventLog(worker_id, uuid.uuid4().hex, config.kv_event_buffer_batches)
+    kv_events = KvEventHub(kv_log, config.kv_event_queue_batches)
+    engine.set_kv_event_sink(kv_events.publish)
+    servicer = WorkerServicer(
+        engine,
+        worker_id,
+        config.role,
+        config.load_interval_s,
+        kv_events=kv_events,
+        max_send_bytes=max_send,
+    )
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -159,6 +177,7 @@ async def start_worker(config: WorkerConfig, engine: Engine) -> RunningWorker:
         port=port,
         servicer=servicer,
         engine=engine,
+        kv_events=kv_events,
         record=record,
         _server=server,
         _health=health_servicer,

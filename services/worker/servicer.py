@@ -12,11 +12,20 @@ import grpc
 from kvmesh import errors
 from kvmesh.discovery.keys import Role
 from kvmesh.grpc_errors import abort_with
+from kvmesh.kv.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KvEvent,
+    KvEventBatch,
+    Tier,
+)
 from kvmesh.sampling import sampling_from_pb
 from kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 from . import validation
 from .core import Engine, EngineLoad, FinishReason, GenerateRequest, OutputDelta
+from .kv_fanout import KvEventHub
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +39,45 @@ FINISH_PB = {
     FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
     FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
 }
+
+# WatchKvEvents initial metadata: the log's epoch and last seq when the stream started, and
+# whether the stream resumes the asked epoch ("1") or starts with a snapshot ("0").
+KV_EPOCH_KEY = "kvmesh-kv-epoch"
+KV_SEQ_KEY = "kvmesh-kv-seq"
+KV_RESUMED_KEY = "kvmesh-kv-resumed"
+
+TIER_PB = {
+    Tier.GPU: worker_pb2.KV_TIER_GPU,
+    Tier.CPU: worker_pb2.KV_TIER_CPU,
+    Tier.DISK: worker_pb2.KV_TIER_DISK,
+}
+
+
+def kv_event_to_pb(ev: KvEvent) -> worker_pb2.KvEvent:
+    if isinstance(ev, BlockStored):
+        stored = worker_pb2.BlockStored(
+            block_hashes=ev.block_hashes, tier=TIER_PB[ev.tier], block_size=ev.block_size
+        )
+        if ev.parent_hash is not None:
+            stored.parent_hash = ev.parent_hash
+        return worker_pb2.KvEvent(stored=stored)
+    if isinstance(ev, BlockRemoved):
+        removed = worker_pb2.BlockRemoved(block_hashes=ev.block_hashes, tier=TIER_PB[ev.tier])
+        return worker_pb2.KvEvent(removed=removed)
+    if isinstance(ev, AllBlocksCleared):
+        tier = worker_pb2.KV_TIER_UNSPECIFIED if ev.tier is None else TIER_PB[ev.tier]
+        return worker_pb2.KvEvent(cleared=worker_pb2.AllBlocksCleared(tier=tier))
+    raise TypeError(f"not a KV event: {ev!r}")
+
+
+def kv_batch_to_pb(b: KvEventBatch) -> worker_pb2.KvEventBatch:
+    return worker_pb2.KvEventBatch(
+        worker_id=b.worker_id,
+        epoch=b.epoch,
+        seq=b.seq,
+        events=[kv_event_to_pb(ev) for ev in b.events],
+        snapshot=b.snapshot,
+    )
 
 
 def request_from_pb(r: worker_pb2.WorkerGenerateRequest) -> GenerateRequest:
@@ -98,8 +146,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         worker_id: str,
         role: Role = Role.BOTH,
         load_interval_s: float = 0.25,
+        kv_events: KvEventHub | None = None,
+        max_send_bytes: int = 0,
     ) -> None:
         self._engine = engine
+        self._kv_events = kv_events  # None: this worker publishes no KV events
+        self._max_send_bytes = max_send_bytes  # the server's limit; 0: none
         self._worker_id = worker_id
         self._role = role
         self._load_interval_s = load_interval_s
@@ -143,9 +195,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return len(ids)
 
     async def close(self) -> None:
-        """Ends WatchLoad streams and waits for background aborts."""
+        """Ends WatchLoad and WatchKvEvents streams and waits for background aborts."""
         self._closed = True
         self._changes.notify()
+        if self._kv_events is not None:
+            self._kv_events.close()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
 
@@ -252,6 +306,64 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             vocab_size=info.vocab_size,
             role=ROLE_PB[self._role],
         )
+
+    async def WatchKvEvents(
+        self, request: worker_pb2.WatchKvEventsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.KvEventBatch]:
+        hub = self._kv_events
+        if hub is None:
+            await context.abort(
+                grpc.StatusCode.UNIMPLEMENTED, "this worker's engine publishes no KV events"
+            )
+            return
+        sub = hub.subscribe(request.epoch, request.from_seq)
+        try:
+            # Headers first: they tell the subscriber how far the log is, so one that resumed
+            # with nothing missed knows at once that it is up to date.
+            await context.send_initial_metadata(
+                (
+                    (KV_EPOCH_KEY, hub.log.epoch),
+                    (KV_SEQ_KEY, str(hub.log.seq)),
+                    (KV_RESUMED_KEY, "1" if sub.resumed else "0"),
+                )
+            )
+            # The batches are immutable values: a big snapshot is encoded off the event loop.
+            first = await asyncio.to_thread(lambda: [kv_batch_to_pb(b) for b in sub.initial])
+            if sub.resumed:
+                log.info(
+                    "KV event subscriber resumed epoch=%s from seq %d (%d batches missed)",
+                    request.epoch,
+                    request.from_seq,
+                    len(first),
+                )
+            else:
+                size = first[0].ByteSize()
+                log.info(
+                    "KV event subscriber starts with a snapshot: epoch=%s seq=%d blocks=%d "
+                    "bytes=%d (asked for epoch=%r from seq %d)",
+                    hub.log.epoch,
+                    first[0].seq,
+                    sum(len(e.stored.block_hashes) for e in first[0].events),
+                    size,
+                    request.epoch,
+                    request.from_seq,
+                )
+                if self._max_send_bytes and size > self._max_send_bytes:
+                    raise errors.ResourceExhausted(
+                        f"the KV snapshot is {size} bytes, over the worker's send limit of "
+                        f"{self._max_send_bytes} bytes (kv_snapshot_max_bytes)"
+                    )
+            for msg in first:
+                yield msg
+            while (batch := await sub.next()) is not None:
+                yield kv_batch_to_pb(batch)
+        except errors.KvmeshError as exc:
+            log.info("KV event stream ended: %s", exc)
+            await abort_with(context, exc)
+        except Exception as exc:
+            await abort_with(context, exc, "WatchKvEvents")
+        finally:
+            sub.close()
 
     # ---- internals -----------------------------------------------------------------------
     def _start(self, rid: str, token: object) -> None:

@@ -21,7 +21,15 @@ from opentelemetry.trace import Span, Status, StatusCode
 
 from kvmesh.telemetry import tracer
 
-from .core import Engine, EngineInfo, EngineLoad, GenerateRequest, OutputDelta, Timing
+from .core import (
+    Engine,
+    EngineInfo,
+    EngineLoad,
+    GenerateRequest,
+    KvEventSink,
+    OutputDelta,
+    Timing,
+)
 
 _tracer = tracer(__name__)
 
@@ -59,6 +67,9 @@ class TracedEngine:
 
     def add_load_listener(self, listener: Callable[[], None]) -> None:
         self._inner.add_load_listener(listener)
+
+    def set_kv_event_sink(self, sink: KvEventSink) -> None:
+        self._inner.set_kv_event_sink(sink)
 
     async def abort(self, request_id: str) -> None:
         await self._inner.abort(request_id)

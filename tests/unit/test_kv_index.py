@@ -512,3 +512,15 @@ def test_property_bounded_index_never_overclaims(ops, queries):
         tiers = model.held.get(wid)
         for i, t in enumerate(TIERS):
             assert 0 <= v.on(t) <= (len(tiers[t]) if tiers else 0), (wid, i)
+
+
+def test_mark_live_restores_a_synced_view_only():
+    index = KvIndex()
+    index.apply(KvEventBatch("a", "e", 3, (), snapshot=True))
+    index.mark_degraded(WorkerId("a"))
+    assert index.view(WorkerId("a")).state is ViewState.DEGRADED
+    index.mark_live(WorkerId("a"))
+    assert index.view(WorkerId("a")).state is ViewState.EXACT
+    index.apply(KvEventBatch("b", "e", 1, ()))  # never had a snapshot
+    index.mark_live(WorkerId("b"))
+    assert index.view(WorkerId("b")).state is ViewState.DEGRADED

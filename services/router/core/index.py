@@ -165,6 +165,13 @@ class KvIndex:
         if w is not None:
             w.state = ViewState.DEGRADED
 
+    def mark_live(self, worker_id: WorkerId) -> None:
+        """The worker's stream resumed and caught up with nothing missed: a view that was EXACT
+        before the loss is EXACT again (one that never had a snapshot stays DEGRADED)."""
+        w = self._workers.get(worker_id)
+        if w is not None and w.synced:
+            w.state = ViewState.EXACT
+
     def sweep(self, max_keys: int | None = None) -> int:
         """Clears retired slots' bits, visiting at most ``max_keys`` keys (None: until done).
         A pass starts with a snapshot of the keys (~12 ns a key), which is all a bounded call
