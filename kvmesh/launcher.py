@@ -120,7 +120,7 @@ class Mesh:
         ]  # fmt: skip
         return self._spawn(name, "services.worker.main", args, WORKER_READY)
 
-    def start_router(self, name: str = "router") -> Child:
+    def start_router(self, name: str = "router", extra_args: Sequence[str] = ()) -> Child:
         spec = self.spec
         args = [
             "--host", spec.router_host,
@@ -128,8 +128,23 @@ class Mesh:
             "--cluster", spec.cluster,
             "--etcd", ",".join(self.etcd_endpoints),
             *spec.router_args,
+            *extra_args,
         ]  # fmt: skip
         return self._spawn(name, "services.router.main", args, ROUTER_READY)
+
+    def restart_router(self) -> None:
+        """Stops the router (SIGTERM, drain) and starts a new one in its place."""
+        assert self.router is not None
+        stop_child(self.router, grace_s=15.0)
+        self.router = self.start_router(self.router.name)
+        self._wait_ready(self.router, 60.0)
+
+    def restart_worker(self, i: int) -> None:
+        """Stops worker ``i`` (SIGTERM, drain) and starts a fresh engine under the same id."""
+        old = self.workers[i]
+        stop_child(old, grace_s=30.0)
+        self.workers[i] = self.start_worker(old.name)
+        self._wait_ready(self.workers[i], self.spec.start_timeout_s)
 
     def wait_ready(self, child: Child, timeout_s: float | None = None) -> None:
         self._wait_ready(child, timeout_s or self.spec.start_timeout_s)

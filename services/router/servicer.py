@@ -160,12 +160,15 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             if stub is None:  # left between pick and call
                 tried.add(decision.worker_id)
                 continue
+            explanation = decision.explanation
             log.info(
-                "request %s -> worker %s (%s: %s)",
+                "request %s -> worker %s (%s: %s) predicted_cached_blocks=%d of %d",
                 route.request_id,
                 decision.worker_id,
                 decision.policy,
                 decision.reason,
+                explanation.cached_blocks if explanation is not None else -1,
+                len(route.block_hashes),
             )
             sent_any = False
             self._active[route.request_id] = _Active(decision.worker_id)

@@ -19,6 +19,9 @@ class EngineConfig:
     dtype: str = "auto"  # weights/activations dtype: auto, float32, bfloat16, float16
     max_model_len: int = 0  # context length in tokens (prompt + completion); 0: the model's own
     block_size: int = 32  # tokens per KV block; on CPU a multiple of 32
+    # Root seed of vLLM's block hash chain (its PYTHONHASHSEED), mesh-wide: routers hash with the
+    # same value (router --hash-seed). None: unset, vLLM's fixed default for sha256.
+    hash_seed: str | None = None
     kv_cache_bytes: int = 256 * 1024 * 1024  # KV cache size in bytes
     enable_prefix_caching: bool = True  # reuse KV of shared prompt prefixes
     max_num_seqs: int = 0  # most requests running at once; 0: vLLM's default

@@ -74,6 +74,12 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
     g.add_argument("--max-model-len", type=int, default=e.max_model_len, help="0: the model's")
     g.add_argument("--block-size", type=int, default=e.block_size, help="tokens per KV block")
     g.add_argument(
+        "--hash-seed",
+        default=e.hash_seed,
+        help="root seed of the block hash chain (vLLM's PYTHONHASHSEED); the same value on every "
+        "worker and router (default: unset, vLLM's fixed seed)",
+    )
+    g.add_argument(
         "--kv-cache-bytes", type=parse_bytes, default=e.kv_cache_bytes, help="KV cache size"
     )
     g.add_argument("--max-num-seqs", type=int, default=e.max_num_seqs, help="0: vLLM's default")
@@ -113,6 +119,7 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
             dtype=a.dtype,
             max_model_len=a.max_model_len,
             block_size=a.block_size,
+            hash_seed=a.hash_seed,
             kv_cache_bytes=a.kv_cache_bytes,
             enable_prefix_caching=not a.no_prefix_caching,
             max_num_seqs=a.max_num_seqs,
@@ -138,10 +145,16 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
     )
 
 
-def prepare_environment() -> None:
-    """vLLM's environment; must run before anything imports vllm."""
+def prepare_environment(hash_seed: str | None = None) -> None:
+    """vLLM's environment; must run before anything imports vllm. The block-hash seed is set
+    or removed explicitly, so a PYTHONHASHSEED inherited from a shell or CI cannot silently make
+    this worker's hashes differ from the routers'."""
     for key, value in VLLM_ENVIRONMENT.items():
         os.environ.setdefault(key, value)
+    if hash_seed is None:
+        os.environ.pop("PYTHONHASHSEED", None)
+    else:
+        os.environ["PYTHONHASHSEED"] = hash_seed
 
 
 async def serve(config: WorkerConfig) -> int:
@@ -168,7 +181,7 @@ async def serve(config: WorkerConfig) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     config = parse_args(argv)
-    prepare_environment()
+    prepare_environment(config.engine.hash_seed)
     setup_logging("worker", config.log_level)
     setup_tracing("kvmesh-worker", config.trace_exporter, config.otlp_endpoint)
     try:

@@ -1,0 +1,149 @@
+"""Precise prefix-cache routing on real vLLM workers: conversations with long distinct prefixes
+come back to the worker that holds them (its KV events told the router), round-robin does not;
+the router's index survives a router restart (snapshot) and a worker restart (new epoch).
+
+Runs after test_mesh.py on the same session mesh (its router uses the default profile,
+precise-sticky); the restarts come last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import re
+
+import pytest
+
+from kvmesh.client import Completion, RouterClient, make_request
+from kvmesh.launcher import Mesh
+
+pytestmark = pytest.mark.e2e
+
+PREFIX_TOKENS = 640  # 20 blocks of 32
+THINK_S = 0.6  # time between turns: the worker's KV events reach the router meanwhile
+
+
+class Conversation:
+    def __init__(self, seed: int) -> None:
+        rng = random.Random(seed)
+        self.session = f"conv-{seed}"
+        self.tokens = [rng.randrange(5, 1000) for _ in range(PREFIX_TOKENS)]
+        self._rng = rng
+        self.turns: list[Completion] = []
+
+    def next_prompt(self) -> list[int]:
+        self.tokens += [self._rng.randrange(5, 1000) for _ in range(40)]  # the user's new message
+        return list(self.tokens)
+
+    def record(self, c: Completion) -> None:
+        self.turns.append(c)
+        self.tokens += c.token_ids  # the assistant's answer joins the history
+
+
+async def run_turns(client: RouterClient, convs: list[Conversation], turns: int) -> None:
+    for _ in range(turns):
+        for conv in convs:
+            req = make_request(
+                conv.next_prompt(), max_tokens=8, temperature=0.0, session_id=conv.session
+            )
+            conv.record(await client.complete(req, timeout_s=60))
+        await asyncio.sleep(THINK_S)
+
+
+def follow_ups_on_holder(convs: list[Conversation], start: int = 1) -> tuple[int, int]:
+    """(turns that went to the worker of the previous turn with the history cached, turns)."""
+    good = total = 0
+    for conv in convs:
+        for prev, cur in zip(conv.turns[start - 1 :], conv.turns[start:], strict=False):
+            total += 1
+            u = cur.usage
+            assert u is not None and prev.usage is not None
+            if u.worker_id == prev.usage.worker_id and u.cached_prompt_tokens >= PREFIX_TOKENS:
+                good += 1
+    return good, total
+
+
+async def test_precise_routing_returns_every_turn_to_its_cache(mesh: Mesh):
+    convs = [Conversation(seed) for seed in range(4)]
+    async with RouterClient(mesh.router_address) as client:
+        await run_turns(client, convs, turns=3)
+    good, total = follow_ups_on_holder(convs)
+    assert (good, total) == (8, 8), [
+        (c.session, [(t.usage.worker_id, t.usage.cached_prompt_tokens) for t in c.turns])
+        for c in convs
+    ]
+
+
+async def test_round_robin_does_not(mesh: Mesh):
+    rr = mesh.start_router("router-rr", extra_args=("--policy", "round-robin"))
+    try:
+        mesh.wait_ready(rr, 60)
+        convs = [Conversation(seed) for seed in range(10, 13)]  # 3 conversations: odd on purpose
+        async with RouterClient(rr.ready["address"]) as client:
+            await client.wait_for_models()
+            await run_turns(client, convs, turns=3)
+        good, total = follow_ups_on_holder(convs)
+        assert total == 6 and good < total, "round-robin alternates workers and misses caches"
+    finally:
+        from kvmesh.launcher import stop_child
+
+        stop_child(rr, grace_s=10)
+
+
+async def test_router_restart_rebuilds_the_index_from_snapshots(mesh: Mesh):
+    convs = [Conversation(seed) for seed in range(20, 24)]
+    async with RouterClient(mesh.router_address) as client:
+        await run_turns(client, convs, turns=1)
+    await asyncio.to_thread(mesh.restart_router)
+    await asyncio.sleep(2.0)  # the new router subscribes and applies each worker's snapshot
+    async with RouterClient(mesh.router_address) as client:
+        await run_turns(client, convs, turns=2)  # every request must succeed
+    good, total = follow_ups_on_holder(convs)
+    assert (good, total) == (8, 8), "turns after the restart still find their caches"
+
+
+async def test_worker_restart_drops_its_stale_entries(mesh: Mesh):
+    restarted = mesh.workers[1].name
+    convs: list[Conversation] = []
+    async with RouterClient(mesh.router_address) as client:
+        # Cold first turns go to either worker (ties break at random): start conversations until
+        # at least one lives on the worker we restart and one elsewhere.
+        for seed in range(30, 50):
+            conv = Conversation(seed)
+            await run_turns(client, [conv], turns=1)
+            convs.append(conv)
+            homes = {c.turns[0].usage.worker_id for c in convs}
+            if len(convs) >= 3 and restarted in homes and len(homes) == 2:
+                break
+    await asyncio.to_thread(mesh.restart_worker, 1)
+    async with RouterClient(mesh.router_address) as client:
+        await client.wait_for_models()
+        await asyncio.sleep(1.0)
+        await run_turns(client, convs, turns=2)
+    predicted = predicted_cached_blocks(mesh)
+    moved = 0
+    for conv in convs:
+        before, after, again = conv.turns
+        if before.usage.worker_id == restarted:
+            moved += 1
+            # The router must not believe the restarted engine still holds this history (its
+            # entries went with the old epoch), and indeed nothing serves it from cache.
+            assert predicted[after.request_id] == 0
+            assert after.usage.cached_prompt_tokens < PREFIX_TOKENS
+        # Whatever happened, the next turn finds the history where the last one left it.
+        assert again.usage.worker_id == after.usage.worker_id
+        assert again.usage.cached_prompt_tokens >= PREFIX_TOKENS
+        assert predicted[again.request_id] * 32 >= PREFIX_TOKENS
+    assert moved, "some conversation must have lived on the restarted worker"
+
+
+def predicted_cached_blocks(mesh: Mesh) -> dict[str, int]:
+    """Request id -> the cached prefix (blocks) the router's index predicted, from its log."""
+    assert mesh.router is not None
+    pattern = re.compile(r"request (\S+) -> worker \S+ .* predicted_cached_blocks=(-?\d+) of")
+    out = {}
+    for line in mesh.router.log_path.read_text(errors="replace").splitlines():
+        m = pattern.search(line)
+        if m:
+            out[m.group(1)] = int(m.group(2))
+    return out
