@@ -178,6 +178,12 @@ def parse_args(argv: list[str] | None) -> RouterConfig:
         "(default %(default)s)",
     )
     p.add_argument(
+        "--index-max-blocks",
+        type=int,
+        default=d.index_max_blocks,
+        help="KV index bound in distinct blocks, ~80 B each (default %(default)s)",
+    )
+    p.add_argument(
         "--hash-algo", default=d.hash_algo, help="block hash algorithm, as the workers' vLLM"
     )
     p.add_argument(
@@ -215,6 +221,7 @@ def parse_args(argv: list[str] | None) -> RouterConfig:
         cluster=a.cluster,
         etcd_endpoints=tuple(e.strip() for e in a.etcd.split(",") if e.strip()),
         policy=a.policy,
+        index_max_blocks=a.index_max_blocks,
         hash_algo=a.hash_algo,
         hash_seed=a.hash_seed,
         tokenizer_overrides=overrides,

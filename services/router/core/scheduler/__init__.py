@@ -1,6 +1,6 @@
 """The router's scheduler: profiles of filters -> weighted scorers -> picker, as config.
 
-Pure: no grpc, etcd or vLLM. See docs/scheduler.md. Start-up::
+Pure: no grpc, etcd or vLLM. See docs/routing.md. Start-up::
 
     registry = default_registry()                       # once; register extra plugin types here
     env = PluginEnv(index=kv_index, rng=random.Random(seed))

@@ -162,7 +162,7 @@ class Admission(Protocol):
     returns when the request may be scheduled (or raises ``ResourceExhausted`` /
     ``DeadlineExceeded``), and ``release`` is called from the same place as ``on_finished``. It
     is async because it may hold a request in a per-tenant, per-priority queue while every
-    candidate is saturated; the scheduler itself stays synchronous. See docs/scheduler.md."""
+    candidate is saturated; the scheduler itself stays synchronous. See docs/routing.md."""
 
     async def admit(self, request: RouteRequest) -> None: ...
 
