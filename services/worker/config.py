@@ -46,6 +46,10 @@ class EngineConfig:
 @dataclass(frozen=True, slots=True)
 class WorkerConfig:
     engine: EngineConfig = EngineConfig()
+    # "vllm", or "simulated": services/worker/sim, a simulator for scale tests (not an engine:
+    # fake tokens, modelled timing, a real block cache and real KV events).
+    engine_kind: str = "vllm"
+    sim_capacity_blocks: int = 16384  # simulated engine: KV capacity in blocks
     host: str = "127.0.0.1"  # address to listen on
     port: int = 0  # gRPC port; 0 lets the OS pick (printed in the ready line)
     advertise_host: str = ""  # host others reach us at (etcd record); empty: host, or hostname

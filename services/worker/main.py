@@ -68,7 +68,20 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
     d, e = WorkerConfig(), EngineConfig()
     p = argparse.ArgumentParser(prog="kvmesh worker", description="Run a kvmesh vLLM worker.")
     g = p.add_argument_group("engine")
-    g.add_argument("--model", required=True, metavar="PATH", help="model directory")
+    g.add_argument(
+        "--engine",
+        default=d.engine_kind,
+        choices=["vllm", "simulated"],
+        help="vllm (default), or simulated: a simulator for scale tests (fake tokens, modelled "
+        "timing, real block cache and KV events; clients must send token ids)",
+    )
+    g.add_argument(
+        "--sim-capacity-blocks",
+        type=int,
+        default=d.sim_capacity_blocks,
+        help="simulated: KV blocks",
+    )
+    g.add_argument("--model", default="", metavar="PATH", help="model directory (vllm: required)")
     g.add_argument("--served-model-name", default=e.served_model_name, help="default: dir name")
     g.add_argument("--dtype", default=e.dtype, help="auto, float32, bfloat16, float16")
     g.add_argument("--max-model-len", type=int, default=e.max_model_len, help="0: the model's")
@@ -112,6 +125,8 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
     s.add_argument("--otlp-endpoint", default=d.otlp_endpoint)
     s.add_argument("--log-level", default=d.log_level)
     a = p.parse_args(argv)
+    if a.engine == "vllm" and not a.model:
+        p.error("--model PATH is required with the vllm engine")
     return WorkerConfig(
         engine=EngineConfig(
             model=a.model,
@@ -128,6 +143,8 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
             kv_events_config=a.kv_events_config,
             kv_transfer_config=a.kv_transfer_config,
         ),
+        engine_kind=a.engine,
+        sim_capacity_blocks=a.sim_capacity_blocks,
         host=a.host,
         port=a.port,
         advertise_host=a.advertise_host,
@@ -157,8 +174,26 @@ def prepare_environment(hash_seed: str | None = None) -> None:
         os.environ["PYTHONHASHSEED"] = hash_seed
 
 
+def simulated_engine(config: WorkerConfig):  # type: ignore[no-untyped-def]
+    """The simulator (services/worker/sim), hashing token blocks exactly as vLLM would."""
+    from functools import partial
+
+    from kvmesh.kv.hashing import HashConfig, block_hashes
+
+    from .sim.engine import SimEngineConfig, SimulatedEngine
+    from .sim.model import SimWorkerConfig
+
+    e = config.engine
+    cfg = SimEngineConfig(
+        worker=SimWorkerConfig(capacity_blocks=config.sim_capacity_blocks, block_size=e.block_size),
+        model=e.served_model_name or "simulated",
+        max_model_len=e.max_model_len,
+    )
+    hash_cfg = HashConfig(block_size=e.block_size, seed=e.hash_seed)
+    return SimulatedEngine(cfg, hasher=partial(block_hashes, cfg=hash_cfg))
+
+
 async def serve(config: WorkerConfig) -> int:
-    from .engine import VllmEngine
     from .server import start_worker
     from .traced import TracedEngine
 
@@ -166,7 +201,12 @@ async def serve(config: WorkerConfig) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    engine = await VllmEngine.start(config.engine)
+    if config.engine_kind == "simulated":
+        engine = simulated_engine(config)
+    else:
+        from .engine import VllmEngine  # imports vLLM (seconds): only when it is the engine
+
+        engine = await VllmEngine.start(config.engine)
     try:
         worker = await start_worker(config, TracedEngine(engine))
     except BaseException:
