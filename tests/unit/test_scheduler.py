@@ -403,7 +403,8 @@ class TestFramework:
         totals = [sum(col[i] for col in expect) for i in range(n)]
         win = e.worker_ids.index(d.worker_id)
         assert e.winner_total == pytest.approx(totals[win])
-        assert totals[win] == pytest.approx(max(totals))
+        # The winner is a best total, up to the picker's tie epsilon (1e-9).
+        assert totals[win] >= max(totals) - 1e-9 - 1e-12
 
     def test_deciding_plugin_is_largest_margin(self):
         s = sched(
