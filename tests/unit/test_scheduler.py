@@ -81,6 +81,7 @@ class TestRegistry:
             "kv-usage",
             "precise-prefix",
             "queue",
+            "routed-volume",
             "session-affinity",
         ]
 

@@ -453,6 +453,7 @@ SCORERS = {
     "in-flight": {},
     "in-flight-tokens": {"prefill_only": True},
     "kv-usage": {},
+    "routed-volume": {"half_life_requests": 3, "count": "uncached"},
 }
 
 
@@ -479,3 +480,61 @@ def test_scores_are_in_unit_interval(name, scene):
     out = scorer.score(ctx_for(req, cands, source, ledger), cands)
     assert len(out) == len(cands)
     assert all(0.0 <= x <= 1.0 for x in out), out
+
+
+class TestRoutedVolume:
+    def _scorer(self, **params):
+        from services.router.core.scheduler.load import RoutedVolumeParams, RoutedVolumeScorer
+
+        return RoutedVolumeScorer("routed-volume", RoutedVolumeParams(**params))
+
+    def test_new_work_goes_where_recent_volume_is_lowest(self):
+        scorer = self._scorer(half_life_requests=1000)
+        fleet = views(3)
+        ctx = ctx_for(request(8), fleet)
+        assert list(scorer.score(ctx, fleet)) == [1.0, 1.0, 1.0]  # nothing routed yet
+        big = request(8, prompt_tokens=90_000)
+        small = request(8, prompt_tokens=10_000)
+        scorer.on_routed(big, RouteDecision(fleet[0].record.worker_id, "t", "x"))
+        scorer.on_routed(small, RouteDecision(fleet[1].record.worker_id, "t", "x"))
+        s = list(scorer.score(ctx, fleet))
+        assert s[2] == 1.0 > s[1] > s[0]  # idle > light > heavy
+        assert all(0.0 <= x <= 1.0 for x in s)
+
+    def test_volume_decays_per_decision(self):
+        scorer = self._scorer(half_life_requests=1)
+        fleet = views(2)
+        ctx = ctx_for(request(8), fleet)
+        scorer.on_routed(
+            request(8, prompt_tokens=1000), RouteDecision(fleet[0].record.worker_id, "t", "x")
+        )
+        before = list(scorer.score(ctx, fleet))
+        for _ in range(10):  # ten decisions for the other worker: the first one's volume fades
+            scorer.on_routed(
+                request(8, prompt_tokens=1000), RouteDecision(fleet[1].record.worker_id, "t", "x")
+            )
+        after = list(scorer.score(ctx, fleet))
+        assert before[0] < before[1] and after[0] > after[1]
+
+    @pytest.mark.parametrize(
+        "yield_to_prefix,held_blocks,flat",
+        [
+            pytest.param(1.0, 100, True, id="full-yield-warm: prefix decides alone"),
+            pytest.param(1.0, 0, False, id="full-yield-cold: volume decides"),
+            pytest.param(0.0, 100, False, id="no-yield-warm: volume still counts"),
+        ],
+    )
+    def test_yield_to_prefix(self, yield_to_prefix, held_blocks, flat):
+        scorer = self._scorer(half_life_requests=1000, yield_to_prefix=yield_to_prefix)
+        fleet = [view("a"), view("b")]
+        scorer.on_routed(request(8, prompt_tokens=5000), RouteDecision(WorkerId("a"), "t", "x"))
+        source = PrecisePrefixScorer("p", PreciseParams(), FakeIndex({"a": gpu(held_blocks)}))
+        s = list(scorer.score(ctx_for(request(100), fleet, source=source), fleet))
+        assert (s[0] == pytest.approx(s[1])) is flat
+        assert all(0.0 <= x <= 1.0 for x in s)
+
+    def test_bad_params(self):
+        with pytest.raises(InvalidArgument, match="count is 'all'"):
+            self._scorer(count="all")
+        with pytest.raises(InvalidArgument, match="yield_to_prefix"):
+            self._scorer(yield_to_prefix=1.5)

@@ -93,6 +93,13 @@ BUILTIN_TYPES: tuple[PluginType, ...] = (
         "fewer prompt tokens in flight from this router",
     ),
     PluginType(
+        "routed-volume",
+        Kind.SCORER,
+        load.RoutedVolumeParams,
+        _simple(load.RoutedVolumeScorer),
+        "less recent routed volume (decayed prompt tokens) relative to the fleet",
+    ),
+    PluginType(
         "kv-usage",
         Kind.SCORER,
         load.NoParams,

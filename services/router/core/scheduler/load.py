@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..types import RouteDecision, RouteRequest
 from ..workers import WorkerView, outstanding
 from .params import check
 from .plugins import CycleContext
@@ -104,3 +105,66 @@ class KvUsageScorer:
 
     def score(self, ctx: CycleContext, candidates: Sequence[WorkerView]) -> Sequence[float]:
         return [1.0 - min(max(v.load.kv_cache_usage, 0.0), 1.0) for v in candidates]
+
+
+@dataclass(frozen=True, slots=True)
+class RoutedVolumeParams:
+    # How fast old routing is forgotten, counted in routing decisions (not seconds, so replays in
+    # virtual time and live routers behave alike): a request's weight halves after this many.
+    half_life_requests: float = 400.0
+    # "input": every prompt token routed counts; "uncached": only the tokens the winner was
+    # predicted to compute (its prompt minus the prefix the index says it holds).
+    count: str = "input"
+    # How much the scores flatten with the share of the prompt some candidate already holds
+    # (the profile's prefix match), in [0, 1]: 1 places cold sessions by volume and leaves warm
+    # turns to prefix affinity (never migrates a session to even the load); 0 balances
+    # regardless of what moving a warm session would recompute.
+    yield_to_prefix: float = 0.5
+
+    def __post_init__(self) -> None:
+        check(self.half_life_requests > 0, "half_life_requests must be > 0")
+        check(0.0 <= self.yield_to_prefix <= 1.0, "yield_to_prefix must be in [0, 1]")
+        check(
+            self.count in ("input", "uncached"), f"count is {self.count!r}; use input or uncached"
+        )
+
+
+class RoutedVolumeScorer:
+    """Less recent routed volume (prompt tokens, decayed per decision) is better, relative to the
+    candidates' mean: 1 at no volume, 0.5 at the mean, 0.25 at three times the mean. Request
+    counts and queues are instantaneous; agent sessions are long and uneven, so new sessions go
+    where the recent volume is lowest and the fleet's share of tokens stays even."""
+
+    def __init__(self, name: str, params: RoutedVolumeParams) -> None:
+        self.name = name
+        self._decay = 0.5 ** (1.0 / params.half_life_requests)
+        self._uncached = params.count == "uncached"
+        self._yield = params.yield_to_prefix
+        self._n = 0
+        self._volume: dict[str, tuple[float, int]] = {}  # worker -> (volume, decision number)
+
+    def _now(self, worker_id: str) -> float:
+        value, at = self._volume.get(worker_id, (0.0, self._n))
+        return value * self._decay ** (self._n - at)
+
+    def score(self, ctx: CycleContext, candidates: Sequence[WorkerView]) -> Sequence[float]:
+        vols = [self._now(v.record.worker_id) for v in candidates]
+        mean = sum(vols) / len(vols) if vols else 0.0
+        if mean <= 0.0:
+            return [1.0] * len(candidates)
+        keep = 1.0
+        total = len(ctx.request.block_hashes)
+        if self._yield and total:
+            best = max((m.blocks for m in ctx.prefix().values()), default=0)
+            keep = 1.0 - self._yield * min(best / total, 1.0)
+        return [1.0 - keep * (1.0 - 1.0 / (1.0 + x / mean)) for x in vols]
+
+    def on_routed(self, request: RouteRequest, decision: RouteDecision) -> None:
+        tokens = float(request.prompt_tokens)
+        e = decision.explanation
+        if self._uncached and e is not None and e.cached_blocks > 0 and e.total_blocks > 0:
+            block_tokens = request.prompt_tokens / max(e.total_blocks, 1)
+            tokens = max(tokens - e.cached_blocks * block_tokens, 0.0)
+        wid = decision.worker_id
+        self._n += 1
+        self._volume[wid] = (self._now(wid) + tokens, self._n)

@@ -225,6 +225,26 @@ scorers:
   - {type: kv-usage, weight: 0.1}
 picker: max-score
 """,
+    "precise-balanced": """\
+name: precise-balanced
+description: >-
+  Precise prefix affinity plus an even share of routed tokens: cold sessions go where recent
+  routed volume is lowest, and a worker whose share runs far above the fleet's mean sheds warm
+  sessions too (recomputing them). For busy fleets; on a mostly idle fleet prefer precise-sticky.
+filters: [serving, model, role]
+scorers:
+  - type: precise-prefix
+    weight: 2.0
+    params:
+      tier_weights: {gpu: 1.0, cpu: 0.8, disk: 0.5}
+      degraded_factor: 0.5
+  - type: routed-volume
+    weight: 4.5
+    params: {half_life_requests: 400, yield_to_prefix: 0.3}
+  - {type: queue, weight: 1.0}
+  - {type: in-flight, weight: 0.5}
+picker: max-score
+""",
     "precise-sticky": """\
 name: precise-sticky
 description: >-
