@@ -152,3 +152,28 @@ async def test_simulated_timing_follows_the_speedup():
         assert out[-1].completion_tokens == 10
     finally:
         await e.close()
+
+
+async def test_a_request_that_finishes_while_another_arrives_still_completes():
+    """A new arrival catches the simulated server up to now; a request that finishes in that
+    catch-up (because the engine's own clock task has not run yet, as on a busy machine) must
+    still get its final delta instead of hanging until its deadline."""
+    now = [0.0]
+    engine = SimulatedEngine(replace(FAST, speedup=1.0), clock=lambda: now[0])
+    try:
+        a = engine.generate(gen("a", list(range(64)), 2))
+        first = await a.__anext__()
+        assert first.finish is None
+        now[0] += 1000.0  # far past a's end, before the engine's clock task wakes up
+        b = engine.generate(gen("b", list(range(100, 164)), 1))
+        b_first = asyncio.ensure_future(b.__anext__())
+        rest = await asyncio.wait_for(_drain(a), timeout=5.0)
+        assert rest[-1].finish is not None and rest[-1].finish.reason is FinishReason.LENGTH
+        await asyncio.wait_for(b_first, timeout=5.0)
+        await asyncio.wait_for(_drain(b), timeout=5.0)
+    finally:
+        await engine.close()
+
+
+async def _drain(stream):
+    return [d async for d in stream]

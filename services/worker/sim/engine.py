@@ -201,7 +201,9 @@ class SimulatedEngine:
         self._ensure_task()
         self._streams[rid] = stream
         try:
-            self._worker.advance_to(self._virtual_now())
+            # Catch the simulated server up to now before the arrival; requests that finish in
+            # that catch-up must get their results (dropping them left their streams hanging).
+            self._deliver(self._worker.advance_to(self._virtual_now()))
             self._worker.submit(stream.request)
             self._changed()
             async for delta in self._deltas(stream, arrived):
