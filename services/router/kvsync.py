@@ -231,6 +231,12 @@ class KvEventSubscriber:
         if self.stats.live:
             return
         self.stats.live = True
+        log.info(
+            "KV events of %s live (epoch %s, seq %d)",
+            self.worker_id,
+            self._epoch,
+            self._next_seq - 1,
+        )
         if self._on_live is not None:
             try:
                 self._on_live(self.worker_id)

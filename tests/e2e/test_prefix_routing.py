@@ -94,8 +94,10 @@ async def test_router_restart_rebuilds_the_index_from_snapshots(mesh: Mesh):
     convs = [Conversation(seed) for seed in range(20, 24)]
     async with RouterClient(mesh.router_address) as client:
         await run_turns(client, convs, turns=1)
+    mark = router_log_size(mesh)
     await asyncio.to_thread(mesh.restart_router)
-    await asyncio.sleep(2.0)  # the new router subscribes and applies each worker's snapshot
+    # The new router subscribes to each worker's KV events and applies its snapshot.
+    await wait_kv_live(mesh, [w.name for w in mesh.workers], since=mark)
     async with RouterClient(mesh.router_address) as client:
         await run_turns(client, convs, turns=2)  # every request must succeed
     good, total = follow_ups_on_holder(convs)
@@ -115,10 +117,11 @@ async def test_worker_restart_drops_its_stale_entries(mesh: Mesh):
             homes = {c.turns[0].usage.worker_id for c in convs}
             if len(convs) >= 3 and restarted in homes and len(homes) == 2:
                 break
+    mark = router_log_size(mesh)
     await asyncio.to_thread(mesh.restart_worker, 1)
+    await wait_kv_live(mesh, [restarted], since=mark)  # the new engine's epoch, from a snapshot
     async with RouterClient(mesh.router_address) as client:
         await client.wait_for_models()
-        await asyncio.sleep(1.0)
         await run_turns(client, convs, turns=2)
     predicted = predicted_cached_blocks(mesh)
     moved = 0
@@ -135,6 +138,26 @@ async def test_worker_restart_drops_its_stale_entries(mesh: Mesh):
         assert again.usage.cached_prompt_tokens >= PREFIX_TOKENS
         assert predicted[again.request_id] * 32 >= PREFIX_TOKENS
     assert moved, "some conversation must have lived on the restarted worker"
+
+
+def router_log_size(mesh: Mesh) -> int:
+    assert mesh.router is not None
+    return mesh.router.log_path.stat().st_size
+
+
+async def wait_kv_live(mesh: Mesh, workers: list[str], since: int, timeout_s: float = 60.0) -> None:
+    """Until the router logs that each worker's KV event stream is live (snapshot applied)."""
+    assert mesh.router is not None
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        with mesh.router.log_path.open("rb") as f:
+            f.seek(since)
+            text = f.read().decode(errors="replace")
+        if all(f"KV events of {w} live" in text for w in workers):
+            return
+        assert loop.time() < deadline, f"KV events of {workers} not live in {timeout_s} s"
+        await asyncio.sleep(0.2)
 
 
 def predicted_cached_blocks(mesh: Mesh) -> dict[str, int]:
