@@ -146,7 +146,7 @@ async def test_text_and_chat_inputs(mesh: Mesh):
         )
     assert text.usage.prompt_tokens > 3 and len(text.token_ids) == text.usage.completion_tokens
     assert chat.usage.prompt_tokens > text.usage.prompt_tokens
-    assert "".join(chat.text) == chat.text  # text deltas concatenate
+    assert 1 <= len(chat.token_ids) == chat.usage.completion_tokens <= 5
 
 
 async def test_client_cancel_aborts_in_the_engine(mesh: Mesh):
