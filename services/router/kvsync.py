@@ -33,14 +33,11 @@ import grpc
 
 from kvmesh.discovery.keys import WorkerId
 from kvmesh.kv.events import (
-    AllBlocksCleared,
-    BlockHash,
     BlockRemoved,
     BlockStored,
-    KvEvent,
     KvEventBatch,
-    Tier,
 )
+from kvmesh.kv_wire import KV_RESUMED_KEY, KV_SEQ_KEY, kv_batch_from_pb
 from kvmesh.telemetry import client_interceptors
 from kvmesh.v1 import worker_pb2, worker_pb2_grpc
 
@@ -51,51 +48,9 @@ log = logging.getLogger(__name__)
 OnBatch = Callable[[KvEventBatch], bool]
 OnWorker = Callable[[WorkerId], None]
 
-# The worker's WatchKvEvents headers (services/worker/servicer.py): its log's last seq when the
-# stream started, and whether the stream resumes ("1") or starts with a snapshot ("0").
-KV_SEQ_KEY = "kvmesh-kv-seq"
-KV_RESUMED_KEY = "kvmesh-kv-resumed"
 
 BACKOFF_S = (0.1, 0.2, 0.5, 1.0, 2.0)
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024  # matches the worker's kv_snapshot_max_bytes default
-
-TIER_OF: dict[int, Tier] = {
-    worker_pb2.KV_TIER_GPU: Tier.GPU,
-    worker_pb2.KV_TIER_CPU: Tier.CPU,
-    worker_pb2.KV_TIER_DISK: Tier.DISK,
-}
-
-
-# ---- protobuf -> values ----------------------------------------------------------------------
-def _tier(value: int) -> Tier:
-    # Stored/removed always carry a tier; proto3's default (unspecified) reads as the engine's.
-    return TIER_OF.get(value, Tier.GPU)
-
-
-def kv_event_from_pb(msg: worker_pb2.KvEvent) -> KvEvent | None:
-    kind = msg.WhichOneof("event")
-    if kind == "stored":
-        s = msg.stored
-        parent = BlockHash(s.parent_hash) if s.HasField("parent_hash") else None
-        hashes = tuple(BlockHash(h) for h in s.block_hashes)
-        return BlockStored(hashes, parent, _tier(s.tier), s.block_size)
-    if kind == "removed":
-        r = msg.removed
-        return BlockRemoved(tuple(BlockHash(h) for h in r.block_hashes), _tier(r.tier))
-    if kind == "cleared":
-        return AllBlocksCleared(TIER_OF.get(msg.cleared.tier))
-    return None  # an event kind newer than this router: skipped
-
-
-def kv_batch_from_pb(msg: worker_pb2.KvEventBatch) -> KvEventBatch:
-    events = (kv_event_from_pb(e) for e in msg.events)
-    return KvEventBatch(
-        worker_id=msg.worker_id,
-        epoch=msg.epoch,
-        seq=msg.seq,
-        events=tuple(e for e in events if e is not None),
-        snapshot=msg.snapshot,
-    )
 
 
 # ---- one worker --------------------------------------------------------------------------------

@@ -12,14 +12,7 @@ import grpc
 from kvmesh import errors
 from kvmesh.discovery.keys import Role
 from kvmesh.grpc_errors import abort_with
-from kvmesh.kv.events import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    KvEvent,
-    KvEventBatch,
-    Tier,
-)
+from kvmesh.kv_wire import KV_EPOCH_KEY, KV_RESUMED_KEY, KV_SEQ_KEY, kv_batch_to_pb
 from kvmesh.sampling import sampling_from_pb
 from kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
@@ -39,45 +32,6 @@ FINISH_PB = {
     FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
     FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
 }
-
-# WatchKvEvents initial metadata: the log's epoch and last seq when the stream started, and
-# whether the stream resumes the asked epoch ("1") or starts with a snapshot ("0").
-KV_EPOCH_KEY = "kvmesh-kv-epoch"
-KV_SEQ_KEY = "kvmesh-kv-seq"
-KV_RESUMED_KEY = "kvmesh-kv-resumed"
-
-TIER_PB = {
-    Tier.GPU: worker_pb2.KV_TIER_GPU,
-    Tier.CPU: worker_pb2.KV_TIER_CPU,
-    Tier.DISK: worker_pb2.KV_TIER_DISK,
-}
-
-
-def kv_event_to_pb(ev: KvEvent) -> worker_pb2.KvEvent:
-    if isinstance(ev, BlockStored):
-        stored = worker_pb2.BlockStored(
-            block_hashes=ev.block_hashes, tier=TIER_PB[ev.tier], block_size=ev.block_size
-        )
-        if ev.parent_hash is not None:
-            stored.parent_hash = ev.parent_hash
-        return worker_pb2.KvEvent(stored=stored)
-    if isinstance(ev, BlockRemoved):
-        removed = worker_pb2.BlockRemoved(block_hashes=ev.block_hashes, tier=TIER_PB[ev.tier])
-        return worker_pb2.KvEvent(removed=removed)
-    if isinstance(ev, AllBlocksCleared):
-        tier = worker_pb2.KV_TIER_UNSPECIFIED if ev.tier is None else TIER_PB[ev.tier]
-        return worker_pb2.KvEvent(cleared=worker_pb2.AllBlocksCleared(tier=tier))
-    raise TypeError(f"not a KV event: {ev!r}")
-
-
-def kv_batch_to_pb(b: KvEventBatch) -> worker_pb2.KvEventBatch:
-    return worker_pb2.KvEventBatch(
-        worker_id=b.worker_id,
-        epoch=b.epoch,
-        seq=b.seq,
-        events=[kv_event_to_pb(ev) for ev in b.events],
-        snapshot=b.snapshot,
-    )
 
 
 def request_from_pb(r: worker_pb2.WorkerGenerateRequest) -> GenerateRequest:

@@ -24,8 +24,9 @@ from kvmesh.kv.events import (
     KvEventBatch,
     Tier,
 )
+from kvmesh.kv_wire import kv_batch_from_pb
 from kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from services.router.kvsync import KvEventSubscriber, kv_batch_from_pb
+from services.router.kvsync import KvEventSubscriber
 from services.worker.config import EngineConfig, WorkerConfig
 from services.worker.main import VLLM_ENVIRONMENT
 from tests.integration.conftest import TcpProxy

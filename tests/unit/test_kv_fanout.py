@@ -18,9 +18,8 @@ from kvmesh.kv.events import (
     KvEventBatch,
     Tier,
 )
-from services.router.kvsync import kv_batch_from_pb
+from kvmesh.kv_wire import kv_batch_from_pb, kv_batch_to_pb
 from services.worker.kv_fanout import KvEventHub
-from services.worker.servicer import kv_batch_to_pb
 
 
 def h(*xs: int) -> tuple[BlockHash, ...]:
