@@ -18,6 +18,7 @@ from grpc_reflection.v1alpha import reflection
 from kvmesh import __version__
 from kvmesh.discovery.etcd import PrefixWatcher, Registrar
 from kvmesh.discovery.keys import RouterRecord, router_key, workers_prefix
+from kvmesh.metrics import MetricsServer, serve_metrics
 from kvmesh.telemetry import Exporter, server_interceptors, setup_logging, setup_tracing
 from kvmesh.v1 import router_pb2, router_pb2_grpc
 
@@ -28,6 +29,7 @@ from .core.routing import POLICIES, make_policy
 from .core.workers import Change, WorkerSet
 from .hashing import PromptHasher
 from .kvsync import KvEventSync
+from .metrics import RouterMetrics
 from .pool import WorkerPool
 from .servicer import RouterServicer
 from .tokenizer import Tokenizers
@@ -53,6 +55,9 @@ class RunningRouter:
     _registrar: Registrar
     _executor: ThreadPoolExecutor
     _config: RouterConfig
+    metrics: RouterMetrics
+    metrics_server: MetricsServer | None
+    _metrics_task: asyncio.Task[None]
 
     async def stop(self) -> None:
         """Health NOT_SERVING -> refuse new work -> let streams finish (bounded) -> leave etcd."""
@@ -63,6 +68,10 @@ class RunningRouter:
         await self.watcher.close()
         await self.kv_sync.close()
         await self._pool.close()
+        self._metrics_task.cancel()
+        await asyncio.gather(self._metrics_task, return_exceptions=True)
+        if self.metrics_server is not None:
+            await asyncio.to_thread(self.metrics_server.close)
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 
@@ -79,7 +88,8 @@ async def start_router(config: RouterConfig) -> RunningRouter:
         on_live=index.mark_live,
     )
     policy = make_policy(config.policy, index=index)
-    servicer = RouterServicer(config, workers, pool, policy, tokenizers, hasher)
+    metrics = RouterMetrics()
+    servicer = RouterServicer(config, workers, pool, policy, tokenizers, hasher, metrics)
     server = grpc.aio.server(
         interceptors=server_interceptors(),
         options=[
@@ -132,6 +142,12 @@ async def start_router(config: RouterConfig) -> RunningRouter:
         ttl_s=config.etcd_ttl_s,
     )
     await registrar.start()
+    metrics_server = None
+    if config.metrics_port >= 0:
+        metrics_server = serve_metrics(metrics.registry, config.metrics_host, config.metrics_port)
+    metrics_task = asyncio.get_running_loop().create_task(
+        _refresh_metrics(metrics, kv_sync, index, config.metrics_refresh_s), name="metrics"
+    )
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("router %s serving on %s with %d workers known", router_id, address, len(workers))
@@ -148,7 +164,18 @@ async def start_router(config: RouterConfig) -> RunningRouter:
         _registrar=registrar,
         _executor=executor,
         _config=config,
+        metrics=metrics,
+        metrics_server=metrics_server,
+        _metrics_task=metrics_task,
     )
+
+
+async def _refresh_metrics(
+    metrics: RouterMetrics, kv_sync: KvEventSync, index: KvIndex, every_s: float
+) -> None:
+    while True:
+        metrics.refresh_kv(kv_sync.stats(), index)
+        await asyncio.sleep(every_s)
 
 
 def advertised_host(host: str, advertise_host: str) -> str:
@@ -201,6 +228,13 @@ def parse_args(argv: list[str] | None) -> RouterConfig:
     p.add_argument("--default-timeout-s", type=float, default=d.default_timeout_s)
     p.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes)
     p.add_argument("--drain-grace-s", type=float, default=d.drain_grace_s)
+    p.add_argument("--metrics-host", default=d.metrics_host, help="address of /metrics")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=d.metrics_port,
+        help="Prometheus /metrics port; 0 = OS picks (printed at start), -1 = off",
+    )
     p.add_argument(
         "--trace-exporter", default=d.trace_exporter.value, choices=[e.value for e in Exporter]
     )
@@ -228,6 +262,8 @@ def parse_args(argv: list[str] | None) -> RouterConfig:
         default_timeout_s=a.default_timeout_s,
         max_request_bytes=a.max_request_bytes,
         drain_grace_s=a.drain_grace_s,
+        metrics_host=a.metrics_host,
+        metrics_port=a.metrics_port,
         trace_exporter=Exporter(a.trace_exporter),
         otlp_endpoint=a.otlp_endpoint,
         log_level=a.log_level,
@@ -236,7 +272,8 @@ def parse_args(argv: list[str] | None) -> RouterConfig:
 
 async def serve(config: RouterConfig) -> None:
     router = await start_router(config)
-    print(f"{READY_LINE} address={router.address}", flush=True)
+    metrics = f" metrics={router.metrics_server.url}" if router.metrics_server else ""
+    print(f"{READY_LINE} address={router.address}{metrics}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

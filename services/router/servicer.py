@@ -13,7 +13,7 @@ import grpc
 
 from kvmesh import errors
 from kvmesh.discovery.keys import WorkerId
-from kvmesh.grpc_errors import abort_with, from_rpc_error
+from kvmesh.grpc_errors import abort_with, from_rpc_error, status_for
 from kvmesh.sampling import check_prompt, check_sampling, sampling_from_pb
 from kvmesh.telemetry import tracer
 from kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2
@@ -24,6 +24,7 @@ from .core.routing import RoutingPolicy
 from .core.types import ChatMessage, RouteRequest
 from .core.workers import ModelSummary, WorkerSet
 from .hashing import PromptHasher
+from .metrics import RouterMetrics
 from .pool import WorkerPool
 from .tokenizer import Tokenizers
 
@@ -45,6 +46,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         policy: RoutingPolicy,
         tokenizers: Tokenizers,
         hasher: PromptHasher,
+        metrics: RouterMetrics | None = None,
     ) -> None:
         self._config = config
         self._hasher = hasher
@@ -52,6 +54,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self._pool = pool
         self._policy = policy
         self._tokenizers = tokenizers
+        self.metrics = metrics or RouterMetrics()
+        self.metrics.in_flight.set_function(lambda: len(self._active))
         self._active: dict[str, _Active] = {}
         self.draining = False
 
@@ -61,6 +65,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     ) -> AsyncIterator[router_pb2.GenerateResponse]:
         arrived = time.monotonic()
         rid = request.request_id or uuid.uuid4().hex
+        model_name = ""
+        code = "OK"
         try:
             if rid in self._active:
                 raise errors.InvalidArgument(
@@ -69,6 +75,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             if self.draining:
                 raise errors.Unavailable("router is shutting down; retry on another router")
             model = self._resolve_model(request.model)
+            model_name = model.name
             sampling = sampling_from_pb(request.sampling)
             check_sampling(sampling, model.vocab_size)
             with _tracer.start_as_current_span("tokenize") as span:
@@ -91,11 +98,18 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             async for chunk in self._proxy(route, request.sampling, context, arrived):
                 yield chunk
         except errors.KvmeshError as exc:
+            code = status_for(exc).name
             log.info("request %s rejected: %s: %s", rid, type(exc).__name__, exc)
             await abort_with(context, exc, rid)
         except asyncio.CancelledError:
+            code = "CANCELLED"
             log.info("request %s cancelled by the client", rid)
             raise
+        except Exception:
+            code = "INTERNAL"
+            raise
+        finally:
+            self.metrics.ended(model_name, code)
 
     def _resolve_model(self, name: str) -> ModelSummary:
         models = self._workers.models()
@@ -147,6 +161,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         )
         tried: set[WorkerId] = set()
         last_failure = ""
+        metrics = self.metrics
+        model = route.model
         while True:
             candidates = [
                 v for v in self._workers.candidates(route.model) if v.record.worker_id not in tried
@@ -154,7 +170,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             if not candidates and last_failure:
                 raise errors.Unavailable(f"{last_failure}; no other serving worker to try")
             with _tracer.start_as_current_span("route") as span:
+                started = time.perf_counter()
                 decision = self._policy.pick(route, candidates)
+                metrics.decided(decision, time.perf_counter() - started)
                 span.set_attributes(decision.attributes())
             stub = self._pool.stub(decision.worker_id)
             if stub is None:  # left between pick and call
@@ -170,7 +188,13 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 explanation.cached_blocks if explanation is not None else -1,
                 len(route.block_hashes),
             )
+            metrics.routed(
+                model,
+                route.prompt_tokens,
+                explanation.cached_tokens if explanation is not None else 0,
+            )
             sent_any = False
+            last_token_s = 0.0
             self._active[route.request_id] = _Active(decision.worker_id)
             self._workers.started(decision.worker_id)
             self._policy.on_routed(route, decision)
@@ -187,16 +211,27 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     out = router_pb2.GenerateResponse(
                         request_id=route.request_id, token_ids=msg.token_ids, text=msg.text
                     )
-                    if msg.HasField("finished"):
+                    finished = msg.HasField("finished")
+                    if finished:
                         out.finished.CopyFrom(msg.finished)
                         out.finished.usage.worker_id = decision.worker_id
-                    if not sent_any and (msg.token_ids or msg.HasField("finished")):
-                        ttft = time.monotonic() - arrived
-                        if msg.HasField("finished"):
+                        metrics.cached_tokens.labels(model).inc(
+                            msg.finished.usage.cached_prompt_tokens
+                        )
+                    now = time.monotonic()
+                    if not sent_any and (msg.token_ids or finished):
+                        ttft = now - arrived
+                        if finished:
                             out.finished.usage.time_to_first_token_s = ttft
                         trace_first_token(ttft)
+                        metrics.ttft_seconds.labels(model).observe(ttft)
                         self._policy.on_first_token(route, decision.worker_id)
                         sent_any = True
+                    elif msg.token_ids:
+                        per_token = (now - last_token_s) / len(msg.token_ids)
+                        metrics.itl_seconds.labels(model).observe(per_token)
+                    if msg.token_ids:
+                        last_token_s = now
                     yield out
                 return
             except grpc.aio.AioRpcError as exc:
@@ -211,6 +246,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     )
                     tried.add(decision.worker_id)
                     self._workers.mark_draining(decision.worker_id)
+                    metrics.retries.inc()
                     continue
                 if code is grpc.StatusCode.DEADLINE_EXCEEDED:
                     raise errors.DeadlineExceeded(

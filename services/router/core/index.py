@@ -301,6 +301,11 @@ class KvIndex:
         g, c, d = w.counts
         return WorkerKvView(worker_id, w.state, w.epoch, w.seq, g, c, d)
 
+    @property
+    def block_count(self) -> int:
+        """Distinct block hashes held now (O(1))."""
+        return len(self._d)
+
     def workers(self) -> tuple[WorkerId, ...]:
         """Workers the index has a view of, by id."""
         return tuple(sorted(self._workers))
