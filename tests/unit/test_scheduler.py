@@ -74,6 +74,7 @@ class TestRegistry:
         assert reg.names(Kind.FILTER) == ["model", "role", "serving"]
         assert reg.names(Kind.PICKER) == ["max-score", "random", "round-robin"]
         assert reg.names(Kind.SCORER) == [
+            "active-context",
             "approximate-prefix",
             "cost-model",
             "in-flight",

@@ -118,6 +118,12 @@ class TestPrecisePrefix:
                 id="custom-tiers",
             ),
             pytest.param(Matched(0, exact=True), PreciseParams(), 0.0, id="none"),
+            pytest.param(
+                gpu(100), PreciseParams(full_score_blocks=400), 0.25, id="full-score-above-prompt"
+            ),
+            pytest.param(
+                gpu(50), PreciseParams(full_score_blocks=40), 0.5, id="full-score-below-prompt"
+            ),
         ],
     )
     def test_score(self, match, params, want):
@@ -454,6 +460,7 @@ SCORERS = {
     "in-flight-tokens": {"prefill_only": True},
     "kv-usage": {},
     "routed-volume": {"half_life_requests": 3, "count": "uncached"},
+    "active-context": {"idle_requests": 2},
 }
 
 
@@ -538,3 +545,61 @@ class TestRoutedVolume:
             self._scorer(count="all")
         with pytest.raises(InvalidArgument, match="yield_to_prefix"):
             self._scorer(yield_to_prefix=1.5)
+
+
+class TestActiveContext:
+    def _scorer(self, idle_requests=100):
+        from services.router.core.scheduler.footprint import (
+            ActiveContextParams,
+            ActiveContextScorer,
+        )
+
+        return ActiveContextScorer("ac", ActiveContextParams(idle_requests=idle_requests))
+
+    @staticmethod
+    def _turn(scorer, session, tokens, wid):
+        scorer.on_routed(
+            request(8, prompt_tokens=tokens, session=session),
+            RouteDecision(WorkerId(wid), "t", "x"),
+        )
+
+    def test_footprint_is_the_live_sessions_latest_contexts(self):
+        s = self._scorer()
+        self._turn(s, "a", 10_000, "w0")
+        self._turn(s, "a", 12_000, "w0")  # a turn replaces its session's last context
+        self._turn(s, "b", 5_000, "w1")
+        self._turn(s, "", 99_000, "w1")  # no session: leaves no footprint
+        assert (s.footprint("w0"), s.footprint("w1")) == (12_000, 5_000)
+        self._turn(s, "b", 6_000, "w0")  # b moved: it leaves w1
+        assert (s.footprint("w0"), s.footprint("w1")) == (18_000, 0)
+
+    def test_idle_sessions_expire(self):
+        s = self._scorer(idle_requests=3)
+        self._turn(s, "a", 10_000, "w0")
+        for i in range(3):
+            self._turn(s, "b", 1_000 + i, "w1")
+        assert s.footprint("w0") == 0 and s.footprint("w1") == 1_002
+
+    def test_own_session_left_out_and_light_workers_win(self):
+        s = self._scorer()
+        fleet = views(3)
+        w0, w1, _w2 = (v.record.worker_id for v in fleet)
+        self._turn(s, "a", 100_000, w0)  # the session being scored lives on w0
+        self._turn(s, "b", 50_000, w0)
+        self._turn(s, "c", 50_000, w1)
+        ctx = ctx_for(request(8, prompt_tokens=101_000, session="a"), fleet)
+        got = list(s.score(ctx, fleet))
+        # Without its own context w0 carries what w1 does; w2 carries nothing.
+        assert got[0] == pytest.approx(got[1]) and got[2] == 1.0 > got[0]
+        cold = ctx_for(request(8, prompt_tokens=1_000, session="new"), fleet)
+        got = list(s.score(cold, fleet))
+        assert got[2] == 1.0 > got[1] > got[0]
+
+    def test_idle_fleet_scores_flat(self):
+        s = self._scorer()
+        fleet = views(2)
+        assert list(s.score(ctx_for(request(8, session="x"), fleet), fleet)) == [1.0, 1.0]
+
+    def test_bad_params(self):
+        with pytest.raises(InvalidArgument, match="idle_requests"):
+            self._scorer(idle_requests=0)

@@ -7,6 +7,7 @@ from typing import Any
 from . import filters, load, pickers
 from .affinity import SessionAffinityScorer, SessionParams
 from .cost import CostModelScorer, CostParams
+from .footprint import ActiveContextParams, ActiveContextScorer
 from .plugins import PluginEnv
 from .prefix import ApproxParams, ApproxPrefixScorer, PreciseParams, PrecisePrefixScorer
 from .registry import Kind, PluginType, Registry
@@ -98,6 +99,13 @@ BUILTIN_TYPES: tuple[PluginType, ...] = (
         load.RoutedVolumeParams,
         _simple(load.RoutedVolumeScorer),
         "less recent routed volume (decayed prompt tokens) relative to the fleet",
+    ),
+    PluginType(
+        "active-context",
+        Kind.SCORER,
+        ActiveContextParams,
+        _simple(ActiveContextScorer),
+        "smaller sum of the live sessions' contexts (the worker's future load)",
     ),
     PluginType(
         "kv-usage",

@@ -42,11 +42,19 @@ class PreciseParams:
     tier_weights: TierWeights = field(default_factory=TierWeights)
     # Multiplies the score of a worker whose view in the index is degraded (events lost).
     degraded_factor: float = 0.5
+    # 0: the score is the matched share of the prompt. N > 0: a match of N blocks (or of the
+    # whole prompt, if longer) scores 1, a shorter one proportionally less: short contexts are
+    # cheap to move, so load scorers may place them, while long ones stay where they are cached.
+    full_score_blocks: int = 0
 
     def __post_init__(self) -> None:
         check(
             0.0 <= self.degraded_factor <= 1.0,
             f"degraded_factor is {self.degraded_factor}; use a factor in [0, 1]",
+        )
+        check(
+            self.full_score_blocks >= 0,
+            f"full_score_blocks is {self.full_score_blocks}; use 0 (share of the prompt) or more",
         )
 
 
@@ -82,6 +90,7 @@ class PrecisePrefixScorer:
             return [0.0] * len(candidates)
         matches = ctx.prefix() if ctx.prefix_source is self else self.prefix_match(ctx)
         tw = self._p.tier_weights
+        total = max(total, self._p.full_score_blocks)
         wg, wc, wd = tw.gpu / total, tw.cpu / total, tw.disk / total
         degraded = self._p.degraded_factor
         out = []
