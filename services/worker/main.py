@@ -16,7 +16,6 @@ import json
 import logging
 import math
 import os
-import re
 import signal
 import sys
 from typing import Any
@@ -24,6 +23,7 @@ from typing import Any
 from kvmesh.discovery.keys import Role
 from kvmesh.errors import KvmeshError
 from kvmesh.telemetry import Exporter, setup_logging, setup_tracing
+from kvmesh.units import parse_bytes
 
 from .config import EngineConfig, WorkerConfig
 
@@ -41,17 +41,6 @@ VLLM_ENVIRONMENT = {
     "TRANSFORMERS_OFFLINE": "1",
 }
 """Set (unless already set) before vLLM is imported; the engine core child inherits them."""
-
-_SIZE_RE = re.compile(r"^\s*(\d+)\s*([KMGT]i?B?)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-
-
-def parse_bytes(text: str) -> int:
-    """``67108864``, ``64MiB``, ``64M`` or ``1GiB`` as a number of bytes (binary units)."""
-    m = _SIZE_RE.match(text)
-    if not m:
-        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (e.g. 268435456, 256MiB)")
-    return int(m.group(1)) * _UNITS[(m.group(2) or "")[:1].upper()]
 
 
 def _json_object(text: str) -> dict[str, Any]:

@@ -18,12 +18,12 @@ from kvmesh import __version__
 from kvmesh.discovery.etcd import Registrar
 from kvmesh.discovery.keys import WorkerId, WorkerRecord, WorkerState, check_name, worker_key
 from kvmesh.kv.eventlog import KvEventLog
+from kvmesh.kv.fanout import KvEventHub
 from kvmesh.telemetry import server_interceptors
 from kvmesh.v1 import worker_pb2, worker_pb2_grpc
 
 from .config import WorkerConfig
 from .core import Engine
-from .kv_fanout import KvEventHub
 from .servicer import WorkerServicer
 
 log = logging.getLogger(__name__)

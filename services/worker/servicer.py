@@ -12,13 +12,13 @@ import grpc
 from kvmesh import errors
 from kvmesh.discovery.keys import Role
 from kvmesh.grpc_errors import abort_with
-from kvmesh.kv_wire import KV_EPOCH_KEY, KV_RESUMED_KEY, KV_SEQ_KEY, kv_batch_to_pb
+from kvmesh.kv.fanout import KvEventHub
+from kvmesh.kv_stream import serve_kv_events
 from kvmesh.sampling import sampling_from_pb
 from kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 from . import validation
 from .core import Engine, EngineLoad, FinishReason, GenerateRequest, OutputDelta
-from .kv_fanout import KvEventHub
 
 log = logging.getLogger(__name__)
 
@@ -270,54 +270,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 grpc.StatusCode.UNIMPLEMENTED, "this worker's engine publishes no KV events"
             )
             return
-        sub = hub.subscribe(request.epoch, request.from_seq)
-        try:
-            # Headers first: they tell the subscriber how far the log is, so one that resumed
-            # with nothing missed knows at once that it is up to date.
-            await context.send_initial_metadata(
-                (
-                    (KV_EPOCH_KEY, hub.log.epoch),
-                    (KV_SEQ_KEY, str(hub.log.seq)),
-                    (KV_RESUMED_KEY, "1" if sub.resumed else "0"),
-                )
-            )
-            # The batches are immutable values: a big snapshot is encoded off the event loop.
-            first = await asyncio.to_thread(lambda: [kv_batch_to_pb(b) for b in sub.initial])
-            if sub.resumed:
-                log.info(
-                    "KV event subscriber resumed epoch=%s from seq %d (%d batches missed)",
-                    request.epoch,
-                    request.from_seq,
-                    len(first),
-                )
-            else:
-                size = first[0].ByteSize()
-                log.info(
-                    "KV event subscriber starts with a snapshot: epoch=%s seq=%d blocks=%d "
-                    "bytes=%d (asked for epoch=%r from seq %d)",
-                    hub.log.epoch,
-                    first[0].seq,
-                    sum(len(e.stored.block_hashes) for e in first[0].events),
-                    size,
-                    request.epoch,
-                    request.from_seq,
-                )
-                if self._max_send_bytes and size > self._max_send_bytes:
-                    raise errors.ResourceExhausted(
-                        f"the KV snapshot is {size} bytes, over the worker's send limit of "
-                        f"{self._max_send_bytes} bytes (kv_snapshot_max_bytes)"
-                    )
-            for msg in first:
-                yield msg
-            while (batch := await sub.next()) is not None:
-                yield kv_batch_to_pb(batch)
-        except errors.KvmeshError as exc:
-            log.info("KV event stream ended: %s", exc)
-            await abort_with(context, exc)
-        except Exception as exc:
-            await abort_with(context, exc, "WatchKvEvents")
-        finally:
-            sub.close()
+        async for msg in serve_kv_events(
+            hub,
+            request.epoch,
+            request.from_seq,
+            context,
+            self._max_send_bytes,
+            f"KV event (worker {self._worker_id})",
+            "kv_snapshot_max_bytes",
+        ):
+            yield msg
 
     # ---- internals -----------------------------------------------------------------------
     def _start(self, rid: str, token: object) -> None:

@@ -19,7 +19,7 @@ from kvmesh.kv.events import (
     Tier,
 )
 from kvmesh.kv_wire import kv_batch_from_pb, kv_batch_to_pb
-from services.worker.kv_fanout import KvEventHub
+from kvmesh.kv.fanout import KvEventHub
 
 
 def h(*xs: int) -> tuple[BlockHash, ...]:

@@ -1,4 +1,4 @@
-"""The worker's KV event log and its live fan-out to WatchKvEvents subscribers.
+"""A KV event log and its live fan-out to WatchKvEvents subscribers (workers and kvmanagers).
 
 Transport-free (asyncio only). ``KvEventHub.publish`` is the engine's KV event sink: it appends
 the step's events to the log (numbering them) and queues the batch for every subscriber without
