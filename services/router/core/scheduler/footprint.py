@@ -30,9 +30,21 @@ from .plugins import CycleContext
 class ActiveContextParams:
     # A session leaves the footprint after this many routing decisions with no turn of it.
     idle_requests: int = 400
+    # The score is 1 / (1 + (x / mean) ** sharpness): 1 makes every difference count a little;
+    # larger values flatten the scores below the mean and drop them fast above it, so only a
+    # clearly overloaded worker loses warm sessions (fewer, more useful migrations).
+    sharpness: float = 1.0
+    # A session whose first prompt mostly (this share of its blocks or more) continues a context
+    # some candidate already holds is a fork (a sub-agent, a retry, a branch): short-lived as a
+    # rule, so moving it would recompute its context for little gain. Forks are scored flat for
+    # their whole life and follow prefix affinity; their footprint still counts, so the
+    # long-lived sessions beside them are the ones that move. 0 turns this off.
+    fork_share: float = 0.7
 
     def __post_init__(self) -> None:
         check(self.idle_requests > 0, "idle_requests must be > 0")
+        check(self.sharpness > 0, "sharpness must be > 0")
+        check(0.0 <= self.fork_share <= 1.0, "fork_share must be in [0, 1]")
 
 
 @dataclass(slots=True)
@@ -40,12 +52,16 @@ class _Session:
     worker_id: str
     tokens: int
     last: int  # decision number of its last turn
+    fork: bool  # its first prompt continued a context held elsewhere (see fork_share)
 
 
 class ActiveContextScorer:
     def __init__(self, name: str, params: ActiveContextParams) -> None:
         self.name = name
         self._idle = params.idle_requests
+        self._sharp = params.sharpness
+        self._fork_share = params.fork_share
+        self._first_turn: tuple[str, bool] | None = None  # (request id, fork?) of the last cycle
         self._n = 0
         self._sessions: dict[str, _Session] = {}
         self._footprint: dict[str, int] = {}  # worker -> tokens of its live sessions
@@ -57,6 +73,13 @@ class ActiveContextScorer:
 
     def score(self, ctx: CycleContext, candidates: Sequence[WorkerView]) -> Sequence[float]:
         own = self._sessions.get(ctx.request.session_id) if ctx.request.session_id else None
+        if own is None:
+            fork = bool(self._fork_share) and self._is_fork(ctx)
+            self._first_turn = (ctx.request.request_id, fork)
+            if fork:
+                return [1.0] * len(candidates)
+        elif own.fork:
+            return [1.0] * len(candidates)
         fp = self._footprint
         xs = []
         for v in candidates:
@@ -68,7 +91,17 @@ class ActiveContextScorer:
         mean = sum(xs) / len(xs) if xs else 0.0
         if mean <= 0.0:
             return [1.0] * len(candidates)
-        return [1.0 / (1.0 + x / mean) for x in xs]
+        p = self._sharp
+        if p == 1.0:
+            return [1.0 / (1.0 + x / mean) for x in xs]
+        return [1.0 / (1.0 + (x / mean) ** p) for x in xs]
+
+    def _is_fork(self, ctx: CycleContext) -> bool:
+        total = len(ctx.request.block_hashes)
+        if not total or ctx.prefix_source is None:
+            return False
+        best = max((m.blocks for m in ctx.prefix().values()), default=0)
+        return best >= self._fork_share * total
 
     def on_routed(self, request: RouteRequest, decision: RouteDecision) -> None:
         self._n += 1
@@ -81,7 +114,10 @@ class ActiveContextScorer:
             self._add(s.worker_id, -s.tokens)
             s.worker_id, s.tokens, s.last = decision.worker_id, request.prompt_tokens, self._n
         else:
-            s = self._sessions[sid] = _Session(decision.worker_id, request.prompt_tokens, self._n)
+            first = self._first_turn
+            fork = first is not None and first[0] == request.request_id and first[1]
+            s = _Session(decision.worker_id, request.prompt_tokens, self._n, fork)
+            self._sessions[sid] = s
         self._add(s.worker_id, s.tokens)
         self._turns.append((self._n, sid))
 

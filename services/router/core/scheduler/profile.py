@@ -225,6 +225,28 @@ scorers:
   - {type: kv-usage, weight: 0.1}
 picker: max-score
 """,
+    "precise-active": """\
+name: precise-active
+description: >-
+  Precise prefix affinity plus an even share of the live sessions' contexts (active-context):
+  agent sessions resend their whole context each turn, so a worker's future load is the sum of
+  the contexts living on it. A session moves (recomputing once) only when the other sessions on
+  its worker carry far more context than another worker's; its next turns follow the prefix.
+  For fleets serving long agent sessions; see docs/routing.md for the replay numbers.
+filters: [serving, model, role]
+scorers:
+  - type: precise-prefix
+    weight: 2.0
+    params:
+      tier_weights: {gpu: 1.0, cpu: 0.8, disk: 0.5}
+      degraded_factor: 0.5
+  - type: active-context
+    weight: 5.0
+    params: {idle_requests: 400, fork_share: 0.0}
+  - {type: queue, weight: 1.0}
+  - {type: in-flight, weight: 0.5}
+picker: max-score
+""",
     "precise-balanced": """\
 name: precise-balanced
 description: >-
