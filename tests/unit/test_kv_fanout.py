@@ -18,8 +18,8 @@ from kvmesh.kv.events import (
     KvEventBatch,
     Tier,
 )
-from kvmesh.kv_wire import kv_batch_from_pb, kv_batch_to_pb
 from kvmesh.kv.fanout import KvEventHub
+from kvmesh.kv_wire import kv_batch_from_pb, kv_batch_to_pb
 
 
 def h(*xs: int) -> tuple[BlockHash, ...]:

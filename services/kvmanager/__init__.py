@@ -1,0 +1,4 @@
+"""The KV-cache manager: a daemon per node owning the KV tiers below the engine's GPU memory (CPU
+DRAM, then disk). ``core/`` is pure bookkeeping (layouts, tiers, eviction); ``store.py`` and
+``diskfile.py`` are the adapters that hold the bytes in RAM and files. See docs/kvmanager-store.md.
+"""

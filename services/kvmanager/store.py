@@ -1,0 +1,436 @@
+"""The tiered KV block store: block bytes in RAM (the CPU tier) and in files (the disk tier), laid
+out and evicted as the pure ``TierIndex`` plans. Async API for the daemon's one event loop; every
+file operation runs on the store's own I/O threads, never on the loop.
+
+Call it from one event loop only (the index is not thread-safe). Disk trouble degrades to a miss:
+a corrupt or vanished file is dropped and ``get`` answers None; a failed write leaves the block
+where it was (or drops it, for a demotion) and is logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Coroutine, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from kvmesh.kv.events import BlockHash, Tier
+
+from . import diskfile
+from .core.config import StoreConfig
+from .core.errors import CorruptBlock, StoreClosed, StoreFull
+from .core.layout import KvLayout, check_block_hash
+from .core.plan import (
+    BlockId,
+    DeleteFromDisk,
+    DropFromMemory,
+    Grant,
+    Granted,
+    LayoutEvent,
+    TierUsage,
+    WriteToDisk,
+)
+from .core.tiers import TierIndex
+
+log = logging.getLogger(__name__)
+_T = TypeVar("_T")
+_MAX_PENDING_PROMOTIONS = 16  # promotions waiting for RAM room; more reads skip promoting
+
+
+@dataclass(frozen=True, slots=True)
+class Pins:
+    """Blocks pinned by ``TieredStore.pin``: each stays on its tier until ``unpin``."""
+
+    blocks: tuple[tuple[BlockId, Tier], ...]
+
+    @property
+    def tiers(self) -> list[Tier]:
+        return [tier for _, tier in self.blocks]
+
+
+@dataclass(slots=True)
+class StoreStats:
+    """Counters since start (for metrics)."""
+
+    hits_cpu: int = 0
+    hits_disk: int = 0
+    misses: int = 0
+    promotions: int = 0  # disk -> RAM copies made by get
+    demotions: int = 0  # RAM -> disk write-backs done under memory pressure
+    disk_writes: int = 0
+    disk_deletes: int = 0
+    corrupt_dropped: int = 0
+    disk_bytes_written: int = 0
+    disk_bytes_read: int = 0
+
+
+class TieredStore:
+    """Use ``await TieredStore.open(config)``; ``close()`` when done. ``on_events``, if given,
+    gets every batch of KV events as it happens; otherwise ``drain_events`` returns them."""
+
+    def __init__(
+        self,
+        config: StoreConfig,
+        on_events: Callable[[list[LayoutEvent]], None] | None = None,
+    ) -> None:
+        self._config = config
+        self._root: Path | None = config.disk_dir if config.has_disk else None
+        self._index = TierIndex(
+            config.cpu_bytes,
+            config.disk_bytes if self._root is not None else None,
+            diskfile.file_bytes,
+        )
+        self._on_events = on_events
+        self._events: list[LayoutEvent] = []
+        self._ram: dict[BlockId, bytes] = {}
+        self._waiters: dict[tuple[BlockId, Tier], asyncio.Future[None]] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._executor = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvstore-io")
+        self._closed = False
+        self._promotions = 0  # promotion tasks waiting for room
+        self.stats = StoreStats()
+
+    @classmethod
+    async def open(
+        cls, config: StoreConfig, on_events: Callable[[list[LayoutEvent]], None] | None = None
+    ) -> TieredStore:
+        """A store whose disk tier holds what the directory held (checked, within budget)."""
+        store = cls(config, on_events)
+        try:
+            await store._load_disk()
+        except BaseException:
+            await store.close()
+            raise
+        return store
+
+    # ---- the API -------------------------------------------------------------------------
+
+    async def put(
+        self,
+        layout: KvLayout,
+        block_hash: int,
+        data: bytes | bytearray | memoryview,
+        parent: int | None = None,
+    ) -> bool:
+        """Stores a block in RAM (and on disk too before returning, with write_through). False if
+        it was held already (or is being evicted this instant). Waits while room is made;
+        StoreFull if reader pins leave no room for it; BadBlock if ``data`` is not one block of
+        ``layout`` or a hash is not an unsigned 64-bit int."""
+        self._check_open()
+        h = check_block_hash(block_hash)
+        parent_hash = check_block_hash(parent) if parent is not None else None
+        layout.check_payload(memoryview(data).nbytes)
+        payload = data if isinstance(data, bytes) else memoryview(data).tobytes()
+        bid = BlockId(layout.key, h)
+        got = await self._reserve(layout, bid, Tier.CPU, parent_hash)
+        if got is Grant.REFUSED:
+            usage = self._index.usage(Tier.CPU)
+            raise StoreFull(
+                f"no room for a {layout.block_bytes}-byte block in RAM: {usage.pinned} pinned"
+                f" blocks hold {usage.pinned_bytes} of its {usage.budget_bytes} bytes"
+            )
+        if got is not Grant.GRANTED:
+            return False
+        self._ram[bid] = payload
+        self._index.write_done(bid, Tier.CPU, ok=True)
+        self._sync()
+        if self._config.write_through and self._root is not None:
+            if await self._reserve(layout, bid, Tier.DISK, parent_hash) is Grant.GRANTED:
+                write = self._spawn(self._write_file(layout, bid, parent_hash, payload))
+                await asyncio.shield(write)
+        return True
+
+    async def get(self, layout: KvLayout, block_hash: int) -> bytes | None:
+        """The block's payload, or None (also for a bad file, which is dropped). A block read
+        from disk is promoted to RAM: at once if there is room, else in the background once
+        there is (the read never waits for it)."""
+        self._check_open()
+        bid = BlockId(layout.key, check_block_hash(block_hash))
+        tier = self._index.pin(bid)
+        if tier is None:
+            self.stats.misses += 1
+            return None
+        if tier is Tier.CPU:
+            self.stats.hits_cpu += 1
+            data = self._ram[bid]
+            self._index.unpin(bid, tier)
+            self._sync()
+            return data
+        # A task of its own: if the caller goes away, the read still ends and unpins.
+        return await asyncio.shield(self._spawn(self._read_file(layout, bid)))
+
+    def contains(self, layout: KvLayout, block_hash: int) -> bool:
+        return self._index.tier_of(BlockId(layout.key, check_block_hash(block_hash))) is not None
+
+    def lookup(self, layout: KvLayout, hashes: Iterable[int]) -> list[Tier]:
+        """The tier of each block of the leading run of ``hashes`` held (stops at the first
+        missing one). Not a promise: pin them to keep them."""
+        return self._index.lookup(layout.key, (check_block_hash(h) for h in hashes))
+
+    def pin(self, layout: KvLayout, hashes: Iterable[int]) -> Pins:
+        """Pins the leading run of ``hashes`` held, each on its fastest tier: none of them is
+        evicted before ``unpin``."""
+        self._check_open()
+        pinned: list[tuple[BlockId, Tier]] = []
+        for h in hashes:
+            bid = BlockId(layout.key, check_block_hash(h))
+            tier = self._index.pin(bid)
+            if tier is None:
+                break
+            pinned.append((bid, tier))
+        return Pins(tuple(pinned))
+
+    def unpin(self, pins: Pins) -> None:
+        """Releases ``pin``'s pins (once: a second unpin raises NotPinned)."""
+        try:
+            for bid, tier in pins.blocks:
+                self._index.unpin(bid, tier)
+        finally:
+            self._sync()
+
+    @contextlib.contextmanager
+    def pinned(self, layout: KvLayout, hashes: Iterable[int]) -> Iterator[list[Tier]]:
+        """``with store.pinned(layout, hashes) as tiers:`` the leading run held, pinned."""
+        pins = self.pin(layout, hashes)
+        try:
+            yield pins.tiers
+        finally:
+            self.unpin(pins)
+
+    def drain_events(self) -> list[LayoutEvent]:
+        """KV events since the last drain, in order (empty when ``on_events`` is set)."""
+        events, self._events = self._events, []
+        return events
+
+    def usage(self, tier: Tier) -> TierUsage:
+        return self._index.usage(tier)
+
+    async def close(self) -> None:
+        """Refuses new work, fails waiting puts with StoreClosed, finishes the disk I/O under
+        way. RAM contents are not written back (a cache: the next start has the disk tier)."""
+        self._closed = True
+        for fut in list(self._waiters.values()):
+            if not fut.done():
+                fut.set_exception(StoreClosed("the KV store is closing"))
+        await self.wait_idle()
+        self._executor.shutdown(wait=False)
+
+    async def wait_idle(self) -> None:
+        """Waits until the background disk I/O under way (and what it starts) has ended."""
+        while self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    # ---- internals -----------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosed("the KV store is closed")
+
+    async def _reserve(
+        self, layout: KvLayout, bid: BlockId, tier: Tier, parent: BlockHash | None
+    ) -> Grant:
+        """Asks the index for room and waits while it is being made: GRANTED, or what else the
+        index answered."""
+        got = self._index.request(layout, bid.block_hash, tier, parent)
+        self._sync()
+        if got is not Grant.QUEUED:
+            return got
+        await self._granted(self._waiter(bid, tier), bid, tier)
+        return Grant.GRANTED
+
+    def _waiter(self, bid: BlockId, tier: Tier) -> asyncio.Future[None]:
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters[(bid, tier)] = fut
+        return fut
+
+    async def _granted(self, fut: asyncio.Future[None], bid: BlockId, tier: Tier) -> None:
+        """Waits for a queued request's Granted; withdraws the request if that fails."""
+        try:
+            await fut
+        except BaseException:
+            self._waiters.pop((bid, tier), None)
+            self._index.cancel(bid, tier)
+            self._sync()
+            raise
+
+    def _sync(self) -> None:
+        """Carries out what the index planned and passes its events on. Call after every index
+        call, before the next await (RAM drops must land before anything reuses the key)."""
+        for action in self._index.take_actions():
+            if isinstance(action, DropFromMemory):
+                del self._ram[action.block]
+            elif isinstance(action, Granted):
+                fut = self._waiters.pop((action.block, action.tier), None)
+                if fut is not None and not fut.done():
+                    fut.set_result(None)
+                # else: the waiter was cancelled and withdraws the grant itself
+            elif isinstance(action, WriteToDisk):
+                self._spawn(self._demote(action.block))
+            elif isinstance(action, DeleteFromDisk):
+                self._spawn(self._delete(action.block))
+        events = self._index.take_events()
+        if events:
+            if self._on_events is not None:
+                self._on_events(events)
+            else:
+                self._events.extend(events)
+
+    def _spawn(self, coro: Coroutine[Any, Any, _T]) -> asyncio.Task[_T]:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.error("kv store background task failed", exc_info=exc)
+
+    async def _io(self, fn: Callable[..., _T], *args: Any) -> _T:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def _read_file(self, layout: KvLayout, bid: BlockId) -> bytes | None:
+        """Reads a pinned disk copy and promotes it to RAM: at once if there is room, else by a
+        task that waits for room (the disk copy stays pinned meanwhile and is read again then,
+        so no bytes wait outside the RAM budget). Unpins the disk copy when done."""
+        assert self._root is not None
+        handed_off = False
+        try:
+            data = await self._read_checked(layout, bid)
+            if data is None:
+                return None
+            self.stats.hits_disk += 1
+            got = self._index.request(layout, bid.block_hash, Tier.CPU, self._index.parent_of(bid))
+            self._sync()
+            if got is Grant.GRANTED:
+                self._land(bid, data)
+            elif got is Grant.QUEUED and self._promotions < _MAX_PENDING_PROMOTIONS:
+                fut = self._waiter(bid, Tier.CPU)
+                self._spawn(self._promote_when_granted(layout, bid, fut))
+                handed_off = True
+            elif got is Grant.QUEUED:
+                self._index.cancel(bid, Tier.CPU)  # promotion is best effort
+            return data
+        finally:
+            if not handed_off:
+                self._index.unpin(bid, Tier.DISK)
+                self._sync()
+
+    async def _promote_when_granted(
+        self, layout: KvLayout, bid: BlockId, fut: asyncio.Future[None]
+    ) -> None:
+        self._promotions += 1
+        try:
+            try:
+                await self._granted(fut, bid, Tier.CPU)
+            except StoreClosed:
+                return
+            data = await self._read_checked(layout, bid)
+            if data is None:
+                self._index.write_done(bid, Tier.CPU, ok=False)
+            else:
+                self._land(bid, data)
+        finally:
+            self._promotions -= 1
+            self._index.unpin(bid, Tier.DISK)
+            self._sync()
+
+    async def _read_checked(self, layout: KvLayout, bid: BlockId) -> bytes | None:
+        """A pinned disk copy's payload, or None after dropping a bad file (never served)."""
+        assert self._root is not None
+        try:
+            data, _ = await self._io(diskfile.read_block, self._root, layout, bid.block_hash)
+        except (CorruptBlock, OSError) as e:
+            log.warning("dropping block %s of layout %s: %s", bid.block_hash, layout.key, e)
+            self.stats.corrupt_dropped += 1
+            self.stats.misses += 1
+            self._index.discard(bid, Tier.DISK)
+            self._sync()
+            return None
+        self.stats.disk_bytes_read += len(data)
+        return data
+
+    def _land(self, bid: BlockId, data: bytes) -> None:
+        """A granted RAM copy's bytes arrive."""
+        self._ram[bid] = data
+        self._index.write_done(bid, Tier.CPU, ok=True)
+        self._sync()
+        self.stats.promotions += 1
+
+    async def _write_file(
+        self, layout: KvLayout, bid: BlockId, parent: BlockHash | None, data: bytes
+    ) -> bool:
+        """Writes a granted disk copy and reports it to the index (ok or not)."""
+        assert self._root is not None
+        ok = False
+        try:
+            await self._io(
+                diskfile.write_block,
+                self._root,
+                layout,
+                bid.block_hash,
+                parent,
+                data,
+                self._config.fsync,
+            )
+            ok = True
+            self.stats.disk_writes += 1
+            self.stats.disk_bytes_written += len(data)
+        except Exception:
+            log.warning(
+                "writing block %s of layout %s failed", bid.block_hash, layout.key, exc_info=True
+            )
+        finally:
+            self._index.write_done(bid, Tier.DISK, ok)
+            self._sync()
+        return ok
+
+    async def _demote(self, bid: BlockId) -> None:
+        layout = self._index.layout_of(bid)
+        assert layout is not None
+        if await self._write_file(layout, bid, self._index.parent_of(bid), self._ram[bid]):
+            self.stats.demotions += 1
+
+    async def _delete(self, bid: BlockId) -> None:
+        assert self._root is not None
+        try:
+            await self._io(diskfile.delete_block, self._root, bid.layout_key, bid.block_hash)
+            self.stats.disk_deletes += 1
+        except OSError:
+            log.warning("deleting block file %s failed", bid, exc_info=True)
+        finally:
+            self._index.deleted(bid)
+            self._sync()
+
+    async def _load_disk(self) -> None:
+        """Rebuilds the disk tier from the directory: the newest files that fit the budget are
+        adopted (oldest first, so LRU order follows write time); the others are deleted."""
+        if self._root is None:
+            return
+        found = await self._io(diskfile.scan, self._root)
+        for why in found.removed:
+            log.warning("removed at start: %s", why)
+        keep_from, size_bytes = len(found.blocks), 0
+        for i in range(len(found.blocks) - 1, -1, -1):
+            size_bytes += diskfile.file_bytes(found.blocks[i].layout.block_bytes)
+            if size_bytes > self._config.disk_bytes:
+                break
+            keep_from = i
+        drop = found.blocks[:keep_from]
+        for b in found.blocks[keep_from:]:
+            if not self._index.adopt(b.layout, b.block_hash, b.parent):
+                drop.append(b)
+        self._sync()
+        for b in drop:
+            await self._io(diskfile.delete_block, self._root, b.layout.key, b.block_hash)
+        log.info(
+            "disk tier %s: %d blocks adopted, %d over budget deleted, %d bad files removed",
+            self._root,
+            len(found.blocks) - len(drop),
+            len(drop),
+            len(found.removed),
+        )
