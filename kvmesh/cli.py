@@ -289,7 +289,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     replay_cli.register(sub)
 
-    for name, module in (("router", "services.router.main"), ("worker", "services.worker.main")):
+    for name, module in (
+        ("router", "services.router.main"),
+        ("worker", "services.worker.main"),
+        ("kvmanager", "services.kvmanager.main"),
+    ):
         p = sub.add_parser(
             name,
             help=f"run one {name} process (see kvmesh {name} --help)",

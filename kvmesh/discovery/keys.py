@@ -4,6 +4,7 @@ Layout (documented in docs/architecture.md)::
 
     /kvmesh/<cluster>/workers/<role>/<worker_id>  -> WorkerRecord as JSON, bound to the worker's lease
     /kvmesh/<cluster>/routers/<router_id>         -> RouterRecord as JSON, bound to the router's lease
+    /kvmesh/<cluster>/kvmanagers/<kvmanager_id>   -> KvManagerRecord as JSON, bound to its lease
 
 A key lives exactly as long as its owner's lease: a process that dies stops its keepalive and
 etcd deletes its key after the TTL, which every watcher sees as a delete.
@@ -62,6 +63,14 @@ def routers_prefix(cluster: str) -> str:
 
 def router_key(cluster: str, router_id: str) -> str:
     return f"{routers_prefix(cluster)}{check_name('router id', router_id)}"
+
+
+def kvmanagers_prefix(cluster: str) -> str:
+    return f"{cluster_prefix(cluster)}kvmanagers/"
+
+
+def kvmanager_key(cluster: str, kvmanager_id: str) -> str:
+    return f"{kvmanagers_prefix(cluster)}{check_name('kvmanager id', kvmanager_id)}"
 
 
 def parse_worker_key(cluster: str, key: str) -> tuple[Role, WorkerId] | None:
@@ -124,3 +133,23 @@ class RouterRecord:
         return cls(
             router_id=data["router_id"], address=data["address"], version=data.get("version", "")
         )
+
+
+@dataclass(frozen=True, slots=True)
+class KvManagerRecord:
+    """What a node's kvmanager publishes about itself."""
+
+    kvmanager_id: str
+    address: str  # host:port of its gRPC server
+    node: str  # the node it serves: workers with the same WorkerRecord.node use it
+    data_plane_address: str = ""  # host:port of its bulk data plane; empty: off
+    version: str = ""
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> KvManagerRecord:
+        data = json.loads(raw)
+        known = {f for f in cls.__slots__}  # type: ignore[attr-defined]
+        return cls(**{k: v for k, v in data.items() if k in known})

@@ -1,0 +1,128 @@
+from kvmesh.v1 import worker_pb2 as _worker_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class KvLayout(_message.Message):
+    __slots__ = ("model", "block_size", "num_layers", "num_kv_heads", "head_size", "dtype", "tp_rank", "tp_size", "device")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    dtype: str
+    tp_rank: int
+    tp_size: int
+    device: str
+    def __init__(self, model: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., dtype: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
+
+class KvManagerInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TierUsage(_message.Message):
+    __slots__ = ("tier", "capacity_bytes", "used_bytes", "blocks")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    tier: _worker_pb2.KvTier
+    capacity_bytes: int
+    used_bytes: int
+    blocks: int
+    def __init__(self, tier: _Optional[_Union[_worker_pb2.KvTier, str]] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., blocks: _Optional[int] = ...) -> None: ...
+
+class KvManagerInfo(_message.Message):
+    __slots__ = ("kvmanager_id", "node", "tiers", "data_plane_address", "epoch", "version")
+    KVMANAGER_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    DATA_PLANE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    kvmanager_id: str
+    node: str
+    tiers: _containers.RepeatedCompositeFieldContainer[TierUsage]
+    data_plane_address: str
+    epoch: str
+    version: str
+    def __init__(self, kvmanager_id: _Optional[str] = ..., node: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[TierUsage, _Mapping]]] = ..., data_plane_address: _Optional[str] = ..., epoch: _Optional[str] = ..., version: _Optional[str] = ...) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("layout", "block_hashes")
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    layout: KvLayout
+    block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, layout: _Optional[_Union[KvLayout, _Mapping]] = ..., block_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("tiers",)
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    tiers: _containers.RepeatedScalarFieldContainer[_worker_pb2.KvTier]
+    def __init__(self, tiers: _Optional[_Iterable[_Union[_worker_pb2.KvTier, str]]] = ...) -> None: ...
+
+class KvBlock(_message.Message):
+    __slots__ = ("block_hash", "parent_hash", "data")
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    block_hash: int
+    parent_hash: int
+    data: bytes
+    def __init__(self, block_hash: _Optional[int] = ..., parent_hash: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PutBlocksRequest(_message.Message):
+    __slots__ = ("layout", "blocks")
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    layout: KvLayout
+    blocks: _containers.RepeatedCompositeFieldContainer[KvBlock]
+    def __init__(self, layout: _Optional[_Union[KvLayout, _Mapping]] = ..., blocks: _Optional[_Iterable[_Union[KvBlock, _Mapping]]] = ...) -> None: ...
+
+class PutBlocksResponse(_message.Message):
+    __slots__ = ("stored",)
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    stored: int
+    def __init__(self, stored: _Optional[int] = ...) -> None: ...
+
+class GetBlocksRequest(_message.Message):
+    __slots__ = ("layout", "block_hashes")
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    layout: KvLayout
+    block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, layout: _Optional[_Union[KvLayout, _Mapping]] = ..., block_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class GetBlocksResponse(_message.Message):
+    __slots__ = ("block", "tier", "missing")
+    BLOCK_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    MISSING_FIELD_NUMBER: _ClassVar[int]
+    block: KvBlock
+    tier: _worker_pb2.KvTier
+    missing: int
+    def __init__(self, block: _Optional[_Union[KvBlock, _Mapping]] = ..., tier: _Optional[_Union[_worker_pb2.KvTier, str]] = ..., missing: _Optional[int] = ...) -> None: ...
+
+class WatchTierEventsRequest(_message.Message):
+    __slots__ = ("layout", "epoch", "from_seq")
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    FROM_SEQ_FIELD_NUMBER: _ClassVar[int]
+    layout: KvLayout
+    epoch: str
+    from_seq: int
+    def __init__(self, layout: _Optional[_Union[KvLayout, _Mapping]] = ..., epoch: _Optional[str] = ..., from_seq: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,306 @@
+"""``kvmesh kvmanager``: the node's KV cache manager daemon.
+
+Opens the tiered store (the disk tier rebuilds its index from its directory), serves
+kvmesh.v1.KvManager + health + reflection, registers in etcd under
+``/kvmesh/<cluster>/kvmanagers/<id>``, prints ``KVMESH_KVMANAGER_READY kvmanager_id=...
+address=host:port`` and runs until SIGTERM/SIGINT; then it drains in order (health NOT_SERVING,
+refuse new calls, leave etcd, stop the server, close the store).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import socket
+import sys
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvmesh import __version__
+from kvmesh.discovery.etcd import Registrar
+from kvmesh.discovery.keys import KvManagerRecord, check_name, kvmanager_key
+from kvmesh.errors import KvmeshError
+from kvmesh.kv.events import Tier
+from kvmesh.kv_wire import TIER_PB
+from kvmesh.metrics import MetricsServer, serve_metrics
+from kvmesh.telemetry import Exporter, server_interceptors, setup_logging, setup_tracing
+from kvmesh.units import parse_bytes
+from kvmesh.v1 import kvmanager_pb2, kvmanager_pb2_grpc
+
+from .config import KvManagerConfig
+from .core.config import StoreConfig
+from .metrics import KvManagerMetrics
+from .servicer import KvManagerServicer, LayoutHubs
+from .store import TieredStore
+
+log = logging.getLogger(__name__)
+
+READY_LINE = "KVMESH_KVMANAGER_READY"
+SERVICE_NAME = kvmanager_pb2.DESCRIPTOR.services_by_name["KvManager"].full_name
+
+
+@dataclass
+class RunningKvManager:
+    kvmanager_id: str
+    address: str
+    node: str
+    store: TieredStore
+    hubs: LayoutHubs
+    servicer: KvManagerServicer
+    metrics: KvManagerMetrics
+    metrics_server: MetricsServer | None
+    _server: grpc.aio.Server
+    _health: health.aio.HealthServicer
+    _registrar: Registrar | None
+    _tasks: list[asyncio.Task[None]]
+    _config: KvManagerConfig
+
+    def ready_line(self) -> str:
+        metrics = f" metrics={self.metrics_server.url}" if self.metrics_server else ""
+        return (
+            f"{READY_LINE} kvmanager_id={self.kvmanager_id} address={self.address}"
+            f" node={self.node}{metrics}"
+        )
+
+    async def stop(self) -> None:
+        await self._health.enter_graceful_shutdown()
+        self.servicer.draining = True
+        if self._registrar is not None:
+            try:
+                await self._registrar.close(revoke=True)
+            except Exception as exc:  # etcd down: the lease expires on its own
+                log.warning("could not revoke the etcd lease of %s: %s", self.kvmanager_id, exc)
+        self.hubs.close()  # ends the event streams, so the server's grace is not spent on them
+        await self._server.stop(grace=self._config.drain_grace_s)
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.store.close()
+        if self.metrics_server is not None:
+            await asyncio.to_thread(self.metrics_server.close)
+        log.info("kvmanager %s stopped", self.kvmanager_id)
+
+
+def _host_name() -> str:
+    host = "".join(c if c.isalnum() or c in "._-" else "-" for c in socket.gethostname())
+    return host.strip(".-_") or "node"
+
+
+async def start_kvmanager(config: KvManagerConfig) -> RunningKvManager:
+    node = config.node or _host_name()
+    kvmanager_id = check_name("kvmanager id", config.kvmanager_id or node)
+    check_name("cluster", config.cluster)
+    epoch = uuid.uuid4().hex
+    hubs = LayoutHubs(kvmanager_id, epoch, config.event_buffer_batches, config.event_queue_batches)
+    store = await TieredStore.open(config.store, on_events=hubs.publish)
+    server = grpc.aio.server(
+        interceptors=server_interceptors(),
+        options=[
+            ("grpc.max_receive_message_length", config.max_message_bytes),
+            ("grpc.max_send_message_length", config.max_message_bytes),
+        ],
+    )
+    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    host = config.advertise_host or (
+        socket.gethostname() if config.host in ("0.0.0.0", "::", "[::]", "") else config.host
+    )
+    address = f"{host}:{port}"
+
+    def info() -> kvmanager_pb2.KvManagerInfo:
+        tiers = []
+        for tier in (Tier.CPU, Tier.DISK):
+            u = store.usage(tier)
+            tiers.append(
+                kvmanager_pb2.TierUsage(
+                    tier=TIER_PB[tier],
+                    capacity_bytes=u.budget_bytes,
+                    used_bytes=u.used_bytes,
+                    blocks=u.blocks,
+                )
+            )
+        return kvmanager_pb2.KvManagerInfo(
+            kvmanager_id=kvmanager_id, node=node, tiers=tiers, epoch=epoch, version=__version__
+        )
+
+    servicer = KvManagerServicer(store, hubs, info, config.max_message_bytes)
+    kvmanager_pb2_grpc.add_KvManagerServicer_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+    metrics = KvManagerMetrics()
+    metrics_server = None
+    registrar = None
+    tasks: list[asyncio.Task[None]] = []
+    try:
+        await server.start()
+        if config.metrics_port >= 0:
+            metrics_server = serve_metrics(
+                metrics.registry, config.metrics_host, config.metrics_port
+            )
+        tasks.append(asyncio.get_running_loop().create_task(_refresh(metrics, store)))
+        if config.etcd_endpoints:
+            record = KvManagerRecord(
+                kvmanager_id=kvmanager_id, address=address, node=node, version=__version__
+            )
+            registrar = Registrar(
+                list(config.etcd_endpoints),
+                kvmanager_key(config.cluster, kvmanager_id),
+                record.to_json(),
+                ttl_s=config.etcd_ttl_s,
+            )
+            await registrar.start()
+        for name in ("", SERVICE_NAME):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await server.stop(grace=None)
+        await store.close()
+        if metrics_server is not None:
+            metrics_server.close()
+        raise
+    log.info(
+        "kvmanager %s for node %s serving on %s: cpu %d bytes, disk %s",
+        kvmanager_id,
+        node,
+        address,
+        config.store.cpu_bytes,
+        f"{config.store.disk_bytes} bytes in {config.store.disk_dir}"
+        if config.store.has_disk
+        else "off",
+    )
+    return RunningKvManager(
+        kvmanager_id=kvmanager_id,
+        address=address,
+        node=node,
+        store=store,
+        hubs=hubs,
+        servicer=servicer,
+        metrics=metrics,
+        metrics_server=metrics_server,
+        _server=server,
+        _health=health_servicer,
+        _registrar=registrar,
+        _tasks=tasks,
+        _config=config,
+    )
+
+
+async def _refresh(metrics: KvManagerMetrics, store: TieredStore, every_s: float = 2.0) -> None:
+    while True:
+        metrics.refresh(store)
+        await asyncio.sleep(every_s)
+
+
+def parse_args(argv: list[str] | None) -> KvManagerConfig:
+    d = KvManagerConfig()
+    s = d.store
+    p = argparse.ArgumentParser(
+        prog="kvmesh kvmanager",
+        description="Run a node's KV cache manager (CPU and disk KV tiers under the engines).",
+    )
+    p.add_argument("--host", default=d.host, help="address to listen on (default %(default)s)")
+    p.add_argument("--port", type=int, default=d.port, help="gRPC port; 0 = OS picks")
+    p.add_argument("--advertise-host", default=d.advertise_host, help="host others reach us at")
+    p.add_argument("--kvmanager-id", default=d.kvmanager_id, help="id in etcd (default: node)")
+    p.add_argument("--node", default=d.node, help="node served (default: hostname)")
+    p.add_argument("--cluster", default=d.cluster, help="etcd cluster name (default %(default)s)")
+    p.add_argument(
+        "--etcd",
+        default=",".join(d.etcd_endpoints),
+        help="etcd endpoints host:port,...; empty: standalone (no registration)",
+    )
+    p.add_argument(
+        "--cpu-bytes", type=parse_bytes, default=s.cpu_bytes, help="CPU tier budget (e.g. 4GiB)"
+    )
+    p.add_argument(
+        "--disk-dir", type=Path, default=None, help="disk tier directory (default: no disk tier)"
+    )
+    p.add_argument("--disk-bytes", type=parse_bytes, default=s.disk_bytes, help="disk tier budget")
+    p.add_argument(
+        "--write-through",
+        action="store_true",
+        help="write every block to disk as it is stored (default: write back under pressure)",
+    )
+    p.add_argument("--fsync", action="store_true", help="fsync block files (survive power loss)")
+    p.add_argument("--io-threads", type=int, default=s.io_threads, help="disk I/O threads")
+    p.add_argument("--max-message-bytes", type=parse_bytes, default=d.max_message_bytes)
+    p.add_argument("--drain-grace-s", type=float, default=d.drain_grace_s)
+    p.add_argument("--metrics-host", default=d.metrics_host)
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=d.metrics_port,
+        help="Prometheus /metrics port; 0 = OS picks, -1 = off",
+    )
+    p.add_argument(
+        "--trace-exporter", default=d.trace_exporter.value, choices=[e.value for e in Exporter]
+    )
+    p.add_argument("--otlp-endpoint", default=d.otlp_endpoint)
+    p.add_argument("--log-level", default=d.log_level)
+    a = p.parse_args(argv)
+    try:
+        store = StoreConfig(
+            cpu_bytes=a.cpu_bytes,
+            disk_bytes=a.disk_bytes,
+            disk_dir=a.disk_dir,
+            write_through=a.write_through,
+            fsync=a.fsync,
+            io_threads=a.io_threads,
+        )
+    except KvmeshError as exc:
+        p.error(str(exc))
+    return KvManagerConfig(
+        host=a.host,
+        port=a.port,
+        advertise_host=a.advertise_host,
+        kvmanager_id=a.kvmanager_id,
+        node=a.node,
+        cluster=a.cluster,
+        etcd_endpoints=tuple(e.strip() for e in a.etcd.split(",") if e.strip()),
+        store=store,
+        max_message_bytes=a.max_message_bytes,
+        drain_grace_s=a.drain_grace_s,
+        metrics_host=a.metrics_host,
+        metrics_port=a.metrics_port,
+        trace_exporter=Exporter(a.trace_exporter),
+        otlp_endpoint=a.otlp_endpoint,
+        log_level=a.log_level,
+    )
+
+
+async def serve(config: KvManagerConfig) -> int:
+    running = await start_kvmanager(config)
+    print(running.ready_line(), flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("signal received: stopping kvmanager %s", running.kvmanager_id)
+    await running.stop()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = parse_args(argv)
+    setup_logging("kvmanager", config.log_level)
+    setup_tracing("kvmesh-kvmanager", config.trace_exporter, config.otlp_endpoint)
+    try:
+        return asyncio.run(serve(config))
+    except KvmeshError as exc:
+        log.error("kvmanager failed: %s", exc)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

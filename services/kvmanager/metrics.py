@@ -1,0 +1,58 @@
+"""The kvmanager's Prometheus metrics: per tier fill, hits, misses, bytes moved and evictions.
+
+Refreshed on the event loop every few seconds from the store's counters (the HTTP thread never
+reads the store, which the loop mutates)."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+from prometheus_client import CollectorRegistry, Gauge
+
+from kvmesh.kv.events import Tier
+
+from .store import StoreStats, TieredStore
+
+_TIERS = (Tier.CPU, Tier.DISK)
+
+
+class KvManagerMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = r = registry or CollectorRegistry()
+        self.capacity = Gauge(
+            "kvmesh_kvmanager_tier_capacity_bytes", "Tier budget.", ["tier"], registry=r
+        )
+        self.used = Gauge(
+            "kvmesh_kvmanager_tier_used_bytes",
+            "Bytes held or being written on the tier (never above its budget).",
+            ["tier"],
+            registry=r,
+        )
+        self.blocks = Gauge(
+            "kvmesh_kvmanager_tier_blocks", "Readable blocks on the tier.", ["tier"], registry=r
+        )
+        self.pinned = Gauge(
+            "kvmesh_kvmanager_tier_pinned_blocks",
+            "Blocks pinned by readers (never evicted while pinned).",
+            ["tier"],
+            registry=r,
+        )
+        # The store's cumulative counters, mirrored as gauges named *_total (they only grow).
+        self.counters = {
+            f.name: Gauge(
+                f"kvmesh_kvmanager_{f.name}_total",
+                f"Store counter {f.name} since start.",
+                registry=r,
+            )
+            for f in fields(StoreStats)
+        }
+
+    def refresh(self, store: TieredStore) -> None:
+        for tier in _TIERS:
+            u = store.usage(tier)
+            self.capacity.labels(tier.value).set(u.budget_bytes)
+            self.used.labels(tier.value).set(u.used_bytes)
+            self.blocks.labels(tier.value).set(u.blocks)
+            self.pinned.labels(tier.value).set(u.pinned)
+        for name, gauge in self.counters.items():
+            gauge.set(getattr(store.stats, name))

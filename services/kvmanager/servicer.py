@@ -1,0 +1,186 @@
+"""kvmesh.v1.KvManager over gRPC: converts messages to core values, calls the store, streams
+the per-layout tier events."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+
+from kvmesh import errors
+from kvmesh.grpc_errors import abort_with
+from kvmesh.kv.eventlog import KvEventLog
+from kvmesh.kv.events import Tier
+from kvmesh.kv.fanout import KvEventHub
+from kvmesh.kv_stream import serve_kv_events
+from kvmesh.kv_wire import TIER_PB
+from kvmesh.v1 import kvmanager_pb2, kvmanager_pb2_grpc, worker_pb2
+
+from .core.layout import KvLayout
+from .core.plan import LayoutEvent
+from .store import TieredStore
+
+log = logging.getLogger(__name__)
+
+
+def layout_from_pb(msg: kvmanager_pb2.KvLayout) -> KvLayout:
+    """The core value of a layout message (BadLayout, an INVALID_ARGUMENT, names what is wrong)."""
+    return KvLayout(
+        model=msg.model,
+        block_size=msg.block_size,
+        num_layers=msg.num_layers,
+        num_kv_heads=msg.num_kv_heads,
+        head_size=msg.head_size,
+        dtype=msg.dtype,
+        tp_rank=msg.tp_rank,
+        tp_size=msg.tp_size or 1,
+        device=msg.device,
+    )
+
+
+def layout_to_pb(layout: KvLayout) -> kvmanager_pb2.KvLayout:
+    return kvmanager_pb2.KvLayout(
+        model=layout.model,
+        block_size=layout.block_size,
+        num_layers=layout.num_layers,
+        num_kv_heads=layout.num_kv_heads,
+        head_size=layout.head_size,
+        dtype=layout.dtype,
+        tp_rank=layout.tp_rank,
+        tp_size=layout.tp_size,
+        device=layout.device,
+    )
+
+
+class LayoutHubs:
+    """One numbered event log (and subscriber fan-out) per layout, fed by the store's events."""
+
+    def __init__(self, kvmanager_id: str, epoch: str, buffer_batches: int, queue_batches: int):
+        self._id = kvmanager_id
+        self.epoch = epoch
+        self._buffer = buffer_batches
+        self._queue = queue_batches
+        self._hubs: dict[str, KvEventHub] = {}
+
+    def hub(self, layout_key: str) -> KvEventHub:
+        h = self._hubs.get(layout_key)
+        if h is None:
+            log_ = KvEventLog(self._id, self.epoch, self._buffer)
+            h = self._hubs[layout_key] = KvEventHub(log_, self._queue)
+        return h
+
+    def publish(self, events: list[LayoutEvent]) -> None:
+        """The store's event sink (on the loop): one batch per layout per call, in order."""
+        by_layout: dict[str, list] = {}  # type: ignore[type-arg]
+        for e in events:
+            by_layout.setdefault(e.layout_key, []).append(e.event)
+        for key, evs in by_layout.items():
+            self.hub(key).publish(evs)
+
+    def close(self) -> None:
+        for h in self._hubs.values():
+            h.close()
+
+
+class KvManagerServicer(kvmanager_pb2_grpc.KvManagerServicer):
+    def __init__(
+        self,
+        store: TieredStore,
+        hubs: LayoutHubs,
+        info: Callable[[], kvmanager_pb2.KvManagerInfo],
+        max_message_bytes: int,
+    ) -> None:
+        self._store = store
+        self._hubs = hubs
+        self._info = info
+        self._max_message_bytes = max_message_bytes
+        self.draining = False
+
+    def _check_serving(self) -> None:
+        if self.draining:
+            raise errors.Unavailable("kvmanager is shutting down; recompute or retry later")
+
+    async def GetInfo(
+        self, request: kvmanager_pb2.KvManagerInfoRequest, context: grpc.aio.ServicerContext
+    ) -> kvmanager_pb2.KvManagerInfo:
+        return self._info()
+
+    async def Lookup(
+        self, request: kvmanager_pb2.LookupRequest, context: grpc.aio.ServicerContext
+    ) -> kvmanager_pb2.LookupResponse:
+        try:
+            self._check_serving()
+            layout = layout_from_pb(request.layout)
+            tiers = self._store.lookup(layout, request.block_hashes)
+        except Exception as exc:
+            await abort_with(context, exc, "Lookup")
+            raise AssertionError("unreachable") from exc
+        return kvmanager_pb2.LookupResponse(tiers=[TIER_PB[t] for t in tiers])
+
+    async def PutBlocks(
+        self,
+        request_iterator: AsyncIterator[kvmanager_pb2.PutBlocksRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> kvmanager_pb2.PutBlocksResponse:
+        stored = 0
+        layout: KvLayout | None = None
+        try:
+            self._check_serving()
+            async for msg in request_iterator:
+                if msg.HasField("layout"):
+                    got = layout_from_pb(msg.layout)
+                    if layout is not None:
+                        layout.require_same(got)
+                    layout = got
+                if layout is None:
+                    raise errors.InvalidArgument(
+                        "the first PutBlocksRequest must name the layout (set layout)"
+                    )
+                for b in msg.blocks:
+                    parent = b.parent_hash if b.HasField("parent_hash") else None
+                    await self._store.put(layout, b.block_hash, b.data, parent)
+                    stored += 1
+        except Exception as exc:
+            log.info("PutBlocks ended after %d blocks: %s", stored, exc)
+            await abort_with(context, exc, "PutBlocks")
+        return kvmanager_pb2.PutBlocksResponse(stored=stored)
+
+    async def GetBlocks(
+        self, request: kvmanager_pb2.GetBlocksRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[kvmanager_pb2.GetBlocksResponse]:
+        try:
+            self._check_serving()
+            layout = layout_from_pb(request.layout)
+            for h in request.block_hashes:
+                tier = (self._store.lookup(layout, [h]) or [None])[0]
+                data = await self._store.get(layout, h)
+                if data is None:
+                    yield kvmanager_pb2.GetBlocksResponse(missing=h)
+                    return
+                yield kvmanager_pb2.GetBlocksResponse(
+                    block=kvmanager_pb2.KvBlock(block_hash=h, data=data),
+                    tier=TIER_PB[tier if tier is not None else Tier.CPU],
+                )
+        except Exception as exc:
+            await abort_with(context, exc, "GetBlocks")
+
+    async def WatchKvEvents(
+        self, request: kvmanager_pb2.WatchTierEventsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.KvEventBatch]:
+        try:
+            layout = layout_from_pb(request.layout)
+        except Exception as exc:
+            await abort_with(context, exc, "WatchKvEvents")
+            return
+        hub = self._hubs.hub(layout.key)
+        async for msg in serve_kv_events(
+            hub,
+            request.epoch,
+            request.from_seq,
+            context,
+            self._max_message_bytes,
+            f"tier event ({layout.describe()})",
+            "--max-message-bytes",
+        ):
+            yield msg
