@@ -1,0 +1,850 @@
+"""The bulk data plane for peer fetch: one TCP connection per fetch, raw framed bytes, no gRPC.
+
+The gRPC control plane decides *what* to fetch and asks the peer's ``DataPlaneServer`` for a
+one-time ``Ticket`` naming a layout key and a list of block hashes. The fetching kvmanager calls
+``fetch_blocks`` with that ticket; the server streams each block as a 32-byte frame header
+(hash, length, checksum) followed by the payload, in the ticket's order. The wire format lives
+in ``dataplane_wire``; the protocol and measurements in docs/kvmanager-dataplane.md.
+
+Bulk bytes never cross the event loop. Each stream has its own thread doing blocking
+``sendmsg``/``recv_into`` (both release the GIL): the server hands the kernel the store's own
+buffer (header and payload gathered in one ``sendmsg``, no concatenation, nothing copied in
+Python), and the client receives straight into the buffer that becomes the block, then
+verifies its checksum on that same thread. The loop only pins blocks, redeems tickets and hands
+verified blocks to ``on_block``. Flow control is TCP's plus a bounded window each side: the
+server pins at most ``prefetch_blocks`` ahead; the client stops reading the socket while
+``window_bytes`` of verified blocks wait for ``on_block``.
+
+Failure semantics: ``on_block`` sees only whole blocks whose checksum matched, in order. Any
+failure (peer gone, stall, deadline, bad checksum, protocol violation) raises a
+``PeerFetchError`` carrying how many blocks were delivered before it; nothing else escapes, and
+the caller recomputes the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import inspect
+import logging
+import queue
+import secrets
+import socket
+import struct
+import threading
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvmesh.errors import InvalidArgument, ResourceExhausted, Unavailable
+from kvmesh.kv.events import BlockHash
+from services.kvmanager import dataplane_wire as wire
+from services.kvmanager.dataplane_wire import (
+    ChecksumAlgo,
+    ChecksumSet,
+    FrameHeader,
+    FrameKind,
+    Status,
+)
+
+log = logging.getLogger(__name__)
+
+Buffer = bytes | bytearray | memoryview
+
+# ---------------------------------------------------------------------------------------------
+# Values and errors
+
+
+@dataclass(frozen=True, slots=True)
+class Checksum:
+    algo: ChecksumAlgo
+    value: int
+
+
+def _no_release() -> None:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class PinnedBlock:
+    """A block the source holds still until ``release()``: the server sends ``data`` as is
+    (no copy) and calls ``release`` once, on the loop, when the kernel has the bytes or the
+    stream failed. A store that knows the block's checksum (it verified one when the block
+    arrived) passes it, so the server does not recompute it."""
+
+    data: Buffer
+    checksum: Checksum | None = None
+    release: Callable[[], None] = _no_release
+
+
+class BlockSource(Protocol):
+    """What the server reads blocks from (the kvmanager's store). Called on the loop."""
+
+    async def pin(self, layout_key: str, block_hash: BlockHash) -> PinnedBlock | None:
+        """The block, pinned, or None when it is not held (sent as a missing block)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class Ticket:
+    """One fetch, granted by the server that holds the blocks. The control plane carries it to
+    the fetching node; the data plane request carries only ``token``, which is single-use."""
+
+    token: bytes
+    layout_key: str
+    hashes: tuple[BlockHash, ...]
+    expires_at: float  # unix seconds, for the holder's information; the server's clock decides
+
+
+@dataclass(frozen=True, slots=True)
+class FetchedBlock:
+    """A whole block whose checksum matched. ``data`` is the buffer ``allocate`` returned."""
+
+    index: int  # position in the ticket's hashes
+    block_hash: BlockHash
+    data: memoryview
+    checksum: Checksum
+
+
+@dataclass(frozen=True, slots=True)
+class FetchResult:
+    delivered: int  # blocks handed to on_block
+    missing: tuple[BlockHash, ...]  # blocks the peer no longer held
+    bytes: int  # payload bytes delivered
+    seconds: float
+
+
+class PeerFetchError(Unavailable):
+    """A peer fetch failed. ``delivered`` blocks (a prefix of the ticket's non-missing blocks)
+    reached on_block whole and verified; recompute the rest."""
+
+    def __init__(self, message: str, *, delivered: int = 0) -> None:
+        super().__init__(message)
+        self.delivered = delivered
+
+
+class TicketRefused(PeerFetchError):
+    """The server refused the request (unknown, used or expired ticket, busy, shutting down)."""
+
+    def __init__(self, status: Status, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class StreamBroken(PeerFetchError):
+    """The peer closed, reset or aborted the stream, or sent bytes that break the protocol."""
+
+
+class ChecksumMismatch(StreamBroken):
+    """A block's payload did not match its checksum; it was dropped."""
+
+
+class FetchStalled(PeerFetchError):
+    """No byte arrived for ``stall_timeout_s``."""
+
+
+class FetchDeadlineExceeded(PeerFetchError):
+    """The fetch's overall deadline passed."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Server
+
+
+@dataclass(frozen=True, slots=True)
+class DataPlaneConfig:
+    host: str = "127.0.0.1"  # address to bind; "0.0.0.0" for every interface
+    port: int = 0  # 0: the OS picks a free port
+    max_streams: int = 16  # concurrent fetches served; more are refused with BUSY
+    max_tickets: int = 4096  # outstanding unredeemed tickets
+    request_timeout_s: float = 5.0  # a connection must send its request within this
+    stall_timeout_s: float = 10.0  # a send making no progress this long ends the stream
+    prefetch_blocks: int = 4  # blocks pinned ahead of (and including) the one being sent
+    checksum: ChecksumAlgo | None = None  # computed when the store has none; None: BLAKE3_64
+    # when installed, else CRC32 (a client that lacks it gets CRC32)
+    socket_buffer_bytes: int = 0  # SO_SNDBUF of each stream; 0 keeps the kernel's autotuning
+
+
+@dataclass(slots=True)
+class DataPlaneStats:
+    streams: int = 0  # fetches served (accepted requests)
+    refused: int = 0
+    blocks_sent: int = 0
+    blocks_missing: int = 0
+    bytes_sent: int = 0
+    aborted: int = 0  # streams that ended early (client gone, stall, source error, shutdown)
+
+
+class DataPlaneServer:
+    """Serves blocks of ``source`` to holders of tickets it issued."""
+
+    def __init__(self, source: BlockSource, config: DataPlaneConfig | None = None) -> None:
+        self._source = source
+        self.config = config or DataPlaneConfig()
+        self._checksum = self.config.checksum or wire.preferred_algo()
+        if not wire.algo_bit(self._checksum) & wire.available_algos():
+            raise InvalidArgument(f"checksum {self._checksum.name} is not available here")
+        self.stats = DataPlaneStats()
+        self._tickets: dict[bytes, tuple[Ticket, float]] = {}  # token -> ticket, monotonic expiry
+        self._listener: socket.socket | None = None
+        self._accept_task: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._active = 0
+        self._closing = False
+        self.host = self.config.host
+        self.port = self.config.port
+
+    async def start(self) -> None:
+        lsock = socket.create_server((self.config.host, self.config.port), backlog=128)
+        lsock.setblocking(False)
+        self._listener = lsock
+        self.host, self.port = lsock.getsockname()[:2]
+        self._accept_task = asyncio.create_task(self._accept_loop(lsock), name="kvdp-accept")
+        log.info("data plane listening on %s:%s", self.host, self.port)
+
+    async def close(self) -> None:
+        """Stops accepting, ends every stream in flight (their clients see a broken stream) and
+        forgets all tickets."""
+        self._closing = True
+        if self._accept_task is not None:
+            self._accept_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._accept_task
+        if self._listener is not None:
+            self._listener.close()
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._tickets.clear()
+
+    # -- tickets (called by the gRPC control plane, on the loop)
+
+    def issue_ticket(self, layout_key: str, hashes: Sequence[int], ttl_s: float = 30.0) -> Ticket:
+        if not hashes:
+            raise InvalidArgument("a ticket needs at least one block hash")
+        if len(hashes) >= 1 << 32:
+            raise InvalidArgument(f"{len(hashes)} blocks in one ticket; the limit is 2**32 - 1")
+        for h in hashes:
+            if not 0 <= h <= wire.U64_MAX:
+                raise InvalidArgument(f"block hash {h} is not an unsigned 64-bit integer")
+        if not ttl_s > 0:
+            raise InvalidArgument(f"ticket ttl_s must be > 0, got {ttl_s}")
+        now = time.monotonic()
+        if len(self._tickets) >= self.config.max_tickets:
+            self._prune(now)
+            if len(self._tickets) >= self.config.max_tickets:
+                raise ResourceExhausted(
+                    f"{len(self._tickets)} data plane tickets outstanding (max_tickets)"
+                )
+        token = secrets.token_bytes(wire.TOKEN_BYTES)
+        ticket = Ticket(
+            token=token,
+            layout_key=layout_key,
+            hashes=tuple(BlockHash(h) for h in hashes),
+            expires_at=time.time() + ttl_s,
+        )
+        self._tickets[token] = (ticket, now + ttl_s)
+        return ticket
+
+    def revoke_ticket(self, token: bytes) -> bool:
+        return self._tickets.pop(token, None) is not None
+
+    def _prune(self, now: float) -> None:
+        for token in [t for t, (_, expiry) in self._tickets.items() if expiry <= now]:
+            del self._tickets[token]
+
+    def _redeem(self, token: bytes) -> tuple[Status, Ticket | None]:
+        ticket, expiry = self._tickets.pop(token, (None, 0.0))  # single use, whatever happens
+        if ticket is None:
+            return Status.UNKNOWN_TICKET, None
+        if expiry <= time.monotonic():
+            return Status.EXPIRED_TICKET, None
+        return Status.OK, ticket
+
+    # -- connections
+
+    async def _accept_loop(self, lsock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                conn, _addr = await loop.sock_accept(lsock)
+            except OSError as exc:  # e.g. EMFILE: back off rather than spin
+                log.warning("data plane accept failed: %s", exc)
+                await asyncio.sleep(0.1)
+                continue
+            task = asyncio.create_task(self._handle(conn), name="kvdp-stream")
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _handle(self, conn: socket.socket) -> None:
+        owned_by_thread = False
+        try:
+            conn.setblocking(False)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self.config.socket_buffer_bytes:
+                conn.setsockopt(
+                    socket.SOL_SOCKET, socket.SO_SNDBUF, self.config.socket_buffer_bytes
+                )
+            loop = asyncio.get_running_loop()
+            try:
+                async with asyncio.timeout(self.config.request_timeout_s):
+                    raw = await _sock_recv_exact(loop, conn, wire.REQUEST_SIZE)
+            except (TimeoutError, OSError, EOFError):
+                return  # a stranger or a dead client; nothing to answer
+            try:
+                req = wire.unpack_request(raw)
+            except wire.WireError as exc:
+                log.info("data plane: bad request: %s", exc)
+                await self._refuse(loop, conn, Status.BAD_REQUEST)
+                return
+            if self._closing:
+                await self._refuse(loop, conn, Status.SHUTTING_DOWN)
+                return
+            if self._active >= self.config.max_streams:
+                await self._refuse(loop, conn, Status.BUSY)  # the ticket stays valid
+                return
+            algo = wire.choose_algo(req.accepted, self._checksum)
+            if algo is None:
+                await self._refuse(loop, conn, Status.BAD_REQUEST)
+                return
+            status, ticket = self._redeem(req.token)
+            if ticket is None:
+                await self._refuse(loop, conn, status)
+                return
+            self.stats.streams += 1
+            self._active += 1
+            try:
+                header = wire.pack_stream_header(wire.StreamHeader(Status.OK, len(ticket.hashes)))
+                await loop.sock_sendall(conn, header)
+                owned_by_thread = True
+                await self._stream(loop, conn, ticket, req.accepted, algo)
+            finally:
+                self._active -= 1
+        except OSError as exc:
+            log.debug("data plane connection failed: %s", exc)
+        finally:
+            if not owned_by_thread:
+                conn.close()
+
+    async def _refuse(
+        self, loop: asyncio.AbstractEventLoop, conn: socket.socket, status: Status
+    ) -> None:
+        self.stats.refused += 1
+        with contextlib.suppress(OSError):
+            async with asyncio.timeout(self.config.request_timeout_s):
+                await loop.sock_sendall(conn, wire.pack_stream_header(wire.StreamHeader(status)))
+
+    async def _stream(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        conn: socket.socket,
+        ticket: Ticket,
+        accepted: ChecksumSet,
+        algo: ChecksumAlgo,
+    ) -> None:
+        """Pins blocks in order on the loop and feeds them to the stream's send thread, at
+        most ``prefetch_blocks`` pinned at once."""
+        credits = asyncio.Semaphore(self.config.prefetch_blocks)
+
+        def sent(pinned: PinnedBlock | None, nbytes: int, ok: bool) -> None:
+            credits.release()
+            if pinned is not None:
+                try:
+                    pinned.release()
+                except Exception:
+                    log.exception("data plane: block source release() failed")
+            if ok and pinned is not None:
+                self.stats.blocks_sent += 1
+                self.stats.bytes_sent += nbytes
+
+        sender = _SendThread(conn, loop, accepted, algo, self.config.stall_timeout_s, sent)
+        sender.start()
+        completed = False
+        try:
+            for index, block_hash in enumerate(ticket.hashes):
+                await credits.acquire()
+                if sender.error is not None:
+                    break
+                try:
+                    pinned = await self._source.pin(ticket.layout_key, block_hash)
+                except Exception:
+                    log.exception("data plane: block source failed on %016x", block_hash)
+                    sender.put(_Outgoing(FrameKind.ABORT, index, block_hash))
+                    break
+                if pinned is None:
+                    self.stats.blocks_missing += 1
+                    sender.put(_Outgoing(FrameKind.MISSING, index, block_hash))
+                    continue
+                sender.put(_Outgoing(FrameKind.BLOCK, index, block_hash, pinned))
+            else:
+                completed = True
+        except BaseException:
+            conn_shutdown(conn)  # cancelled (server closing): wake a blocked send
+            raise
+        finally:
+            sender.finish()
+            await sender.done
+            if not completed or sender.error is not None:
+                self.stats.aborted += 1
+                if sender.error is not None:
+                    log.info("data plane stream ended early: %s", sender.error)
+
+
+@dataclass(slots=True)
+class _Outgoing:
+    kind: FrameKind
+    index: int
+    block_hash: int
+    pinned: PinnedBlock | None = None
+
+
+class _SendThread:
+    """Writes one stream's frames with blocking ``sendmsg`` (header and payload gathered, no
+    copy) and tells the loop when each block's bytes are in the kernel. Owns the socket from
+    ``start()`` and closes it when done; after a failure it only releases what is queued."""
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        loop: asyncio.AbstractEventLoop,
+        accepted: ChecksumSet,
+        algo: ChecksumAlgo,
+        stall_timeout_s: float,
+        sent: Callable[[PinnedBlock | None, int, bool], None],
+    ) -> None:
+        self._sock = sock
+        self._loop = loop
+        self._accepted = accepted
+        self._algo = algo
+        self._stall = stall_timeout_s
+        self._sent = sent
+        self._queue: queue.SimpleQueue[_Outgoing | None] = queue.SimpleQueue()
+        self.error: BaseException | None = None
+        self.done: asyncio.Future[None] = loop.create_future()
+        self._thread = threading.Thread(target=self._run, name="kvdp-send", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def put(self, item: _Outgoing) -> None:
+        self._queue.put(item)
+
+    def finish(self) -> None:
+        self._queue.put(None)
+
+    def _run(self) -> None:
+        sock = self._sock
+        try:
+            sock.settimeout(None)  # blocking; SO_SNDTIMEO bounds each wait
+            _set_sock_timeout(sock, socket.SO_SNDTIMEO, self._stall)
+            while (item := self._queue.get()) is not None:
+                nbytes = 0
+                if self.error is None:
+                    try:
+                        nbytes = self._send(sock, item)
+                    except BaseException as exc:
+                        self.error = exc
+                self._call(self._sent, item.pinned, nbytes, self.error is None)
+            if self.error is None:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_WR)  # a clean end of stream
+        finally:
+            sock.close()
+            self._call(_set_result, self.done)
+
+    def _send(self, sock: socket.socket, item: _Outgoing) -> int:
+        if item.pinned is None:
+            header = FrameHeader(item.kind, item.index, item.block_hash)
+            _sendmsg_all(sock, [wire.pack_frame_header(header)])
+            return 0
+        data = _byte_view(item.pinned.data)
+        known = item.pinned.checksum
+        if known is not None and wire.algo_bit(known.algo) & self._accepted:
+            algo, value = known.algo, known.value  # the store's own: no pass over the bytes
+        else:
+            algo, value = self._algo, wire.checksum(self._algo, data)
+        header = FrameHeader(FrameKind.BLOCK, item.index, item.block_hash, data.nbytes, algo, value)
+        _sendmsg_all(sock, [wire.pack_frame_header(header), data])
+        return data.nbytes
+
+    def _call(self, fn: Callable[..., None], *args: object) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting
+            self._loop.call_soon_threadsafe(fn, *args)
+
+
+def _set_result(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+def _byte_view(data: Buffer) -> memoryview:
+    view = memoryview(data)
+    if not view.c_contiguous:
+        raise ValueError("block data must be C-contiguous")
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def _set_sock_timeout(sock: socket.socket, option: int, seconds: float) -> None:
+    """SO_RCVTIMEO / SO_SNDTIMEO: a blocking call that moves no byte for this long fails with
+    EAGAIN (one that moved some returns what it moved). 0 would mean forever: at least 1 us."""
+    usec = max(1, round(seconds * 1e6))
+    sock.setsockopt(
+        socket.SOL_SOCKET, option, struct.pack("@ll", usec // 1_000_000, usec % 1_000_000)
+    )
+
+
+def _sendmsg_all(sock: socket.socket, bufs: list[bytes | memoryview]) -> None:
+    """``sendmsg`` until every buffer is sent (one call unless SO_SNDTIMEO cuts it short)."""
+    views = [memoryview(b) for b in bufs]
+    while views:
+        try:
+            n = sock.sendmsg(views)
+        except BlockingIOError:  # SO_SNDTIMEO ran out with nothing sent: the peer stalls
+            raise TimeoutError("peer stopped reading") from None
+        while n:
+            first = views[0]
+            if n >= first.nbytes:
+                n -= first.nbytes
+                views.pop(0)
+            else:
+                views[0] = first[n:]
+                n = 0
+        while views and not views[0].nbytes:
+            views.pop(0)
+
+
+def conn_shutdown(sock: socket.socket) -> None:
+    """Wakes any thread blocked on ``sock`` (its call fails at once); safe if already closed."""
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+
+
+async def _sock_recv_exact(
+    loop: asyncio.AbstractEventLoop, sock: socket.socket, size: int
+) -> bytes:
+    buf = bytearray(size)
+    view = memoryview(buf)
+    got = 0
+    while got < size:
+        n = await loop.sock_recv_into(sock, view[got:])
+        if not n:
+            raise EOFError(f"connection closed after {got} of {size} bytes")
+        got += n
+    return bytes(buf)
+
+
+# ---------------------------------------------------------------------------------------------
+# Client
+
+OnBlock = Callable[[FetchedBlock], Awaitable[None] | None]
+Allocate = Callable[[int], Buffer]
+Discard = Callable[[memoryview], None]
+
+
+async def fetch_blocks(
+    host: str,
+    port: int,
+    ticket: Ticket,
+    *,
+    on_block: OnBlock,
+    deadline_s: float,
+    stall_timeout_s: float = 5.0,
+    allocate: Allocate = bytearray,
+    discard: Discard | None = None,
+    window_bytes: int = 16 << 20,
+    max_block_bytes: int = 1 << 30,
+    accept: ChecksumSet | None = None,
+) -> FetchResult:
+    """Fetches the ticket's blocks from the data plane at ``host:port``.
+
+    ``on_block`` gets each whole, verified block in the ticket's order, on the loop; when it
+    returns an awaitable, that is awaited (backpressure): the fetch's thread stops reading
+    once ``window_bytes`` of verified blocks wait for on_block (at least one block is always
+    let through). ``allocate(size)`` returns the writable, contiguous buffer a block is
+    received into; it runs on the fetch's thread, so it must be thread-safe (``bytearray``,
+    the default, is). A buffer that never reaches on_block goes to ``discard`` on the loop.
+    ``deadline_s`` bounds the whole fetch; ``stall_timeout_s`` each wait for the peer.
+    ``accept`` lists the checksums this side verifies (default: all it can compute).
+
+    Returns a ``FetchResult``. Raises a ``PeerFetchError`` on any failure of the peer or the
+    stream, after having delivered only whole verified blocks (``exc.delivered`` of them). An
+    exception from ``on_block`` or ``allocate`` ends the fetch and propagates unchanged.
+    """
+    if deadline_s <= 0:
+        raise FetchDeadlineExceeded(f"fetch from {host}:{port}: no time left before it started")
+    loop = asyncio.get_running_loop()
+    started = time.monotonic()
+    rx = _Receiver(
+        loop,
+        host,
+        port,
+        ticket,
+        deadline=started + deadline_s,
+        stall_timeout_s=stall_timeout_s,
+        allocate=allocate,
+        discard=discard,
+        window_bytes=window_bytes,
+        max_block_bytes=max_block_bytes,
+        accept=wire.available_algos() if accept is None else accept,
+    )
+    delivered = nbytes = 0
+    missing: list[BlockHash] = []
+    rx.start()
+    try:
+        async with asyncio.timeout_at(loop.time() + deadline_s):
+            while (item := await rx.next()) is not _END:
+                if isinstance(item, BaseException):
+                    raise item
+                if isinstance(item, int):  # the hash of a block the peer no longer holds
+                    missing.append(BlockHash(item))
+                    continue
+                size = item.data.nbytes
+                result = on_block(item)
+                if inspect.isawaitable(result):
+                    await result
+                rx.taken(size)
+                delivered += 1
+                nbytes += size
+    except TimeoutError:
+        raise FetchDeadlineExceeded(
+            f"fetch from {host}:{port} passed its {deadline_s:.3f}s deadline after "
+            f"{delivered} of {len(ticket.hashes)} blocks",
+            delivered=delivered,
+        ) from None
+    except PeerFetchError as exc:
+        exc.delivered = delivered
+        raise
+    finally:
+        rx.close()
+    return FetchResult(delivered, tuple(missing), nbytes, time.monotonic() - started)
+
+
+_END = None
+_Item = FetchedBlock | int | BaseException | None
+
+
+class _Receiver:
+    """One fetch's thread: connects, sends the request, receives each frame straight into a
+    buffer from ``allocate``, verifies it and queues it for the loop. The loop is woken once
+    per ``window_bytes / 4`` of blocks, when the window is full, and at the end, not once per
+    block: the caller needs the whole fetch, and each wake-up costs the loop and the GIL."""
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        host: str,
+        port: int,
+        ticket: Ticket,
+        *,
+        deadline: float,
+        stall_timeout_s: float,
+        allocate: Allocate,
+        discard: Discard | None,
+        window_bytes: int,
+        max_block_bytes: int,
+        accept: ChecksumSet,
+    ) -> None:
+        self._loop = loop
+        self._peer = f"{host}:{port}"
+        self._addr = (host, port)
+        self._ticket = ticket
+        self._deadline = deadline
+        self._stall = stall_timeout_s
+        self._allocate = allocate
+        self._discard = discard
+        self._max_block = max_block_bytes
+        self._accept = accept
+        self._ready: collections.deque[_Item] = collections.deque()  # thread -> loop
+        self._wake = asyncio.Event()
+        self._signalled = False  # a wake-up is on its way to the loop
+        self._unsignalled = 0  # bytes queued since the last wake-up
+        self._signal_bytes = max(1, window_bytes // 4)
+        self._window = threading.Condition()
+        self._window_limit = window_bytes
+        self._held = 0  # bytes queued or with on_block
+        self._stopped = False
+        self._deadline_bound = False  # the last wait was cut by the deadline, not the stall
+        self._rcvtimeo = 0.0  # SO_RCVTIMEO as last set
+        self._sock: socket.socket | None = None
+        self._sock_lock = threading.Lock()  # close() vs the thread
+        self._thread = threading.Thread(target=self._run, name="kvdp-recv", daemon=True)
+
+    # -- loop side
+
+    def start(self) -> None:
+        self._thread.start()
+
+    async def next(self) -> _Item:
+        while not self._ready:
+            self._wake.clear()
+            self._signalled = False
+            if self._ready:
+                break
+            await self._wake.wait()
+        return self._ready.popleft()
+
+    def taken(self, nbytes: int) -> None:
+        with self._window:
+            self._held -= nbytes
+            self._window.notify()
+
+    def close(self) -> None:
+        """Stops the thread at once (its socket is shut down) and discards undelivered
+        blocks, now and, for any the thread still queues, when it exits."""
+        self._stopped = True
+        with self._sock_lock:
+            if self._sock is not None:
+                conn_shutdown(self._sock)
+        with self._window:
+            self._window.notify_all()
+        self._drop_ready()
+
+    def _drop_ready(self) -> None:
+        while self._ready:
+            item = self._ready.popleft()
+            if isinstance(item, FetchedBlock) and self._discard is not None:
+                self._discard(item.data)
+
+    # -- thread side
+
+    def _call_soon(self, fn: Callable[..., object], *args: object) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting
+            self._loop.call_soon_threadsafe(fn, *args)
+
+    def _push(self, item: _Item, nbytes: int = 0, flush: bool = False) -> None:
+        self._ready.append(item)
+        self._unsignalled += nbytes
+        if flush or self._unsignalled >= self._signal_bytes:
+            self._flush()
+
+    def _flush(self) -> None:
+        self._unsignalled = 0
+        if self._ready and not self._signalled:
+            self._signalled = True
+            self._call_soon(self._wake.set)
+
+    def _run(self) -> None:
+        try:
+            self._fetch()
+            self._push(_END, flush=True)
+        except BaseException as exc:
+            self._push(self._classify(exc), flush=True)
+        finally:
+            with self._sock_lock:
+                sock, self._sock = self._sock, None
+            if sock is not None:
+                sock.close()
+            if self._stopped:
+                self._call_soon(self._drop_ready)
+
+    def _classify(self, exc: BaseException) -> BaseException:
+        if isinstance(exc, PeerFetchError) or not isinstance(
+            exc, OSError | EOFError | wire.WireError
+        ):
+            return exc  # ours already, or from allocate: unchanged
+        if self._stopped:
+            return StreamBroken(f"fetch from {self._peer} stopped")
+        if isinstance(exc, TimeoutError):  # socket.timeout
+            if self._deadline_bound:
+                return FetchDeadlineExceeded(f"fetch from {self._peer} passed its deadline")
+            return FetchStalled(f"no bytes from {self._peer} for {self._stall:.3f}s")
+        if isinstance(exc, wire.WireError):
+            return StreamBroken(f"protocol violation from {self._peer}: {exc}")
+        return StreamBroken(f"stream from {self._peer} broke: {exc!r}")
+
+    def _timeout(self) -> float:
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise FetchDeadlineExceeded(f"fetch from {self._peer} passed its deadline")
+        self._deadline_bound = left < self._stall
+        return min(self._stall, left)
+
+    def _recv_exact(self, sock: socket.socket, view: memoryview) -> None:
+        """Fills ``view``: one blocking ``recv_into(MSG_WAITALL)`` unless the peer is slow."""
+        got, size = 0, view.nbytes
+        while got < size:
+            timeout = self._timeout()
+            if timeout != self._rcvtimeo:
+                _set_sock_timeout(sock, socket.SO_RCVTIMEO, timeout)
+                self._rcvtimeo = timeout
+            try:
+                n = sock.recv_into(view[got:], size - got, socket.MSG_WAITALL)
+            except BlockingIOError:  # SO_RCVTIMEO ran out before a single byte came
+                raise TimeoutError("no bytes") from None
+            if not n:
+                raise EOFError(f"peer closed the stream {size - got} bytes short of a frame")
+            got += n
+
+    def _reserve(self, nbytes: int) -> None:
+        """Waits until the window has room for a block of ``nbytes`` (one block always fits)."""
+        with self._window:
+            while self._held and self._held + nbytes > self._window_limit and not self._stopped:
+                self._flush()
+                self._window.wait(self._timeout())
+            if self._stopped:
+                raise EOFError("fetch stopped")
+            self._held += nbytes
+
+    def _fetch(self) -> None:
+        sock = socket.create_connection(self._addr, timeout=self._timeout())
+        with self._sock_lock:
+            if self._stopped:
+                sock.close()
+                return
+            self._sock = sock
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.sendall(wire.pack_request(wire.Request(self._ticket.token, self._accept)))
+        sock.settimeout(None)  # blocking; SO_RCVTIMEO bounds each wait
+
+        head = memoryview(bytearray(wire.STREAM_HEADER_SIZE))
+        self._recv_exact(sock, head)
+        stream = wire.unpack_stream_header(head)
+        if stream.status is not Status.OK:
+            raise TicketRefused(
+                stream.status, f"{self._peer} refused the fetch: {stream.status.name}"
+            )
+        hashes = self._ticket.hashes
+        if stream.block_count != len(hashes):
+            raise wire.WireError(
+                f"peer announced {stream.block_count} blocks, the ticket has {len(hashes)}"
+            )
+
+        frame = memoryview(bytearray(wire.FRAME_HEADER_SIZE))
+        for index, want in enumerate(hashes):
+            self._recv_exact(sock, frame)
+            hdr = wire.unpack_frame_header(frame)
+            if hdr.kind is FrameKind.ABORT:
+                raise StreamBroken(f"{self._peer} aborted the stream at block {index}")
+            if hdr.index != index or hdr.block_hash != want:
+                raise wire.WireError(
+                    f"frame for block {hdr.index} ({hdr.block_hash:016x}), "
+                    f"expected block {index} ({want:016x})"
+                )
+            if hdr.kind is FrameKind.MISSING:
+                self._push(want)
+                continue
+            algo = hdr.checksum_algo
+            assert algo is not None  # unpack_frame_header guarantees it for BLOCK frames
+            if not wire.algo_bit(algo) & self._accept:
+                raise wire.WireError(f"block {index} checksummed with {algo.name}, not offered")
+            if hdr.length > self._max_block:
+                raise wire.WireError(f"block of {hdr.length} bytes is over max_block_bytes")
+            self._reserve(hdr.length)
+            view = _byte_view(self._allocate(hdr.length))
+            try:
+                if view.nbytes != hdr.length or view.readonly:
+                    raise ValueError(f"allocate({hdr.length}) returned an unusable buffer")
+                self._recv_exact(sock, view)
+                if wire.checksum(algo, view) != hdr.checksum:
+                    raise ChecksumMismatch(
+                        f"block {index} ({want:016x}) from {self._peer} failed its "
+                        f"{algo.name} check; dropped"
+                    )
+            except BaseException:
+                if self._discard is not None:
+                    self._call_soon(self._discard, view)
+                raise
+            self._push(FetchedBlock(index, want, view, Checksum(algo, hdr.checksum)), hdr.length)
