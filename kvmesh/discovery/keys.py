@@ -103,6 +103,9 @@ class WorkerRecord:
     max_model_len: int = 0  # tokens, prompt + completion
     block_size: int = 0  # tokens per KV block
     vocab_size: int = 0
+    # KvLayout key (services/kvmanager/core/layout.py) of the blocks it saves to its node's
+    # kvmanager; empty when it has none. Routers read that kvmanager's tier events for it.
+    kv_layout: str = ""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)

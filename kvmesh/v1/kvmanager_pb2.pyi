@@ -118,11 +118,13 @@ class GetBlocksResponse(_message.Message):
     def __init__(self, block: _Optional[_Union[KvBlock, _Mapping]] = ..., tier: _Optional[_Union[_worker_pb2.KvTier, str]] = ..., missing: _Optional[int] = ...) -> None: ...
 
 class WatchTierEventsRequest(_message.Message):
-    __slots__ = ("layout", "epoch", "from_seq")
+    __slots__ = ("layout", "layout_key", "epoch", "from_seq")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_KEY_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     FROM_SEQ_FIELD_NUMBER: _ClassVar[int]
     layout: KvLayout
+    layout_key: str
     epoch: str
     from_seq: int
-    def __init__(self, layout: _Optional[_Union[KvLayout, _Mapping]] = ..., epoch: _Optional[str] = ..., from_seq: _Optional[int] = ...) -> None: ...
+    def __init__(self, layout: _Optional[_Union[KvLayout, _Mapping]] = ..., layout_key: _Optional[str] = ..., epoch: _Optional[str] = ..., from_seq: _Optional[int] = ...) -> None: ...

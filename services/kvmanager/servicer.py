@@ -17,7 +17,7 @@ from kvmesh.kv_stream import serve_kv_events
 from kvmesh.kv_wire import TIER_PB
 from kvmesh.v1 import kvmanager_pb2, kvmanager_pb2_grpc, worker_pb2
 
-from .core.layout import KvLayout
+from .core.layout import KvLayout, check_layout_key
 from .core.plan import LayoutEvent
 from .store import TieredStore
 
@@ -169,18 +169,23 @@ class KvManagerServicer(kvmanager_pb2_grpc.KvManagerServicer):
         self, request: kvmanager_pb2.WatchTierEventsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.KvEventBatch]:
         try:
-            layout = layout_from_pb(request.layout)
+            if request.layout_key:
+                key = check_layout_key(request.layout_key)
+                what = f"tier event (layout {key})"
+            else:
+                layout = layout_from_pb(request.layout)
+                key, what = layout.key, f"tier event ({layout.describe()})"
         except Exception as exc:
             await abort_with(context, exc, "WatchKvEvents")
             return
-        hub = self._hubs.hub(layout.key)
+        hub = self._hubs.hub(key)
         async for msg in serve_kv_events(
             hub,
             request.epoch,
             request.from_seq,
             context,
             self._max_message_bytes,
-            f"tier event ({layout.describe()})",
+            what,
             "--max-message-bytes",
         ):
             yield msg

@@ -117,3 +117,11 @@ def check_block_hash(block_hash: int) -> BlockHash:
     if not 0 <= block_hash < _HASH_LIMIT:
         raise BadBlock(f"block hash must be in [0, 2**64), got {block_hash}")
     return BlockHash(block_hash)
+
+
+def check_layout_key(key: str) -> str:
+    """``key`` if it has the shape of a ``KvLayout.key`` (16 lowercase hex digits), else
+    BadLayout."""
+    if len(key) != 16 or any(c not in "0123456789abcdef" for c in key):
+        raise BadLayout(f"layout key must be 16 lowercase hex digits (KvLayout.key), got {key!r}")
+    return key
