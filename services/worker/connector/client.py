@@ -1,0 +1,128 @@
+"""What the KV connector needs from a block store, and how it is chosen from vLLM's config.
+
+A block is one full KV block of the engine (``block_size`` tokens, every layer, K and V) as
+bytes; its key is the 64-bit block hash vLLM publishes in its KV events (low 64 bits of the
+engine's chained block hash, ``kvmesh.kv.hashing.to_block_hash``). Keys are only meaningful
+within one ``layout_key`` (model, block size, layers, KV heads, head size, dtype, TP rank, byte
+layout: ``layout.layout_key``), so every call names the layout.
+
+The node's kvmanager daemon (gRPC control + shared memory for the bytes) will implement this
+protocol; ``DirectoryBlockClient`` (``directory.py``) implements it over a directory, one file
+per block, for tests and single-host use.
+
+Pure: no vLLM, torch or grpc imports (this module is imported in vLLM's engine process).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any, Protocol, runtime_checkable
+
+BlockBytes = bytes | bytearray | memoryview
+
+
+@runtime_checkable
+class KvBlockClient(Protocol):
+    """A block store as the connector sees it. Implementations must be safe to call from two
+    threads at once (the engine thread looks up and loads, the connector's saver thread saves).
+    None of the calls may raise for a store that is down: they report "nothing" instead (the
+    connector also catches exceptions, as a last resort, and treats them as misses)."""
+
+    def lookup(self, layout_key: str, block_hashes: Sequence[int]) -> int:
+        """How many leading blocks of ``block_hashes`` (a prompt's chain, in order) the store
+        can supply now. Called on the scheduler's thread once per new request (keep it fast: it
+        delays the request's first step), and on the saver thread before each save."""
+        ...
+
+    def load(self, layout_key: str, block_hashes: Sequence[int]) -> list[BlockBytes] | None:
+        """The bytes of ``block_hashes``, in order. None, or a list shorter than asked, means
+        the blocks from there on could not be supplied (the engine recomputes them). Called on
+        the engine thread just before the forward pass that needs them."""
+        ...
+
+    def save(
+        self,
+        layout_key: str,
+        block_hashes: Sequence[int],
+        parent_hash: int | None,
+        blocks: Sequence[BlockBytes],
+    ) -> None:
+        """Stores ``blocks`` under ``block_hashes``: consecutive blocks of one chain whose first
+        block follows ``parent_hash`` (None: the chain's first block). Blocks the store already
+        has may be skipped. Called only from the connector's saver thread, never from the
+        engine step, so it may block (it should still finish in bounded time)."""
+        ...
+
+    def discard(self, layout_key: str, block_hashes: Sequence[int]) -> None:
+        """Drops ``block_hashes``: the connector found their bytes unusable (wrong size for the
+        layout). Rare; called on the engine thread after a failed load."""
+        ...
+
+    def close(self) -> None:
+        """Releases resources; called once when the engine shuts down."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class StoreConfig:
+    """``kv_connector_extra_config`` of ``KvmeshConnector``. Unknown keys are errors."""
+
+    store: str = "directory"
+    """Which client: ``directory`` (``DirectoryBlockClient`` at ``store_path``) or ``factory``
+    (``client_factory`` builds it)."""
+    store_path: str = ""
+    """The directory of the ``directory`` store; shared by every engine that should share KV."""
+    client_factory: str = ""
+    """``module:callable`` taking this ``StoreConfig`` and returning a ``KvBlockClient`` (for
+    ``store=factory``: the kvmanager client, test doubles)."""
+    max_pending_save_bytes: int = 256 * 1024 * 1024
+    """Bytes of copied-out blocks waiting for the saver thread; a save that does not fit is
+    skipped (never waited for)."""
+    remembered_saves: int = 65536
+    """Block keys the worker remembers having handed to the store, so that blocks shared by many
+    requests are copied out once."""
+    save: bool = True
+    """Offload computed blocks (also needs ``kv_role`` kv_producer or kv_both)."""
+    load: bool = True
+    """Load blocks from the store (also needs ``kv_role`` kv_consumer or kv_both)."""
+
+    def __post_init__(self) -> None:
+        if self.store not in ("directory", "factory"):
+            raise ValueError(f"store must be 'directory' or 'factory', got {self.store!r}")
+        if self.store == "directory" and not self.store_path:
+            raise ValueError("store 'directory' needs store_path (a directory shared by engines)")
+        if self.store == "factory" and ":" not in self.client_factory:
+            raise ValueError("store 'factory' needs client_factory as 'module:callable'")
+        if self.max_pending_save_bytes < 0 or self.remembered_saves < 0:
+            raise ValueError("max_pending_save_bytes and remembered_saves must be >= 0")
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any] | None) -> StoreConfig:
+        """Parses vLLM's ``kv_connector_extra_config``."""
+        extra = dict(extra or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown kv_connector_extra_config keys for KvmeshConnector: {unknown}; "
+                f"known: {sorted(known)}"
+            )
+        return cls(**extra)
+
+
+def make_client(config: StoreConfig) -> KvBlockClient:
+    """The client ``config`` names."""
+    if config.store == "directory":
+        from .directory import DirectoryBlockClient
+
+        return DirectoryBlockClient(config.store_path)
+    module_name, _, attr = config.client_factory.partition(":")
+    factory: Callable[[StoreConfig], KvBlockClient] = getattr(
+        importlib.import_module(module_name), attr
+    )
+    client = factory(config)
+    if not isinstance(client, KvBlockClient):
+        raise TypeError(f"{config.client_factory} returned {type(client).__name__}, not a client")
+    return client

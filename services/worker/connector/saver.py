@@ -1,0 +1,174 @@
+"""The connector's saver: one background thread that hands copied-out blocks to the store.
+
+The engine thread copies blocks out of the KV cache into host memory and calls ``try_submit``,
+which never waits: when the bytes waiting for the thread would exceed ``max_pending_bytes`` the
+job is refused (the caller counts it as skipped; a skipped block is just a later cache miss).
+Call ``has_room`` before copying, so a refused job costs no copy. Before saving, the thread asks
+the store which leading blocks of the job it already has (blocks filled while decoding were not
+in the scheduler's lookup) and saves only the rest.
+
+Pure threading; no vLLM or torch imports.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+
+from .client import BlockBytes, KvBlockClient
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class SaveJob:
+    """Consecutive blocks of one chain, already copied out of the engine."""
+
+    layout_key: str
+    block_hashes: Sequence[int]
+    parent_hash: int | None
+    blocks: Sequence[BlockBytes]
+    nbytes: int
+    keep_alive: object = None  # the buffer ``blocks`` are views of, if any
+
+
+@dataclass(slots=True)
+class SaverStats:
+    """Cumulative counts, read with ``BlockSaver.stats()``."""
+
+    submitted_blocks: int = 0
+    refused_blocks: int = 0  # refused: queue full (or saver closed)
+    saved_blocks: int = 0  # written to the store
+    saved_bytes: int = 0
+    present_blocks: int = 0  # not written: the store had them (checked on the saver thread)
+    failed_blocks: int = 0  # the client raised
+    pending_bytes: int = 0
+
+
+@dataclass(slots=True)
+class _State:
+    jobs: deque[SaveJob] = field(default_factory=deque)
+    pending_bytes: int = 0
+    busy: bool = False
+    closed: bool = False
+
+
+class BlockSaver:
+    """Runs ``client.save`` on a thread of its own, with at most ``max_pending_bytes`` queued.
+    ``on_failure(job)`` is called (on the saver thread) when the client raised for a job."""
+
+    def __init__(
+        self,
+        client: KvBlockClient,
+        max_pending_bytes: int,
+        on_failure: Callable[[SaveJob], None] | None = None,
+    ) -> None:
+        self._client = client
+        self._max = max_pending_bytes
+        self._on_failure = on_failure
+        self._state = _State()
+        self._stats = SaverStats()
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="kvmesh-kv-saver", daemon=True)
+        self._thread.start()
+
+    def has_room(self, nbytes: int) -> bool:
+        with self._cond:
+            s = self._state
+            return not s.closed and s.pending_bytes + nbytes <= self._max
+
+    def try_submit(self, job: SaveJob) -> bool:
+        """Queues ``job`` if it fits; False (and nothing queued) otherwise. Never blocks."""
+        with self._cond:
+            s = self._state
+            if s.closed or s.pending_bytes + job.nbytes > self._max:
+                self._stats.refused_blocks += len(job.block_hashes)
+                return False
+            s.jobs.append(job)
+            s.pending_bytes += job.nbytes
+            self._stats.submitted_blocks += len(job.block_hashes)
+            self._cond.notify_all()
+            return True
+
+    def note_refused(self, blocks: int) -> None:
+        """Counts blocks the caller skipped after ``has_room`` said no."""
+        with self._cond:
+            self._stats.refused_blocks += blocks
+
+    def stats(self) -> SaverStats:
+        with self._cond:
+            return replace(self._stats, pending_bytes=self._state.pending_bytes)
+
+    def flush(self, timeout_s: float) -> bool:
+        """Waits until every queued job is done; False if ``timeout_s`` ran out first."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._state.jobs or self._state.busy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+            return True
+
+    def close(self, timeout_s: float = 10.0) -> bool:
+        """Saves what is queued (up to ``timeout_s``), then stops the thread. Returns whether
+        everything queued was saved."""
+        drained = self.flush(timeout_s)
+        with self._cond:
+            self._state.closed = True
+            dropped = len(self._state.jobs)
+            self._state.jobs.clear()
+            self._state.pending_bytes = 0
+            self._cond.notify_all()
+        self._thread.join(max(0.0, timeout_s))
+        if dropped:
+            log.warning("KV saver closed with %d save jobs not done", dropped)
+        return drained
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                s = self._state
+                while not s.jobs and not s.closed:
+                    self._cond.wait()
+                if s.closed:
+                    return
+                job = s.jobs.popleft()
+                s.busy = True
+            ok, present = True, 0
+            try:
+                present = self._save(job)
+            except Exception:
+                ok = False
+                log.warning("saving %d KV blocks failed", len(job.block_hashes), exc_info=True)
+                if self._on_failure is not None:
+                    try:
+                        self._on_failure(job)
+                    except Exception:
+                        log.exception("KV saver failure callback failed")
+            with self._cond:
+                s.busy = False
+                s.pending_bytes -= job.nbytes
+                if ok:
+                    n = len(job.block_hashes)
+                    self._stats.present_blocks += present
+                    self._stats.saved_blocks += n - present
+                    self._stats.saved_bytes += job.nbytes * (n - present) // max(n, 1)
+                else:
+                    self._stats.failed_blocks += len(job.block_hashes)
+                self._cond.notify_all()
+
+    def _save(self, job: SaveJob) -> int:
+        """Saves the blocks of ``job`` the store does not have; returns how many it had."""
+        hashes, blocks, parent = job.block_hashes, job.blocks, job.parent_hash
+        present = min(self._client.lookup(job.layout_key, hashes), len(hashes))
+        if present:
+            parent = hashes[present - 1]
+            hashes, blocks = hashes[present:], blocks[present:]
+        if hashes:
+            self._client.save(job.layout_key, hashes, parent, blocks)
+        return present
