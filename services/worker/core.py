@@ -89,6 +89,9 @@ class EngineInfo:
     max_model_len: int  # tokens, prompt + completion
     block_size: int  # tokens per KV block
     vocab_size: int  # token ids must be < this
+    # The KV connector's layout key (services/worker/connector/layout.py) when the engine saves
+    # blocks to a store; "" without a connector.
+    connector_layout: str = ""
 
 
 class Engine(Protocol):

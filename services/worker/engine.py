@@ -229,6 +229,7 @@ class VllmEngine:
             await kv_events.start()
             amx = await llm.collective_rpc("kvmesh_init_amx")
             await llm.collective_rpc("kvmesh_die_with_parent", args=(os.getpid(),))
+            layouts = await llm.collective_rpc("kvmesh_kv_layout")
             model_config = llm.model_config
             vocab = model_config.get_vocab_size()
             tokenizer = llm.tokenizer
@@ -240,6 +241,7 @@ class VllmEngine:
                 max_model_len=model_config.max_model_len,
                 block_size=llm.vllm_config.cache_config.block_size,
                 vocab_size=vocab,
+                connector_layout=layouts[0] if layouts else "",
             )
         except BaseException:
             llm.shutdown()

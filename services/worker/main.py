@@ -54,6 +54,8 @@ def _json_object(text: str) -> dict[str, Any]:
 
 
 def parse_args(argv: list[str] | None) -> WorkerConfig:
+    from .connector import kv_transfer_config
+
     d, e = WorkerConfig(), EngineConfig()
     p = argparse.ArgumentParser(prog="kvmesh worker", description="Run a kvmesh vLLM worker.")
     g = p.add_argument_group("engine")
@@ -94,6 +96,13 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
         "sockets in a temp dir)",
     )
     g.add_argument("--kv-transfer-config", type=_json_object, help="vLLM KVTransferConfig, JSON")
+    g.add_argument(
+        "--kvmanager",
+        default="",
+        metavar="HOST:PORT",
+        help="the node's kvmanager: the engine saves computed KV blocks to it and loads prefixes "
+        "it lacks from it (KvmeshConnector); overrides --kv-transfer-config",
+    )
     s = p.add_argument_group("service")
     s.add_argument("--host", default=d.host, help="address to listen on (default %(default)s)")
     s.add_argument("--port", type=int, default=d.port, help="gRPC port; 0 = OS picks")
@@ -130,7 +139,11 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
             seed=a.seed,
             core_drain_s=math.ceil(a.drain_grace_s),
             kv_events_config=a.kv_events_config,
-            kv_transfer_config=a.kv_transfer_config,
+            kv_transfer_config=(
+                kv_transfer_config(a.kvmanager, store="kvmanager")
+                if a.kvmanager
+                else a.kv_transfer_config
+            ),
         ),
         engine_kind=a.engine,
         sim_capacity_blocks=a.sim_capacity_blocks,

@@ -53,3 +53,14 @@ class KvmeshWorkerExtension:
         if os.getppid() != parent_pid:  # the parent died before we asked
             os.kill(os.getpid(), signal.SIGKILL)
         return True
+
+    def kvmesh_kv_layout(self) -> str:
+        """The layout key of the KV connector in this process (``KvmeshConnector.layout_key``),
+        or "" when the engine runs without one."""
+        try:
+            from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+        except ImportError:
+            return ""
+        if not has_kv_transfer_group():
+            return ""
+        return str(getattr(get_kv_transfer_group(), "layout_key", ""))

@@ -25,15 +25,16 @@ MODULE_PATH = "services.worker.connector.connector"
 """``KVTransferConfig.kv_connector_module_path``."""
 
 
-def kv_transfer_config(store_path: str, **extra: Any) -> dict[str, Any]:
-    """vLLM ``KVTransferConfig`` fields that enable ``KvmeshConnector`` on a directory store
-    (``extra``: more ``StoreConfig`` fields). For ``EngineConfig.kv_transfer_config``."""
+def kv_transfer_config(store_path: str, store: str = "directory", **extra: Any) -> dict[str, Any]:
+    """vLLM ``KVTransferConfig`` fields that enable ``KvmeshConnector`` on a directory store, or
+    with ``store="kvmanager"`` on the kvmanager at ``store_path`` (host:port); ``extra``: more
+    ``StoreConfig`` fields. For ``EngineConfig.kv_transfer_config``."""
     return {
         "kv_connector": CONNECTOR_NAME,
         "kv_connector_module_path": MODULE_PATH,
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"store": "directory", "store_path": store_path, **extra},
+        "kv_connector_extra_config": {"store": store, "store_path": store_path, **extra},
     }
 
 

@@ -70,8 +70,9 @@ class StoreConfig:
     """``kv_connector_extra_config`` of ``KvmeshConnector``. Unknown keys are errors."""
 
     store: str = "directory"
-    """Which client: ``directory`` (``DirectoryBlockClient`` at ``store_path``) or ``factory``
-    (``client_factory`` builds it)."""
+    """Which client: ``directory`` (``DirectoryBlockClient`` at ``store_path``), ``kvmanager``
+    (``KvManagerBlockClient``: the node's kvmanager at ``store_path`` = host:port) or
+    ``factory`` (``client_factory`` builds it)."""
     store_path: str = ""
     """The directory of the ``directory`` store; shared by every engine that should share KV."""
     client_factory: str = ""
@@ -89,8 +90,12 @@ class StoreConfig:
     """Load blocks from the store (also needs ``kv_role`` kv_consumer or kv_both)."""
 
     def __post_init__(self) -> None:
-        if self.store not in ("directory", "factory"):
-            raise ValueError(f"store must be 'directory' or 'factory', got {self.store!r}")
+        if self.store not in ("directory", "factory", "kvmanager"):
+            raise ValueError(
+                f"store must be 'directory', 'kvmanager' or 'factory', got {self.store!r}"
+            )
+        if self.store == "kvmanager" and ":" not in self.store_path:
+            raise ValueError("store 'kvmanager' needs store_path = the kvmanager's host:port")
         if self.store == "directory" and not self.store_path:
             raise ValueError("store 'directory' needs store_path (a directory shared by engines)")
         if self.store == "factory" and ":" not in self.client_factory:
@@ -118,6 +123,10 @@ def make_client(config: StoreConfig) -> KvBlockClient:
         from .directory import DirectoryBlockClient
 
         return DirectoryBlockClient(config.store_path)
+    if config.store == "kvmanager":
+        from .kvmanager_client import KvManagerBlockClient
+
+        return KvManagerBlockClient(config.store_path)
     module_name, _, attr = config.client_factory.partition(":")
     factory: Callable[[StoreConfig], KvBlockClient] = getattr(
         importlib.import_module(module_name), attr
