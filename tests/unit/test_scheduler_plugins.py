@@ -603,3 +603,32 @@ class TestActiveContext:
     def test_bad_params(self):
         with pytest.raises(InvalidArgument, match="idle_requests"):
             self._scorer(idle_requests=0)
+
+    @pytest.mark.parametrize(
+        "fork_share,held_blocks,flat",
+        [
+            pytest.param(0.7, 90, True, id="fork: continues a held context, follows the prefix"),
+            pytest.param(0.7, 50, False, id="not-a-fork: mostly new context, balanced"),
+            pytest.param(0.0, 90, False, id="forks-off: balanced"),
+        ],
+    )
+    def test_forks_follow_prefix_affinity_for_life(self, fork_share, held_blocks, flat):
+        from services.router.core.scheduler.footprint import (
+            ActiveContextParams,
+            ActiveContextScorer,
+        )
+
+        s = ActiveContextScorer("ac", ActiveContextParams(fork_share=fork_share))
+        fleet = views(2)
+        w0 = fleet[0].record.worker_id
+        self._turn(s, "main", 100_000, w0)  # w0 carries a big session, w1 nothing
+        source = PrecisePrefixScorer("p", PreciseParams(), FakeIndex({w0: gpu(held_blocks)}))
+        first = request(100, rid="f1", prompt_tokens=3_200, session="sub")
+        got = list(s.score(ctx_for(first, fleet, source=source), fleet))
+        assert (got[0] == got[1]) is flat
+        s.on_routed(first, RouteDecision(w0, "t", "x"))
+        # Its later turns: still a fork (flat) or still balanced, whatever they match now.
+        later = request(100, rid="f2", prompt_tokens=3_500, session="sub")
+        got = list(s.score(ctx_for(later, fleet, source=source), fleet))
+        assert (got[0] == got[1]) is flat
+        assert s.footprint(w0) == 103_200  # its first turn counts either way
