@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from kvmesh.models import MODEL_NAMES, ensure_model
+from kvmesh.units import parse_bytes
 
 DEFAULT_ROUTER = "127.0.0.1:50051"
 
@@ -70,6 +71,19 @@ def _add_mesh_flags(p: argparse.ArgumentParser, default_port: int) -> None:
         "--kv-cache-bytes", type=int, default=256 << 20, help="KV cache per worker, bytes"
     )
     p.add_argument(
+        "--kvmanager-cpu-bytes",
+        type=parse_bytes,
+        default=1 << 30,
+        help="CPU KV tier of the node's kvmanager, which every worker saves to and loads from "
+        "(default 1GiB; 0: no kvmanager)",
+    )
+    p.add_argument(
+        "--kvmanager-disk-bytes",
+        type=parse_bytes,
+        default=0,
+        help="its disk tier, in the log dir (default 0: none)",
+    )
+    p.add_argument(
         "--log-dir", type=Path, default=None, help="where child logs go (default: a temp dir)"
     )
 
@@ -88,6 +102,8 @@ def _mesh_spec(a: argparse.Namespace):  # type: ignore[no-untyped-def]
         max_model_len=a.max_model_len,
         kv_cache_bytes=a.kv_cache_bytes,
         log_dir=a.log_dir,
+        kvmanager_cpu_bytes=a.kvmanager_cpu_bytes,
+        kvmanager_disk_bytes=a.kvmanager_disk_bytes,
     )
 
 

@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 
 WORKER_READY = "KVMESH_WORKER_READY"
 ROUTER_READY = "KVMESH_ROUTER_READY"
+KVMANAGER_READY = "KVMESH_KVMANAGER_READY"
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +48,11 @@ class MeshSpec:
     log_dir: Path | None = None  # default: a new temp dir
     start_timeout_s: float = 240.0
     env: dict[str, str] = field(default_factory=dict)  # extra environment for children
+    # The node's kvmanager (CPU and disk KV tiers under the workers): started first, and every
+    # worker saves to and loads from it. 0 bytes of CPU tier: no kvmanager.
+    kvmanager_cpu_bytes: int = 1 << 30
+    kvmanager_disk_bytes: int = 0  # disk tier budget; 0: no disk tier
+    kvmanager_args: tuple[str, ...] = ()  # extra flags for the kvmanager
 
 
 @dataclass
@@ -68,6 +74,7 @@ class Mesh:
         self.etcd: LocalEtcd | None = None
         self.workers: list[Child] = []
         self.router: Child | None = None
+        self.kvmanager: Child | None = None
 
     # ---- lifecycle ------------------------------------------------------------------------
     def __enter__(self) -> Mesh:
@@ -94,6 +101,9 @@ class Mesh:
             if not self.spec.etcd_endpoints:
                 self.etcd = LocalEtcd(data_dir=self.log_dir / "etcd")
                 self.etcd.start()
+            if self.spec.kvmanager_cpu_bytes > 0:
+                self.kvmanager = self.start_kvmanager()
+                self._wait_ready(self.kvmanager, 60.0)
             for i in range(self.spec.workers):
                 self.workers.append(self.start_worker(f"worker-{i}"))
             for w in self.workers:
@@ -115,6 +125,7 @@ class Mesh:
             "--kv-cache-bytes", str(spec.kv_cache_bytes),
             "--block-size", str(spec.block_size),
             *(["--served-model-name", spec.served_model_name] if spec.served_model_name else []),
+            *(["--kvmanager", self.kvmanager.ready["address"]] if self.kvmanager else []),
             *spec.worker_args,
             *extra_args,
         ]  # fmt: skip
@@ -131,6 +142,27 @@ class Mesh:
             *extra_args,
         ]  # fmt: skip
         return self._spawn(name, "services.router.main", args, ROUTER_READY)
+
+    def start_kvmanager(self, name: str = "kvmanager") -> Child:
+        spec = self.spec
+        disk = (
+            [
+                "--disk-dir",
+                str(self.log_dir / "kv-disk"),
+                "--disk-bytes",
+                str(spec.kvmanager_disk_bytes),
+            ]
+            if spec.kvmanager_disk_bytes > 0
+            else []
+        )
+        args = [
+            "--cluster", spec.cluster,
+            "--etcd", ",".join(self.etcd_endpoints),
+            "--cpu-bytes", str(spec.kvmanager_cpu_bytes),
+            *disk,
+            *spec.kvmanager_args,
+        ]  # fmt: skip
+        return self._spawn(name, "services.kvmanager.main", args, KVMANAGER_READY)
 
     def restart_router(self) -> None:
         """Stops the router (SIGTERM, drain) and starts a new one in its place."""
@@ -157,6 +189,8 @@ class Mesh:
                 w.proc.send_signal(signal.SIGTERM)
         for w in self.workers:
             stop_child(w, grace_s=30.0)
+        if self.kvmanager is not None:
+            stop_child(self.kvmanager, grace_s=10.0)
         if self.etcd is not None:
             self.etcd.stop()
             self.etcd = None

@@ -84,6 +84,15 @@ async def test_round_robin_does_not(mesh: Mesh):
             await run_turns(client, convs, turns=3)
         good, total = follow_ups_on_holder(convs)
         assert total == 6 and good < total, "round-robin alternates workers and misses caches"
+        # A turn sent to the other worker misses that engine's cache but not the node's: the
+        # kvmanager holds what the first worker computed, and the second one loads it.
+        moved = [
+            cur.usage
+            for conv in convs
+            for prev, cur in zip(conv.turns, conv.turns[1:], strict=False)
+            if cur.usage.worker_id != prev.usage.worker_id
+        ]
+        assert moved and all(u.cached_prompt_tokens >= PREFIX_TOKENS for u in moved), moved
     finally:
         from kvmesh.launcher import stop_child
 
@@ -130,9 +139,11 @@ async def test_worker_restart_drops_its_stale_entries(mesh: Mesh):
         if before.usage.worker_id == restarted:
             moved += 1
             # The router must not believe the restarted engine still holds this history (its
-            # entries went with the old epoch), and indeed nothing serves it from cache.
+            # entries went with the old epoch) ...
             assert predicted[after.request_id] == 0
-            assert after.usage.cached_prompt_tokens < PREFIX_TOKENS
+            # ... and yet the history is not recomputed: the engine saved it to the node's
+            # kvmanager before the restart and the new engine loads it from there.
+            assert after.usage.cached_prompt_tokens >= PREFIX_TOKENS
         # Whatever happened, the next turn finds the history where the last one left it.
         assert again.usage.worker_id == after.usage.worker_id
         assert again.usage.cached_prompt_tokens >= PREFIX_TOKENS
