@@ -47,9 +47,14 @@ DOCKERFILE = ROOT / "docker" / "Dockerfile"
 DOCKERIGNORE = ROOT / ".dockerignore"
 SETUP_SCRIPT = ROOT / "scripts" / "setup.sh"
 
-SERVICES = {"etcd", "model", "router", "worker-0", "worker-1"}
-LONG_RUNNING = ["router", "worker-0", "worker-1"]  # kvmesh services with a gRPC health check
-ROLE_MODULES = {"router": "services.router.main", "worker": "services.worker.main"}
+SERVICES = {"etcd", "model", "router", "kvmanager", "worker-0", "worker-1"}
+# kvmesh services with a gRPC health check
+LONG_RUNNING = ["router", "kvmanager", "worker-0", "worker-1"]
+ROLE_MODULES = {
+    "router": "services.router.main",
+    "worker": "services.worker.main",
+    "kvmanager": "services.kvmanager.main",
+}
 DRAIN_MARGIN_S = 5.0  # stop_grace_period must exceed the process's drain grace by this much
 OFFLINE_ENV = {"HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "VLLM_NO_USAGE_STATS", "DO_NOT_TRACK"}
 
@@ -429,11 +434,13 @@ def test_stop_grace_period_covers_the_drain(compose, name) -> None:
 
 
 @pytest.mark.parametrize("name", LONG_RUNNING)
-def test_services_wait_for_etcd_and_the_model(compose, name) -> None:
-    assert compose["services"][name]["depends_on"] == {
-        "etcd": {"condition": "service_healthy"},
-        "model": {"condition": "service_completed_successfully"},
-    }
+def test_services_wait_for_what_they_need(compose, name) -> None:
+    want = {"etcd": {"condition": "service_healthy"}}
+    if name != "kvmanager":  # the kvmanager needs no model: it stores bytes
+        want["model"] = {"condition": "service_completed_successfully"}
+    if name.startswith("worker"):
+        want["kvmanager"] = {"condition": "service_healthy"}
+    assert compose["services"][name]["depends_on"] == want
 
 
 def test_named_volumes_are_declared(compose) -> None:
@@ -442,7 +449,7 @@ def test_named_volumes_are_declared(compose) -> None:
         for service in compose["services"].values()
         for source, _ in volume_targets(service).values()
     }
-    assert used == set(compose["volumes"]) == {"models", "etcd-data"}
+    assert used == set(compose["volumes"]) == {"models", "etcd-data", "kv-disk"}
 
 
 # ---- the Dockerfile -----------------------------------------------------------------------------
@@ -582,3 +589,18 @@ def test_hadolint_catches_a_bad_dockerfile(hadolint, tmp_path) -> None:
     )
     assert result.returncode != 0
     assert "DL3007" in result.stdout  # "latest" tag
+
+
+def test_workers_use_the_nodes_kvmanager(compose) -> None:
+    _, kvm = parse_service(compose, "kvmanager")
+    assert kvm.store.has_disk and kvm.store.disk_dir is not None
+    mounts = volume_targets(compose["services"]["kvmanager"])
+    assert mounts[str(kvm.store.disk_dir)] == ("kv-disk", False), "the disk tier is a volume"
+    for name in ("worker-0", "worker-1"):
+        _, config = parse_service(compose, name)
+        extra = config.engine.kv_transfer_config["kv_connector_extra_config"]
+        assert extra == {"store": "kvmanager", "store_path": f"kvmanager:{kvm.port}"}
+        assert config.node == kvm.node, "a worker uses the kvmanager of its own node"
+        assert compose["services"][name]["depends_on"]["kvmanager"]["condition"] == (
+            "service_healthy"
+        )
