@@ -14,7 +14,9 @@ each ratio compares cells measured side by side on the same (shared, noisy) mach
 * data plane: ``fetch_blocks`` from a ``DataPlaneServer``, one block per frame, every block
   received into a fresh ``bytearray`` and verified (crc32, or BLAKE3 when installed) before
   ``on_block`` gets it. The source holds each block's checksum (as the store will: it verified
-  one when the block arrived); the last row makes the server compute it on send instead.
+  one when the block arrived); one row makes the server compute it on send instead, and the
+  last rows receive each block into a new ``bytes`` (``allocate=None``, what the kvmanager's
+  peer fetch does: the store keeps that object, no copy).
 
 GB/s is payload bytes / wall time of the transfer (1 GB = 1e9 bytes), median over the repeats;
 "CPU s/GB" is this (receiving) process's CPU time per GB, all threads. Prints markdown tables.
@@ -42,14 +44,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import grpc
 
 from kvmesh.kv.events import BlockHash
-from services.kvmanager.dataplane import (
+from services.kvmanager.dataplane_client import FetchedBlock, fetch_blocks
+from services.kvmanager.dataplane_server import (
     Checksum,
     DataPlaneConfig,
     DataPlaneServer,
-    FetchedBlock,
     PinnedBlock,
     Ticket,
-    fetch_blocks,
 )
 from services.kvmanager.dataplane_wire import (
     ChecksumAlgo,
@@ -236,7 +237,9 @@ async def _grpc_recv(channel: grpc.aio.Channel, chunk: int, total: int) -> int:
     return got
 
 
-async def _dataplane_recv(port: int, ticket: Ticket, accept: ChecksumSet) -> int:
+async def _dataplane_recv(
+    port: int, ticket: Ticket, accept: ChecksumSet, into_bytes: bool = False
+) -> int:
     got = 0
 
     def on_block(block: FetchedBlock) -> None:
@@ -244,7 +247,13 @@ async def _dataplane_recv(port: int, ticket: Ticket, accept: ChecksumSet) -> int
         got += block.data.nbytes
 
     result = await fetch_blocks(
-        "127.0.0.1", port, ticket, on_block=on_block, deadline_s=60, accept=accept
+        "127.0.0.1",
+        port,
+        ticket,
+        on_block=on_block,
+        deadline_s=60,
+        accept=accept,
+        allocate=None if into_bytes else bytearray,
     )
     assert result.delivered == len(ticket.hashes) and not result.missing
     return got
@@ -296,14 +305,17 @@ async def _main(args: argparse.Namespace) -> None:
     def grpc_cell(size: int) -> Cell:
         return Cell("gRPC stream", size, "bytes messages", lambda: _grpc_recv(channel, size, total))
 
-    def dp_cell(size: int, algo: ChecksumAlgo, stored: bool = True) -> Cell:
+    def dp_cell(
+        size: int, algo: ChecksumAlgo, stored: bool = True, into_bytes: bool = False
+    ) -> Cell:
         async def run() -> int:
             # The ticket round trip is timed too: a real fetch asks the control plane first.
             ctl.send((algo, stored, size, total // size))
             port, ticket = ctl.recv()
-            return await _dataplane_recv(port, ticket, algo_bit(algo))
+            return await _dataplane_recv(port, ticket, algo_bit(algo), into_bytes)
 
         note = f"{algo.name.lower()}" + ("" if stored else ", computed on send")
+        note += ", received into bytes (allocate=None)" if into_bytes else ""
         return Cell("data plane", size, note, run)
 
     sizes = [256 * KiB, 1 * MiB, 4 * MiB]
@@ -314,6 +326,7 @@ async def _main(args: argparse.Namespace) -> None:
     for algo in algos:
         cells += [dp_cell(s, algo) for s in sizes]
     cells.append(dp_cell(4 * MiB, ChecksumAlgo.CRC32, stored=False))
+    cells += [dp_cell(s, algos[-1], into_bytes=True) for s in (256 * KiB, 4 * MiB)]
 
     for cell in cells:  # warm-up: connections, allocator, page cache of the buffers
         await cell.run()

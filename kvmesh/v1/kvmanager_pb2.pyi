@@ -128,3 +128,59 @@ class WatchTierEventsRequest(_message.Message):
     epoch: str
     from_seq: int
     def __init__(self, layout: _Optional[_Union[KvLayout, _Mapping]] = ..., layout_key: _Optional[str] = ..., epoch: _Optional[str] = ..., from_seq: _Optional[int] = ...) -> None: ...
+
+class OpenFetchRequest(_message.Message):
+    __slots__ = ("layout", "layout_key", "block_hashes", "ttl_s")
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_KEY_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    layout: KvLayout
+    layout_key: str
+    block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    ttl_s: float
+    def __init__(self, layout: _Optional[_Union[KvLayout, _Mapping]] = ..., layout_key: _Optional[str] = ..., block_hashes: _Optional[_Iterable[int]] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+
+class OpenFetchResponse(_message.Message):
+    __slots__ = ("data_plane_address", "token", "block_hashes", "parent_hash", "layout_key", "ttl_s")
+    DATA_PLANE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_KEY_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    data_plane_address: str
+    token: bytes
+    block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    parent_hash: int
+    layout_key: str
+    ttl_s: float
+    def __init__(self, data_plane_address: _Optional[str] = ..., token: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[int]] = ..., parent_hash: _Optional[int] = ..., layout_key: _Optional[str] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+
+class FetchFromPeerRequest(_message.Message):
+    __slots__ = ("layout", "block_hashes", "peer_kvmanager_id", "peer_address")
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    PEER_KVMANAGER_ID_FIELD_NUMBER: _ClassVar[int]
+    PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    layout: KvLayout
+    block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    peer_kvmanager_id: str
+    peer_address: str
+    def __init__(self, layout: _Optional[_Union[KvLayout, _Mapping]] = ..., block_hashes: _Optional[_Iterable[int]] = ..., peer_kvmanager_id: _Optional[str] = ..., peer_address: _Optional[str] = ...) -> None: ...
+
+class FetchFromPeerResponse(_message.Message):
+    __slots__ = ("fetched", "already_held", "bytes", "seconds", "peer_missing", "prefix_blocks")
+    FETCHED_FIELD_NUMBER: _ClassVar[int]
+    ALREADY_HELD_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PEER_MISSING_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    fetched: int
+    already_held: int
+    bytes: int
+    seconds: float
+    peer_missing: int
+    prefix_blocks: int
+    def __init__(self, fetched: _Optional[int] = ..., already_held: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., peer_missing: _Optional[int] = ..., prefix_blocks: _Optional[int] = ...) -> None: ...

@@ -60,6 +60,16 @@ class KvManagerStub(object):
                 request_serializer=kvmesh_dot_v1_dot_kvmanager__pb2.WatchTierEventsRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_worker__pb2.KvEventBatch.FromString,
                 _registered_method=True)
+        self.OpenFetch = channel.unary_unary(
+                '/kvmesh.v1.KvManager/OpenFetch',
+                request_serializer=kvmesh_dot_v1_dot_kvmanager__pb2.OpenFetchRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_kvmanager__pb2.OpenFetchResponse.FromString,
+                _registered_method=True)
+        self.FetchFromPeer = channel.unary_unary(
+                '/kvmesh.v1.KvManager/FetchFromPeer',
+                request_serializer=kvmesh_dot_v1_dot_kvmanager__pb2.FetchFromPeerRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_kvmanager__pb2.FetchFromPeerResponse.FromString,
+                _registered_method=True)
 
 
 class KvManagerServicer(object):
@@ -101,7 +111,30 @@ class KvManagerServicer(object):
         first, then live batches; resumable like the workers' stream (same metadata, same batches;
         KvEventBatch.worker_id holds the kvmanager id). A hash means nothing across layouts, so each
         layout has its own numbered log.
-        Reserved for later: peer fetch over the data plane (OpenFetch, FetchFromPeer).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def OpenFetch(self, request, context):
+        """Peer fetch, holder side: grants a one-time data plane ticket for the leading run of
+        `block_hashes` held here (empty `block_hashes` and no token when the first one is not held).
+        The caller redeems the token at `data_plane_address` (docs/kvmanager-dataplane.md).
+        UNAVAILABLE when the data plane is off or this kvmanager is shutting down.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FetchFromPeer(self, request, context):
+        """Peer fetch, fetching side: fetches the blocks of `block_hashes` this kvmanager lacks from a
+        peer kvmanager (OpenFetch there, then its data plane), verifies each block's checksum and
+        stores each whole verified block in this kvmanager's CPU tier. Bounded by the call's
+        deadline. Blocks already held are skipped. An unknown peer is NOT_FOUND. A peer that dies,
+        stalls or is unreachable ends the call UNAVAILABLE (DEADLINE_EXCEEDED when the deadline
+        passes) with a message saying what happened and how many blocks were fetched: those stay
+        (whole and verified); nothing partial is ever stored. Trailing metadata
+        `kvmesh-peer-fetched` carries that count on every outcome. Recompute the rest.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -134,6 +167,16 @@ def add_KvManagerServicer_to_server(servicer, server):
                     servicer.WatchKvEvents,
                     request_deserializer=kvmesh_dot_v1_dot_kvmanager__pb2.WatchTierEventsRequest.FromString,
                     response_serializer=kvmesh_dot_v1_dot_worker__pb2.KvEventBatch.SerializeToString,
+            ),
+            'OpenFetch': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenFetch,
+                    request_deserializer=kvmesh_dot_v1_dot_kvmanager__pb2.OpenFetchRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_kvmanager__pb2.OpenFetchResponse.SerializeToString,
+            ),
+            'FetchFromPeer': grpc.unary_unary_rpc_method_handler(
+                    servicer.FetchFromPeer,
+                    request_deserializer=kvmesh_dot_v1_dot_kvmanager__pb2.FetchFromPeerRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_kvmanager__pb2.FetchFromPeerResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -271,6 +314,60 @@ class KvManager(object):
             '/kvmesh.v1.KvManager/WatchKvEvents',
             kvmesh_dot_v1_dot_kvmanager__pb2.WatchTierEventsRequest.SerializeToString,
             kvmesh_dot_v1_dot_worker__pb2.KvEventBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenFetch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.KvManager/OpenFetch',
+            kvmesh_dot_v1_dot_kvmanager__pb2.OpenFetchRequest.SerializeToString,
+            kvmesh_dot_v1_dot_kvmanager__pb2.OpenFetchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchFromPeer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.KvManager/FetchFromPeer',
+            kvmesh_dot_v1_dot_kvmanager__pb2.FetchFromPeerRequest.SerializeToString,
+            kvmesh_dot_v1_dot_kvmanager__pb2.FetchFromPeerResponse.FromString,
             options,
             channel_credentials,
             insecure,

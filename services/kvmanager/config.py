@@ -6,7 +6,9 @@ from dataclasses import dataclass, field
 
 from kvmesh.telemetry import Exporter
 
-from .core.config import StoreConfig
+from .core.config import PeerConfig, StoreConfig
+
+__all__ = ["KvManagerConfig", "PeerConfig", "StoreConfig"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,6 +22,7 @@ class KvManagerConfig:
     etcd_endpoints: tuple[str, ...] = ("127.0.0.1:2379",)  # host:port of etcd; () = no etcd
     etcd_ttl_s: float = 10.0  # lease TTL of the etcd record
     store: StoreConfig = field(default_factory=StoreConfig)  # tier budgets and the disk dir
+    peer: PeerConfig = field(default_factory=PeerConfig)  # data plane and peer fetch
     max_message_bytes: int = 64 * 1024 * 1024  # largest gRPC message (a PutBlocks batch)
     event_buffer_batches: int = 4096  # event batches kept per layout for resuming subscribers
     event_queue_batches: int = 1024  # a subscriber further behind than this is cut off

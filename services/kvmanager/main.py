@@ -1,21 +1,25 @@
 """``kvmesh kvmanager``: the node's KV cache manager daemon.
 
-Opens the tiered store (the disk tier rebuilds its index from its directory), serves
-kvmesh.v1.KvManager + health + reflection, registers in etcd under
-``/kvmesh/<cluster>/kvmanagers/<id>``, prints ``KVMESH_KVMANAGER_READY kvmanager_id=...
-address=host:port`` and runs until SIGTERM/SIGINT; then it drains in order (health NOT_SERVING,
-refuse new calls, leave etcd, stop the server, close the store).
+Opens the tiered store (the disk tier rebuilds its index from its directory), starts the bulk
+data plane peers fetch blocks from, serves kvmesh.v1.KvManager + health + reflection, registers
+in etcd under ``/kvmesh/<cluster>/kvmanagers/<id>`` (with its data plane address), watches the
+other kvmanagers there (to find peers by id), prints ``KVMESH_KVMANAGER_READY kvmanager_id=...
+address=host:port data_plane=host:port`` and runs until SIGTERM/SIGINT; then it drains in order
+(health NOT_SERVING, refuse new calls, leave etcd, let calls and peer streams in flight finish
+within the grace, stop the server and the data plane, close the store). See docs/kvmanager.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import signal
 import socket
 import sys
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,13 +34,21 @@ from kvmesh.errors import KvmeshError
 from kvmesh.kv.events import Tier
 from kvmesh.kv_wire import TIER_PB
 from kvmesh.metrics import MetricsServer, serve_metrics
-from kvmesh.telemetry import Exporter, server_interceptors, setup_logging, setup_tracing
+from kvmesh.telemetry import (
+    Exporter,
+    client_interceptors,
+    server_interceptors,
+    setup_logging,
+    setup_tracing,
+)
 from kvmesh.units import parse_bytes
 from kvmesh.v1 import kvmanager_pb2, kvmanager_pb2_grpc
 
-from .config import KvManagerConfig
+from .config import KvManagerConfig, PeerConfig
 from .core.config import StoreConfig
+from .dataplane_server import BlockSource, DataPlaneConfig, DataPlaneServer
 from .metrics import KvManagerMetrics
+from .peer import PeerDirectory, PeerService, StoreBlockSource
 from .servicer import KvManagerServicer, LayoutHubs
 from .store import TieredStore
 
@@ -51,11 +63,15 @@ class RunningKvManager:
     kvmanager_id: str
     address: str
     node: str
+    data_plane_address: str  # empty: the data plane is off
     store: TieredStore
     hubs: LayoutHubs
     servicer: KvManagerServicer
     metrics: KvManagerMetrics
     metrics_server: MetricsServer | None
+    peers: PeerService
+    data_plane: DataPlaneServer | None
+    _directory: PeerDirectory
     _server: grpc.aio.Server
     _health: health.aio.HealthServicer
     _registrar: Registrar | None
@@ -64,9 +80,10 @@ class RunningKvManager:
 
     def ready_line(self) -> str:
         metrics = f" metrics={self.metrics_server.url}" if self.metrics_server else ""
+        data_plane = f" data_plane={self.data_plane_address}" if self.data_plane_address else ""
         return (
             f"{READY_LINE} kvmanager_id={self.kvmanager_id} address={self.address}"
-            f" node={self.node}{metrics}"
+            f" node={self.node}{data_plane}{metrics}"
         )
 
     async def stop(self) -> None:
@@ -78,7 +95,14 @@ class RunningKvManager:
             except Exception as exc:  # etcd down: the lease expires on its own
                 log.warning("could not revoke the etcd lease of %s: %s", self.kvmanager_id, exc)
         self.hubs.close()  # ends the event streams, so the server's grace is not spent on them
-        await self._server.stop(grace=self._config.drain_grace_s)
+        # Calls in flight (peer fetches included) and the peer streams this node serves get the
+        # grace to finish; new data plane connections are refused from now on.
+        grace = self._config.drain_grace_s
+        closing = [self._server.stop(grace=grace)]
+        if self.data_plane is not None:
+            closing.append(self.data_plane.close(grace_s=grace))
+        await asyncio.gather(*closing)
+        await self._directory.close()
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -93,7 +117,29 @@ def _host_name() -> str:
     return host.strip(".-_") or "node"
 
 
-async def start_kvmanager(config: KvManagerConfig) -> RunningKvManager:
+def _advertised(config: KvManagerConfig, bind_host: str, port: int) -> str:
+    host = config.advertise_host or (
+        socket.gethostname() if bind_host in ("0.0.0.0", "::", "[::]", "") else bind_host
+    )
+    return f"{host}:{port}"
+
+
+def _data_plane_config(peer: PeerConfig, host: str) -> DataPlaneConfig:
+    return DataPlaneConfig(
+        host=peer.data_plane_host or host,
+        port=peer.data_plane_port,
+        max_streams=peer.max_streams,
+        stall_timeout_s=peer.stall_timeout_s,
+    )
+
+
+async def start_kvmanager(
+    config: KvManagerConfig,
+    *,
+    wrap_source: Callable[[BlockSource], BlockSource] | None = None,
+) -> RunningKvManager:
+    """Starts a kvmanager on this loop. ``wrap_source`` wraps the block source the data plane
+    serves from (tracing, or a test's injected faults)."""
     node = config.node or _host_name()
     kvmanager_id = check_name("kvmanager id", config.kvmanager_id or node)
     check_name("cluster", config.cluster)
@@ -108,10 +154,14 @@ async def start_kvmanager(config: KvManagerConfig) -> RunningKvManager:
         ],
     )
     port = server.add_insecure_port(f"{config.host}:{config.port}")
-    host = config.advertise_host or (
-        socket.gethostname() if config.host in ("0.0.0.0", "::", "[::]", "") else config.host
-    )
-    address = f"{host}:{port}"
+    address = _advertised(config, config.host, port)
+    data_plane: DataPlaneServer | None = None
+    data_plane_address = ""
+    if config.peer.data_plane_port >= 0:
+        source: BlockSource = StoreBlockSource(store)
+        if wrap_source is not None:
+            source = wrap_source(source)
+        data_plane = DataPlaneServer(source, _data_plane_config(config.peer, config.host))
 
     def info() -> kvmanager_pb2.KvManagerInfo:
         tiers = []
@@ -126,10 +176,21 @@ async def start_kvmanager(config: KvManagerConfig) -> RunningKvManager:
                 )
             )
         return kvmanager_pb2.KvManagerInfo(
-            kvmanager_id=kvmanager_id, node=node, tiers=tiers, epoch=epoch, version=__version__
+            kvmanager_id=kvmanager_id,
+            node=node,
+            tiers=tiers,
+            epoch=epoch,
+            version=__version__,
+            data_plane_address=data_plane_address,
         )
 
-    servicer = KvManagerServicer(store, hubs, info, config.max_message_bytes)
+    directory = PeerDirectory(
+        kvmanager_id, config.etcd_endpoints, config.cluster, client_interceptors()
+    )
+    peers = PeerService(kvmanager_id, address, store, data_plane, directory, config.peer)
+    servicer = KvManagerServicer(
+        store, hubs, info, config.max_message_bytes, peers, config.peer.fetch_timeout_s
+    )
     kvmanager_pb2_grpc.add_KvManagerServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -141,15 +202,23 @@ async def start_kvmanager(config: KvManagerConfig) -> RunningKvManager:
     registrar = None
     tasks: list[asyncio.Task[None]] = []
     try:
+        if data_plane is not None:
+            await data_plane.start()
+            data_plane_address = _advertised(config, data_plane.config.host, data_plane.port)
+            peers.data_plane_address = data_plane_address
         await server.start()
         if config.metrics_port >= 0:
             metrics_server = serve_metrics(
                 metrics.registry, config.metrics_host, config.metrics_port
             )
-        tasks.append(asyncio.get_running_loop().create_task(_refresh(metrics, store)))
+        tasks.append(asyncio.get_running_loop().create_task(_refresh(metrics, store, peers)))
         if config.etcd_endpoints:
             record = KvManagerRecord(
-                kvmanager_id=kvmanager_id, address=address, node=node, version=__version__
+                kvmanager_id=kvmanager_id,
+                address=address,
+                node=node,
+                data_plane_address=data_plane_address,
+                version=__version__,
             )
             registrar = Registrar(
                 list(config.etcd_endpoints),
@@ -158,21 +227,29 @@ async def start_kvmanager(config: KvManagerConfig) -> RunningKvManager:
                 ttl_s=config.etcd_ttl_s,
             )
             await registrar.start()
+        await directory.start()
         for name in ("", SERVICE_NAME):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     except BaseException:
         for t in tasks:
             t.cancel()
         await server.stop(grace=None)
+        if registrar is not None:
+            with contextlib.suppress(Exception):
+                await registrar.close(revoke=True)
+        await directory.close()
+        if data_plane is not None:
+            await data_plane.close()
         await store.close()
         if metrics_server is not None:
             metrics_server.close()
         raise
     log.info(
-        "kvmanager %s for node %s serving on %s: cpu %d bytes, disk %s",
+        "kvmanager %s for node %s serving on %s (data plane %s): cpu %d bytes, disk %s",
         kvmanager_id,
         node,
         address,
+        data_plane_address or "off",
         config.store.cpu_bytes,
         f"{config.store.disk_bytes} bytes in {config.store.disk_dir}"
         if config.store.has_disk
@@ -182,11 +259,15 @@ async def start_kvmanager(config: KvManagerConfig) -> RunningKvManager:
         kvmanager_id=kvmanager_id,
         address=address,
         node=node,
+        data_plane_address=data_plane_address,
         store=store,
         hubs=hubs,
         servicer=servicer,
         metrics=metrics,
         metrics_server=metrics_server,
+        peers=peers,
+        data_plane=data_plane,
+        _directory=directory,
         _server=server,
         _health=health_servicer,
         _registrar=registrar,
@@ -195,15 +276,18 @@ async def start_kvmanager(config: KvManagerConfig) -> RunningKvManager:
     )
 
 
-async def _refresh(metrics: KvManagerMetrics, store: TieredStore, every_s: float = 2.0) -> None:
+async def _refresh(
+    metrics: KvManagerMetrics, store: TieredStore, peers: PeerService, every_s: float = 2.0
+) -> None:
     while True:
-        metrics.refresh(store)
+        metrics.refresh(store, peers)
         await asyncio.sleep(every_s)
 
 
 def parse_args(argv: list[str] | None) -> KvManagerConfig:
     d = KvManagerConfig()
     s = d.store
+    pc = d.peer
     p = argparse.ArgumentParser(
         prog="kvmesh kvmanager",
         description="Run a node's KV cache manager (CPU and disk KV tiers under the engines).",
@@ -233,6 +317,33 @@ def parse_args(argv: list[str] | None) -> KvManagerConfig:
     )
     p.add_argument("--fsync", action="store_true", help="fsync block files (survive power loss)")
     p.add_argument("--io-threads", type=int, default=s.io_threads, help="disk I/O threads")
+    p.add_argument(
+        "--data-plane-host", default=pc.data_plane_host, help="data plane address (default: --host)"
+    )
+    p.add_argument(
+        "--data-plane-port",
+        type=int,
+        default=pc.data_plane_port,
+        help="bulk data plane TCP port for peer fetch; 0 = OS picks, -1 = off",
+    )
+    p.add_argument(
+        "--data-plane-max-streams",
+        type=int,
+        default=pc.max_streams,
+        help="peer fetches served at once (default %(default)s)",
+    )
+    p.add_argument(
+        "--peer-stall-timeout-s",
+        type=float,
+        default=pc.stall_timeout_s,
+        help="give up a peer stream that moves no byte this long (default %(default)s)",
+    )
+    p.add_argument(
+        "--peer-fetch-timeout-s",
+        type=float,
+        default=pc.fetch_timeout_s,
+        help="deadline of a FetchFromPeer call that sets none (default %(default)s)",
+    )
     p.add_argument("--max-message-bytes", type=parse_bytes, default=d.max_message_bytes)
     p.add_argument("--drain-grace-s", type=float, default=d.drain_grace_s)
     p.add_argument("--metrics-host", default=d.metrics_host)
@@ -257,6 +368,13 @@ def parse_args(argv: list[str] | None) -> KvManagerConfig:
             fsync=a.fsync,
             io_threads=a.io_threads,
         )
+        peer = PeerConfig(
+            data_plane_host=a.data_plane_host,
+            data_plane_port=a.data_plane_port,
+            max_streams=a.data_plane_max_streams,
+            stall_timeout_s=a.peer_stall_timeout_s,
+            fetch_timeout_s=a.peer_fetch_timeout_s,
+        )
     except KvmeshError as exc:
         p.error(str(exc))
     return KvManagerConfig(
@@ -268,6 +386,7 @@ def parse_args(argv: list[str] | None) -> KvManagerConfig:
         cluster=a.cluster,
         etcd_endpoints=tuple(e.strip() for e in a.etcd.split(",") if e.strip()),
         store=store,
+        peer=peer,
         max_message_bytes=a.max_message_bytes,
         drain_grace_s=a.drain_grace_s,
         metrics_host=a.metrics_host,

@@ -1,4 +1,5 @@
-"""The kvmanager's Prometheus metrics: per tier fill, hits, misses, bytes moved and evictions.
+"""The kvmanager's Prometheus metrics: per tier fill, hits, misses, bytes moved and evictions;
+peer fetch (blocks and bytes fetched, failures) and the data plane (blocks and bytes served).
 
 Refreshed on the event loop every few seconds from the store's counters (the HTTP thread never
 reads the store, which the loop mutates)."""
@@ -11,6 +12,8 @@ from prometheus_client import CollectorRegistry, Gauge
 
 from kvmesh.kv.events import Tier
 
+from .dataplane_server import DataPlaneStats
+from .peer import PeerService, PeerStats
 from .store import StoreStats, TieredStore
 
 _TIERS = (Tier.CPU, Tier.DISK)
@@ -46,8 +49,24 @@ class KvManagerMetrics:
             )
             for f in fields(StoreStats)
         }
+        self.peer = {
+            f.name: Gauge(
+                f"kvmesh_kvmanager_peer_{f.name}_total",
+                f"Peer fetch counter {f.name} since start.",
+                registry=r,
+            )
+            for f in fields(PeerStats)
+        }
+        self.data_plane = {
+            f.name: Gauge(
+                f"kvmesh_kvmanager_data_plane_{f.name}_total",
+                f"Data plane (serving peers) counter {f.name} since start.",
+                registry=r,
+            )
+            for f in fields(DataPlaneStats)
+        }
 
-    def refresh(self, store: TieredStore) -> None:
+    def refresh(self, store: TieredStore, peers: PeerService | None = None) -> None:
         for tier in _TIERS:
             u = store.usage(tier)
             self.capacity.labels(tier.value).set(u.budget_bytes)
@@ -56,3 +75,9 @@ class KvManagerMetrics:
             self.pinned.labels(tier.value).set(u.pinned)
         for name, gauge in self.counters.items():
             gauge.set(getattr(store.stats, name))
+        if peers is not None:
+            for name, gauge in self.peer.items():
+                gauge.set(getattr(peers.stats, name))
+            if peers.data_plane_stats is not None:
+                for name, gauge in self.data_plane.items():
+                    gauge.set(getattr(peers.data_plane_stats, name))

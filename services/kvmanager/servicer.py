@@ -4,6 +4,7 @@ the per-layout tier events."""
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import AsyncIterator, Callable
 
 import grpc
@@ -17,40 +18,13 @@ from kvmesh.kv_stream import serve_kv_events
 from kvmesh.kv_wire import TIER_PB
 from kvmesh.v1 import kvmanager_pb2, kvmanager_pb2_grpc, worker_pb2
 
+from .convert import layout_from_pb
 from .core.layout import KvLayout, check_layout_key
 from .core.plan import LayoutEvent
+from .peer import FetchProgress, PeerRef, PeerService
 from .store import TieredStore
 
 log = logging.getLogger(__name__)
-
-
-def layout_from_pb(msg: kvmanager_pb2.KvLayout) -> KvLayout:
-    """The core value of a layout message (BadLayout, an INVALID_ARGUMENT, names what is wrong)."""
-    return KvLayout(
-        model=msg.model,
-        block_size=msg.block_size,
-        num_layers=msg.num_layers,
-        num_kv_heads=msg.num_kv_heads,
-        head_size=msg.head_size,
-        dtype=msg.dtype,
-        tp_rank=msg.tp_rank,
-        tp_size=msg.tp_size or 1,
-        device=msg.device,
-    )
-
-
-def layout_to_pb(layout: KvLayout) -> kvmanager_pb2.KvLayout:
-    return kvmanager_pb2.KvLayout(
-        model=layout.model,
-        block_size=layout.block_size,
-        num_layers=layout.num_layers,
-        num_kv_heads=layout.num_kv_heads,
-        head_size=layout.head_size,
-        dtype=layout.dtype,
-        tp_rank=layout.tp_rank,
-        tp_size=layout.tp_size,
-        device=layout.device,
-    )
 
 
 class LayoutHubs:
@@ -90,7 +64,11 @@ class KvManagerServicer(kvmanager_pb2_grpc.KvManagerServicer):
         hubs: LayoutHubs,
         info: Callable[[], kvmanager_pb2.KvManagerInfo],
         max_message_bytes: int,
+        peers: PeerService,
+        fetch_timeout_s: float,
     ) -> None:
+        self._peers = peers
+        self._fetch_timeout_s = fetch_timeout_s
         self._store = store
         self._hubs = hubs
         self._info = info
@@ -189,3 +167,69 @@ class KvManagerServicer(kvmanager_pb2_grpc.KvManagerServicer):
             "--max-message-bytes",
         ):
             yield msg
+
+    async def OpenFetch(
+        self, request: kvmanager_pb2.OpenFetchRequest, context: grpc.aio.ServicerContext
+    ) -> kvmanager_pb2.OpenFetchResponse:
+        try:
+            self._check_serving()
+            if request.layout_key:
+                key = check_layout_key(request.layout_key)
+            else:
+                key = layout_from_pb(request.layout).key
+            grant = self._peers.open_fetch(key, request.block_hashes, request.ttl_s)
+        except Exception as exc:
+            await abort_with(context, exc, "OpenFetch")
+            raise AssertionError("unreachable") from exc
+        resp = kvmanager_pb2.OpenFetchResponse(
+            data_plane_address=grant.data_plane_address,
+            token=grant.token,
+            block_hashes=grant.block_hashes,
+            layout_key=grant.layout_key,
+            ttl_s=grant.ttl_s,
+        )
+        if grant.parent_hash is not None:
+            resp.parent_hash = grant.parent_hash
+        return resp
+
+    async def FetchFromPeer(
+        self, request: kvmanager_pb2.FetchFromPeerRequest, context: grpc.aio.ServicerContext
+    ) -> kvmanager_pb2.FetchFromPeerResponse:
+        progress = FetchProgress()
+        try:
+            self._check_serving()
+            layout = layout_from_pb(request.layout)
+            peer = PeerRef(request.peer_kvmanager_id, request.peer_address)
+            await self._peers.fetch(
+                layout,
+                request.block_hashes,
+                peer,
+                _budget(context, self._fetch_timeout_s),
+                progress,
+            )
+        except Exception as exc:
+            log.info("FetchFromPeer ended after %d blocks: %s", progress.fetched, exc)
+            context.set_trailing_metadata(((FETCHED_KEY, str(progress.fetched)),))
+            await abort_with(context, exc, f"FetchFromPeer-{uuid.uuid4().hex[:8]}")
+            raise AssertionError("unreachable") from exc
+        context.set_trailing_metadata(((FETCHED_KEY, str(progress.fetched)),))
+        return kvmanager_pb2.FetchFromPeerResponse(
+            fetched=progress.fetched,
+            already_held=progress.already_held,
+            bytes=progress.bytes,
+            seconds=progress.seconds,
+            peer_missing=progress.peer_missing,
+            prefix_blocks=progress.prefix_blocks,
+        )
+
+
+FETCHED_KEY = "kvmesh-peer-fetched"  # trailing metadata of FetchFromPeer: blocks stored
+
+
+def _budget(context: grpc.aio.ServicerContext, default_s: float) -> float:
+    """The time this call may spend: the caller's deadline less a margin to answer in (so the
+    caller hears what happened rather than its own DEADLINE_EXCEEDED), else ``default_s``."""
+    left = context.time_remaining()
+    if left is None:
+        return default_s
+    return left - min(0.25, 0.1 * left)

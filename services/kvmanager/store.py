@@ -201,6 +201,20 @@ class TieredStore:
         finally:
             self.unpin(pins)
 
+    def ram_bytes(self, pins: Pins) -> list[bytes | None]:
+        """The RAM payload of each block of ``pins``, the stored object itself (immutable, no
+        copy), or None for a block pinned on disk (``get`` reads it). The pin keeps each one
+        counted against its tier until ``unpin``."""
+        return [self._ram[bid] if tier is Tier.CPU else None for bid, tier in pins.blocks]
+
+    def layout_of(self, layout_key: str, block_hash: int) -> KvLayout | None:
+        """The full layout of a block known under ``layout_key`` (held or being written)."""
+        return self._index.layout_of(BlockId(layout_key, check_block_hash(block_hash)))
+
+    def parent_of(self, layout: KvLayout, block_hash: int) -> BlockHash | None:
+        """The parent hash a known block was stored with (None: a chain root, or unknown)."""
+        return self._index.parent_of(BlockId(layout.key, check_block_hash(block_hash)))
+
     def drain_events(self) -> list[LayoutEvent]:
         """KV events since the last drain, in order (empty when ``on_events`` is set)."""
         events, self._events = self._events, []

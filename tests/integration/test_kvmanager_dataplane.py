@@ -21,21 +21,23 @@ import pytest
 
 from kvmesh.kv.events import BlockHash
 from services.kvmanager import dataplane_wire as w
-from services.kvmanager.dataplane import (
-    Checksum,
+from services.kvmanager.dataplane_client import (
     ChecksumMismatch,
-    DataPlaneConfig,
-    DataPlaneServer,
     FetchDeadlineExceeded,
     FetchedBlock,
     FetchResult,
     FetchStalled,
     PeerFetchError,
-    PinnedBlock,
     StreamBroken,
-    Ticket,
     TicketRefused,
     fetch_blocks,
+)
+from services.kvmanager.dataplane_server import (
+    Checksum,
+    DataPlaneConfig,
+    DataPlaneServer,
+    PinnedBlock,
+    Ticket,
 )
 from services.kvmanager.dataplane_wire import ChecksumAlgo, ChecksumSet, FrameHeader, FrameKind
 
@@ -477,6 +479,61 @@ async def test_a_trickling_peer_hits_the_deadline(scripted) -> None:  # type: ig
     assert 0.45 < time.monotonic() - started < 1.5
 
 
+async def test_bytes_mode_receives_in_place_even_from_a_peer_pausing_mid_block(
+    scripted,
+) -> None:  # type: ignore[no-untyped-def]
+    """``allocate=None``: each block is the ``bytes`` the kernel received into, also when the
+    peer pauses mid-block (reassembled); a peer closing mid-block leaves nothing partial."""
+    stream = ok(3) + frame(0, 11, SCRIPT_BLOCKS[11]) + frame(1, 12, SCRIPT_BLOCKS[12])
+    cut = len(stream) - 30_000
+
+    async def script(writer: asyncio.StreamWriter) -> None:
+        writer.write(stream[:cut])
+        await writer.drain()
+        await asyncio.sleep(0.3)  # past one stall timeout (a partial read), within two
+        writer.write(stream[cut:] + frame(2, 13, SCRIPT_BLOCKS[13])[:60_000])
+        await writer.drain()
+
+    got: list[bytes] = []
+
+    def on_block(block: FetchedBlock) -> None:
+        data = block.payload()
+        assert type(data) is bytes and data is block.data.obj  # no copy handed out
+        got.append(data)
+
+    with pytest.raises(StreamBroken, match="short of a frame") as info:
+        await fetch_blocks(
+            *await scripted(script), SCRIPT_TICKET, on_block=on_block, deadline_s=5,
+            allocate=None, stall_timeout_s=0.25,
+        )  # fmt: skip
+    assert info.value.delivered == 2
+    assert got == [SCRIPT_BLOCKS[11], SCRIPT_BLOCKS[12]]
+
+
+async def test_blocks_received_before_a_pause_are_delivered_during_it(start) -> None:  # type: ignore[no-untyped-def]
+    """The fetch's thread batches wake-ups of the loop; a peer pausing between frames must not
+    hold back the blocks already verified."""
+    blocks = {h: payload(h, 10_000) for h in range(1, 7)}
+    go = asyncio.Event()
+
+    class PauseAt3(MemorySource):
+        async def pin(self, layout_key: str, block_hash: BlockHash) -> PinnedBlock | None:
+            if block_hash == 4:
+                await go.wait()
+            return await super().pin(layout_key, block_hash)
+
+    server = await start(PauseAt3(blocks))
+    ticket = server.issue_ticket("layout-a", list(blocks), ttl_s=10)
+    sink = Sink()
+    task = asyncio.create_task(fetch(server, ticket, sink, window_bytes=64 << 20))
+    await sink.wait_for(3)  # while the peer pauses
+    assert not task.done()
+    go.set()
+    result = await task
+    assert result.delivered == 6
+    sink.check(blocks)
+
+
 async def test_nobody_listening_is_a_peer_fetch_error() -> None:
     import socket
 
@@ -492,7 +549,7 @@ async def test_nobody_listening_is_a_peer_fetch_error() -> None:
 CHILD = textwrap.dedent(
     """
     import asyncio, sys
-    from services.kvmanager.dataplane import DataPlaneServer, PinnedBlock
+    from services.kvmanager.dataplane_server import DataPlaneServer, PinnedBlock
 
     SIZE = 1 << 20
 

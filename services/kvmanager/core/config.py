@@ -1,4 +1,5 @@
-"""The KV store's config: tier budgets, the disk directory and the write policy."""
+"""The kvmanager's pure config values: the store's (tier budgets, the disk directory, the write
+policy) and peer fetch's (data plane, timeouts, window)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 from kvmesh.errors import InvalidArgument
 
 GIB = 1 << 30
+MIB = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,3 +32,30 @@ class StoreConfig:
     @property
     def has_disk(self) -> bool:
         return self.disk_dir is not None and self.disk_bytes > 0
+
+
+@dataclass(frozen=True, slots=True)
+class PeerConfig:
+    """Peer fetch: the data plane this kvmanager serves, and how it fetches from others."""
+
+    data_plane_host: str = ""  # data plane listen address; empty: the gRPC host
+    data_plane_port: int = 0  # data plane TCP port; 0 lets the OS pick, -1 turns serving off
+    max_streams: int = 16  # peer fetches served at once; more are refused (the peer recomputes)
+    ticket_ttl_s: float = 30.0  # default (and at most 10x) life of a granted, unredeemed ticket
+    open_timeout_s: float = 5.0  # the most an OpenFetch call to a peer may take
+    stall_timeout_s: float = 5.0  # a stream moving no byte this long is given up, either side
+    window_bytes: int = 32 * MIB  # verified blocks waiting to be stored before reading pauses
+    fetch_timeout_s: float = 60.0  # deadline of a FetchFromPeer whose caller set none
+
+    def __post_init__(self) -> None:
+        if not -1 <= self.data_plane_port <= 65535:
+            raise InvalidArgument(
+                f"data_plane_port must be in [-1, 65535], got {self.data_plane_port}"
+            )
+        if self.max_streams < 1:
+            raise InvalidArgument(f"max_streams must be >= 1, got {self.max_streams}")
+        if self.window_bytes < 1:
+            raise InvalidArgument(f"window_bytes must be >= 1, got {self.window_bytes}")
+        for name in ("ticket_ttl_s", "open_timeout_s", "stall_timeout_s", "fetch_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise InvalidArgument(f"{name} must be > 0, got {getattr(self, name)}")

@@ -1,32 +1,26 @@
-"""The bulk data plane for peer fetch: one TCP connection per fetch, raw framed bytes, no gRPC.
+"""The serving side of the bulk data plane for peer fetch: one TCP connection per fetch, raw
+framed bytes, no gRPC.
 
-The gRPC control plane decides *what* to fetch and asks the peer's ``DataPlaneServer`` for a
-one-time ``Ticket`` naming a layout key and a list of block hashes. The fetching kvmanager calls
-``fetch_blocks`` with that ticket; the server streams each block as a 32-byte frame header
-(hash, length, checksum) followed by the payload, in the ticket's order. The wire format lives
-in ``dataplane_wire``; the protocol and measurements in docs/kvmanager-dataplane.md.
+The gRPC control plane decides *what* a peer may fetch and asks this node's ``DataPlaneServer``
+for a one-time ``Ticket`` naming a layout key and a list of block hashes. The fetching kvmanager
+redeems it with ``dataplane_client.fetch_blocks``; the server streams each block as a 32-byte
+frame header (hash, length, checksum) followed by the payload, in the ticket's order. The wire
+format lives in ``dataplane_wire``; the protocol and measurements in docs/kvmanager-dataplane.md.
 
 Bulk bytes never cross the event loop. Each stream has its own thread doing blocking
-``sendmsg``/``recv_into`` (both release the GIL): the server hands the kernel the store's own
-buffer (header and payload gathered in one ``sendmsg``, no concatenation, nothing copied in
-Python), and the client receives straight into the buffer that becomes the block, then
-verifies its checksum on that same thread. The loop only pins blocks, redeems tickets and hands
-verified blocks to ``on_block``. Flow control is TCP's plus a bounded window each side: the
-server pins at most ``prefetch_blocks`` ahead; the client stops reading the socket while
-``window_bytes`` of verified blocks wait for ``on_block``.
+``sendmsg`` (which releases the GIL): it hands the kernel the store's own buffer (header and
+payload gathered in one call, no concatenation, nothing copied in Python). The loop only
+redeems tickets and pins blocks, at most ``prefetch_blocks`` ahead of the send, and releases
+each pin once the kernel has its bytes or the stream failed.
 
-Failure semantics: ``on_block`` sees only whole blocks whose checksum matched, in order. Any
-failure (peer gone, stall, deadline, bad checksum, protocol violation) raises a
-``PeerFetchError`` carrying how many blocks were delivered before it; nothing else escapes, and
-the caller recomputes the rest.
+Also home of what both sides share: the ``Ticket`` and ``Checksum`` values and a few blocking
+socket helpers.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
-import inspect
 import logging
 import queue
 import secrets
@@ -34,7 +28,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -54,7 +48,7 @@ log = logging.getLogger(__name__)
 Buffer = bytes | bytearray | memoryview
 
 # ---------------------------------------------------------------------------------------------
-# Values and errors
+# Values
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,57 +90,6 @@ class Ticket:
     layout_key: str
     hashes: tuple[BlockHash, ...]
     expires_at: float  # unix seconds, for the holder's information; the server's clock decides
-
-
-@dataclass(frozen=True, slots=True)
-class FetchedBlock:
-    """A whole block whose checksum matched. ``data`` is the buffer ``allocate`` returned."""
-
-    index: int  # position in the ticket's hashes
-    block_hash: BlockHash
-    data: memoryview
-    checksum: Checksum
-
-
-@dataclass(frozen=True, slots=True)
-class FetchResult:
-    delivered: int  # blocks handed to on_block
-    missing: tuple[BlockHash, ...]  # blocks the peer no longer held
-    bytes: int  # payload bytes delivered
-    seconds: float
-
-
-class PeerFetchError(Unavailable):
-    """A peer fetch failed. ``delivered`` blocks (a prefix of the ticket's non-missing blocks)
-    reached on_block whole and verified; recompute the rest."""
-
-    def __init__(self, message: str, *, delivered: int = 0) -> None:
-        super().__init__(message)
-        self.delivered = delivered
-
-
-class TicketRefused(PeerFetchError):
-    """The server refused the request (unknown, used or expired ticket, busy, shutting down)."""
-
-    def __init__(self, status: Status, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-class StreamBroken(PeerFetchError):
-    """The peer closed, reset or aborted the stream, or sent bytes that break the protocol."""
-
-
-class ChecksumMismatch(StreamBroken):
-    """A block's payload did not match its checksum; it was dropped."""
-
-
-class FetchStalled(PeerFetchError):
-    """No byte arrived for ``stall_timeout_s``."""
-
-
-class FetchDeadlineExceeded(PeerFetchError):
-    """The fetch's overall deadline passed."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -204,25 +147,29 @@ class DataPlaneServer:
         self._accept_task = asyncio.create_task(self._accept_loop(lsock), name="kvdp-accept")
         log.info("data plane listening on %s:%s", self.host, self.port)
 
-    async def close(self) -> None:
-        """Stops accepting, ends every stream in flight (their clients see a broken stream) and
-        forgets all tickets."""
+    async def close(self, grace_s: float = 0.0) -> None:
+        """Stops accepting and forgets all tickets; gives the streams in flight up to
+        ``grace_s`` to finish, then ends the rest (their clients see a broken stream)."""
         self._closing = True
+        self._tickets.clear()
         if self._accept_task is not None:
             self._accept_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._accept_task
         if self._listener is not None:
             self._listener.close()
+        if grace_s > 0 and self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=grace_s)
         tasks = list(self._tasks)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        self._tickets.clear()
 
     # -- tickets (called by the gRPC control plane, on the loop)
 
     def issue_ticket(self, layout_key: str, hashes: Sequence[int], ttl_s: float = 30.0) -> Ticket:
+        if self._closing:
+            raise Unavailable("the data plane is shutting down; recompute or try another peer")
         if not hashes:
             raise InvalidArgument("a ticket needs at least one block hash")
         if len(hashes) >= 1 << 32:
@@ -439,7 +386,7 @@ class _SendThread:
         sock = self._sock
         try:
             sock.settimeout(None)  # blocking; SO_SNDTIMEO bounds each wait
-            _set_sock_timeout(sock, socket.SO_SNDTIMEO, self._stall)
+            set_sock_timeout(sock, socket.SO_SNDTIMEO, self._stall)
             while (item := self._queue.get()) is not None:
                 nbytes = 0
                 if self.error is None:
@@ -460,7 +407,7 @@ class _SendThread:
             header = FrameHeader(item.kind, item.index, item.block_hash)
             _sendmsg_all(sock, [wire.pack_frame_header(header)])
             return 0
-        data = _byte_view(item.pinned.data)
+        data = byte_view(item.pinned.data)
         known = item.pinned.checksum
         if known is not None and wire.algo_bit(known.algo) & self._accepted:
             algo, value = known.algo, known.value  # the store's own: no pass over the bytes
@@ -480,14 +427,14 @@ def _set_result(fut: asyncio.Future[None]) -> None:
         fut.set_result(None)
 
 
-def _byte_view(data: Buffer) -> memoryview:
+def byte_view(data: Buffer) -> memoryview:
     view = memoryview(data)
     if not view.c_contiguous:
         raise ValueError("block data must be C-contiguous")
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
-def _set_sock_timeout(sock: socket.socket, option: int, seconds: float) -> None:
+def set_sock_timeout(sock: socket.socket, option: int, seconds: float) -> None:
     """SO_RCVTIMEO / SO_SNDTIMEO: a blocking call that moves no byte for this long fails with
     EAGAIN (one that moved some returns what it moved). 0 would mean forever: at least 1 us."""
     usec = max(1, round(seconds * 1e6))
@@ -534,317 +481,3 @@ async def _sock_recv_exact(
             raise EOFError(f"connection closed after {got} of {size} bytes")
         got += n
     return bytes(buf)
-
-
-# ---------------------------------------------------------------------------------------------
-# Client
-
-OnBlock = Callable[[FetchedBlock], Awaitable[None] | None]
-Allocate = Callable[[int], Buffer]
-Discard = Callable[[memoryview], None]
-
-
-async def fetch_blocks(
-    host: str,
-    port: int,
-    ticket: Ticket,
-    *,
-    on_block: OnBlock,
-    deadline_s: float,
-    stall_timeout_s: float = 5.0,
-    allocate: Allocate = bytearray,
-    discard: Discard | None = None,
-    window_bytes: int = 16 << 20,
-    max_block_bytes: int = 1 << 30,
-    accept: ChecksumSet | None = None,
-) -> FetchResult:
-    """Fetches the ticket's blocks from the data plane at ``host:port``.
-
-    ``on_block`` gets each whole, verified block in the ticket's order, on the loop; when it
-    returns an awaitable, that is awaited (backpressure): the fetch's thread stops reading
-    once ``window_bytes`` of verified blocks wait for on_block (at least one block is always
-    let through). ``allocate(size)`` returns the writable, contiguous buffer a block is
-    received into; it runs on the fetch's thread, so it must be thread-safe (``bytearray``,
-    the default, is). A buffer that never reaches on_block goes to ``discard`` on the loop.
-    ``deadline_s`` bounds the whole fetch; ``stall_timeout_s`` each wait for the peer.
-    ``accept`` lists the checksums this side verifies (default: all it can compute).
-
-    Returns a ``FetchResult``. Raises a ``PeerFetchError`` on any failure of the peer or the
-    stream, after having delivered only whole verified blocks (``exc.delivered`` of them). An
-    exception from ``on_block`` or ``allocate`` ends the fetch and propagates unchanged.
-    """
-    if deadline_s <= 0:
-        raise FetchDeadlineExceeded(f"fetch from {host}:{port}: no time left before it started")
-    loop = asyncio.get_running_loop()
-    started = time.monotonic()
-    rx = _Receiver(
-        loop,
-        host,
-        port,
-        ticket,
-        deadline=started + deadline_s,
-        stall_timeout_s=stall_timeout_s,
-        allocate=allocate,
-        discard=discard,
-        window_bytes=window_bytes,
-        max_block_bytes=max_block_bytes,
-        accept=wire.available_algos() if accept is None else accept,
-    )
-    delivered = nbytes = 0
-    missing: list[BlockHash] = []
-    rx.start()
-    try:
-        async with asyncio.timeout_at(loop.time() + deadline_s):
-            while (item := await rx.next()) is not _END:
-                if isinstance(item, BaseException):
-                    raise item
-                if isinstance(item, int):  # the hash of a block the peer no longer holds
-                    missing.append(BlockHash(item))
-                    continue
-                size = item.data.nbytes
-                result = on_block(item)
-                if inspect.isawaitable(result):
-                    await result
-                rx.taken(size)
-                delivered += 1
-                nbytes += size
-    except TimeoutError:
-        raise FetchDeadlineExceeded(
-            f"fetch from {host}:{port} passed its {deadline_s:.3f}s deadline after "
-            f"{delivered} of {len(ticket.hashes)} blocks",
-            delivered=delivered,
-        ) from None
-    except PeerFetchError as exc:
-        exc.delivered = delivered
-        raise
-    finally:
-        rx.close()
-    return FetchResult(delivered, tuple(missing), nbytes, time.monotonic() - started)
-
-
-_END = None
-_Item = FetchedBlock | int | BaseException | None
-
-
-class _Receiver:
-    """One fetch's thread: connects, sends the request, receives each frame straight into a
-    buffer from ``allocate``, verifies it and queues it for the loop. The loop is woken once
-    per ``window_bytes / 4`` of blocks, when the window is full, and at the end, not once per
-    block: the caller needs the whole fetch, and each wake-up costs the loop and the GIL."""
-
-    def __init__(
-        self,
-        loop: asyncio.AbstractEventLoop,
-        host: str,
-        port: int,
-        ticket: Ticket,
-        *,
-        deadline: float,
-        stall_timeout_s: float,
-        allocate: Allocate,
-        discard: Discard | None,
-        window_bytes: int,
-        max_block_bytes: int,
-        accept: ChecksumSet,
-    ) -> None:
-        self._loop = loop
-        self._peer = f"{host}:{port}"
-        self._addr = (host, port)
-        self._ticket = ticket
-        self._deadline = deadline
-        self._stall = stall_timeout_s
-        self._allocate = allocate
-        self._discard = discard
-        self._max_block = max_block_bytes
-        self._accept = accept
-        self._ready: collections.deque[_Item] = collections.deque()  # thread -> loop
-        self._wake = asyncio.Event()
-        self._signalled = False  # a wake-up is on its way to the loop
-        self._unsignalled = 0  # bytes queued since the last wake-up
-        self._signal_bytes = max(1, window_bytes // 4)
-        self._window = threading.Condition()
-        self._window_limit = window_bytes
-        self._held = 0  # bytes queued or with on_block
-        self._stopped = False
-        self._deadline_bound = False  # the last wait was cut by the deadline, not the stall
-        self._rcvtimeo = 0.0  # SO_RCVTIMEO as last set
-        self._sock: socket.socket | None = None
-        self._sock_lock = threading.Lock()  # close() vs the thread
-        self._thread = threading.Thread(target=self._run, name="kvdp-recv", daemon=True)
-
-    # -- loop side
-
-    def start(self) -> None:
-        self._thread.start()
-
-    async def next(self) -> _Item:
-        while not self._ready:
-            self._wake.clear()
-            self._signalled = False
-            if self._ready:
-                break
-            await self._wake.wait()
-        return self._ready.popleft()
-
-    def taken(self, nbytes: int) -> None:
-        with self._window:
-            self._held -= nbytes
-            self._window.notify()
-
-    def close(self) -> None:
-        """Stops the thread at once (its socket is shut down) and discards undelivered
-        blocks, now and, for any the thread still queues, when it exits."""
-        self._stopped = True
-        with self._sock_lock:
-            if self._sock is not None:
-                conn_shutdown(self._sock)
-        with self._window:
-            self._window.notify_all()
-        self._drop_ready()
-
-    def _drop_ready(self) -> None:
-        while self._ready:
-            item = self._ready.popleft()
-            if isinstance(item, FetchedBlock) and self._discard is not None:
-                self._discard(item.data)
-
-    # -- thread side
-
-    def _call_soon(self, fn: Callable[..., object], *args: object) -> None:
-        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting
-            self._loop.call_soon_threadsafe(fn, *args)
-
-    def _push(self, item: _Item, nbytes: int = 0, flush: bool = False) -> None:
-        self._ready.append(item)
-        self._unsignalled += nbytes
-        if flush or self._unsignalled >= self._signal_bytes:
-            self._flush()
-
-    def _flush(self) -> None:
-        self._unsignalled = 0
-        if self._ready and not self._signalled:
-            self._signalled = True
-            self._call_soon(self._wake.set)
-
-    def _run(self) -> None:
-        try:
-            self._fetch()
-            self._push(_END, flush=True)
-        except BaseException as exc:
-            self._push(self._classify(exc), flush=True)
-        finally:
-            with self._sock_lock:
-                sock, self._sock = self._sock, None
-            if sock is not None:
-                sock.close()
-            if self._stopped:
-                self._call_soon(self._drop_ready)
-
-    def _classify(self, exc: BaseException) -> BaseException:
-        if isinstance(exc, PeerFetchError) or not isinstance(
-            exc, OSError | EOFError | wire.WireError
-        ):
-            return exc  # ours already, or from allocate: unchanged
-        if self._stopped:
-            return StreamBroken(f"fetch from {self._peer} stopped")
-        if isinstance(exc, TimeoutError):  # socket.timeout
-            if self._deadline_bound:
-                return FetchDeadlineExceeded(f"fetch from {self._peer} passed its deadline")
-            return FetchStalled(f"no bytes from {self._peer} for {self._stall:.3f}s")
-        if isinstance(exc, wire.WireError):
-            return StreamBroken(f"protocol violation from {self._peer}: {exc}")
-        return StreamBroken(f"stream from {self._peer} broke: {exc!r}")
-
-    def _timeout(self) -> float:
-        left = self._deadline - time.monotonic()
-        if left <= 0:
-            raise FetchDeadlineExceeded(f"fetch from {self._peer} passed its deadline")
-        self._deadline_bound = left < self._stall
-        return min(self._stall, left)
-
-    def _recv_exact(self, sock: socket.socket, view: memoryview) -> None:
-        """Fills ``view``: one blocking ``recv_into(MSG_WAITALL)`` unless the peer is slow."""
-        got, size = 0, view.nbytes
-        while got < size:
-            timeout = self._timeout()
-            if timeout != self._rcvtimeo:
-                _set_sock_timeout(sock, socket.SO_RCVTIMEO, timeout)
-                self._rcvtimeo = timeout
-            try:
-                n = sock.recv_into(view[got:], size - got, socket.MSG_WAITALL)
-            except BlockingIOError:  # SO_RCVTIMEO ran out before a single byte came
-                raise TimeoutError("no bytes") from None
-            if not n:
-                raise EOFError(f"peer closed the stream {size - got} bytes short of a frame")
-            got += n
-
-    def _reserve(self, nbytes: int) -> None:
-        """Waits until the window has room for a block of ``nbytes`` (one block always fits)."""
-        with self._window:
-            while self._held and self._held + nbytes > self._window_limit and not self._stopped:
-                self._flush()
-                self._window.wait(self._timeout())
-            if self._stopped:
-                raise EOFError("fetch stopped")
-            self._held += nbytes
-
-    def _fetch(self) -> None:
-        sock = socket.create_connection(self._addr, timeout=self._timeout())
-        with self._sock_lock:
-            if self._stopped:
-                sock.close()
-                return
-            self._sock = sock
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.sendall(wire.pack_request(wire.Request(self._ticket.token, self._accept)))
-        sock.settimeout(None)  # blocking; SO_RCVTIMEO bounds each wait
-
-        head = memoryview(bytearray(wire.STREAM_HEADER_SIZE))
-        self._recv_exact(sock, head)
-        stream = wire.unpack_stream_header(head)
-        if stream.status is not Status.OK:
-            raise TicketRefused(
-                stream.status, f"{self._peer} refused the fetch: {stream.status.name}"
-            )
-        hashes = self._ticket.hashes
-        if stream.block_count != len(hashes):
-            raise wire.WireError(
-                f"peer announced {stream.block_count} blocks, the ticket has {len(hashes)}"
-            )
-
-        frame = memoryview(bytearray(wire.FRAME_HEADER_SIZE))
-        for index, want in enumerate(hashes):
-            self._recv_exact(sock, frame)
-            hdr = wire.unpack_frame_header(frame)
-            if hdr.kind is FrameKind.ABORT:
-                raise StreamBroken(f"{self._peer} aborted the stream at block {index}")
-            if hdr.index != index or hdr.block_hash != want:
-                raise wire.WireError(
-                    f"frame for block {hdr.index} ({hdr.block_hash:016x}), "
-                    f"expected block {index} ({want:016x})"
-                )
-            if hdr.kind is FrameKind.MISSING:
-                self._push(want)
-                continue
-            algo = hdr.checksum_algo
-            assert algo is not None  # unpack_frame_header guarantees it for BLOCK frames
-            if not wire.algo_bit(algo) & self._accept:
-                raise wire.WireError(f"block {index} checksummed with {algo.name}, not offered")
-            if hdr.length > self._max_block:
-                raise wire.WireError(f"block of {hdr.length} bytes is over max_block_bytes")
-            self._reserve(hdr.length)
-            view = _byte_view(self._allocate(hdr.length))
-            try:
-                if view.nbytes != hdr.length or view.readonly:
-                    raise ValueError(f"allocate({hdr.length}) returned an unusable buffer")
-                self._recv_exact(sock, view)
-                if wire.checksum(algo, view) != hdr.checksum:
-                    raise ChecksumMismatch(
-                        f"block {index} ({want:016x}) from {self._peer} failed its "
-                        f"{algo.name} check; dropped"
-                    )
-            except BaseException:
-                if self._discard is not None:
-                    self._call_soon(self._discard, view)
-                raise
-            self._push(FetchedBlock(index, want, view, Checksum(algo, hdr.checksum)), hdr.length)

@@ -1,0 +1,218 @@
+"""Peer fetch end to end between two kvmanager daemons on loopback, beside gRPC GetBlocks.
+
+    .venv/bin/python benchmarks/kv_peer_fetch_bench.py [--total-mib 128] [--repeats 3]
+
+Two real daemons run as child processes (``python -m services.kvmanager.main``, no etcd): A holds
+the blocks, B fetches them. This process fills A over gRPC PutBlocks, then per block size
+(256 KiB, 1 MiB, 4 MiB) and repeat, round-robin, times
+
+* FetchFromPeer: this process calls B's ``FetchFromPeer``; B asks A for a ticket (OpenFetch),
+  pulls the blocks over A's data plane, verifies each checksum and puts each block into its
+  CPU tier. Timed from the call to its answer, as a caller sees it.
+* gRPC GetBlocks: this process reads the same blocks from A with ``GetBlocks`` (one message per
+  block) and drops them: the gRPC baseline, with no store at the receiving end.
+
+Every repeat uses a fresh layout (so B never holds the blocks yet); A and B are warmed up first.
+GB/s is payload bytes / wall time (1 GB = 1e9 bytes), median over the repeats; "CPU s/GB" is
+the CPU time (all threads) of the serving daemon A and of the receiving side (B for
+FetchFromPeer, this process for GetBlocks) per GB moved. Prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import grpc
+
+from kvmesh.v1 import kvmanager_pb2, kvmanager_pb2_grpc
+from services.kvmanager.dataplane_wire import preferred_algo
+
+ROOT = Path(__file__).resolve().parent.parent
+KiB = 1 << 10
+MiB = 1 << 20
+SIZES = (256 * KiB, 1 * MiB, 4 * MiB)
+_OPTIONS = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def layout(size: int, tag: str) -> kvmanager_pb2.KvLayout:
+    """A float32 layout whose blocks are ``size`` bytes (2 * L * 16 * 4 * 128 * 4 = 64 KiB * L)."""
+    return kvmanager_pb2.KvLayout(
+        model=f"bench-{tag}",
+        block_size=16,
+        num_layers=size // (64 * KiB),
+        num_kv_heads=4,
+        head_size=128,
+        dtype="float32",
+    )
+
+
+@dataclass
+class Daemon:
+    proc: asyncio.subprocess.Process
+    address: str
+    stub: kvmanager_pb2_grpc.KvManagerStub
+    channel: grpc.aio.Channel
+
+    def cpu_s(self) -> float:
+        fields_ = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields_[11]) + int(fields_[12])) / _TICK  # utime + stime
+
+
+async def start_daemon(name: str, cpu_bytes: int) -> Daemon:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "services.kvmanager.main", "--kvmanager-id", name, "--node", name,
+        "--etcd", "", "--metrics-port", "-1", "--cpu-bytes", str(cpu_bytes),
+        "--log-level", "WARNING", cwd=ROOT, stdout=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
+    fields_ = dict(kv.split("=", 1) for kv in line.split()[1:])
+    channel = grpc.aio.insecure_channel(fields_["address"], options=_OPTIONS)
+    return Daemon(proc, fields_["address"], kvmanager_pb2_grpc.KvManagerStub(channel), channel)
+
+
+async def fill(a: Daemon, lay: kvmanager_pb2.KvLayout, size: int, count: int) -> list[int]:
+    base = os.urandom(size)
+    hashes = list(range(1, count + 1))
+    per_msg = max(1, (32 * MiB) // size)
+
+    async def gen() -> AsyncIterator[kvmanager_pb2.PutBlocksRequest]:
+        for i in range(0, count, per_msg):
+            blocks = [
+                kvmanager_pb2.KvBlock(block_hash=h, data=h.to_bytes(8, "little") + base[8:])
+                for h in hashes[i : i + per_msg]
+            ]
+            yield kvmanager_pb2.PutBlocksRequest(layout=lay, blocks=blocks)
+
+    stored = (await a.stub.PutBlocks(gen(), timeout=120)).stored
+    assert stored == count, (stored, count)
+    return hashes
+
+
+@dataclass
+class Cell:
+    path: str
+    size: int
+    gbps: list[float] = field(default_factory=list)
+    blocks_s: list[float] = field(default_factory=list)
+    serve_cpu: list[float] = field(default_factory=list)
+    recv_cpu: list[float] = field(default_factory=list)
+
+
+async def fetch_from_peer(
+    a: Daemon, b: Daemon, lay: kvmanager_pb2.KvLayout, hashes: list[int]
+) -> None:
+    resp = await b.stub.FetchFromPeer(
+        kvmanager_pb2.FetchFromPeerRequest(layout=lay, block_hashes=hashes, peer_address=a.address),
+        timeout=120,
+    )
+    assert resp.fetched == len(hashes), resp
+
+
+async def get_blocks(a: Daemon, lay: kvmanager_pb2.KvLayout, hashes: list[int]) -> None:
+    got = 0
+    call = a.stub.GetBlocks(
+        kvmanager_pb2.GetBlocksRequest(layout=lay, block_hashes=hashes), timeout=120
+    )
+    async for msg in call:
+        assert msg.HasField("block"), msg
+        got += 1
+    assert got == len(hashes)
+
+
+async def _main(args: argparse.Namespace) -> None:
+    total = args.total_mib * MiB
+    runs = args.repeats + 1  # + a warm-up per size
+    a_bytes = len(SIZES) * runs * total + 64 * MiB
+    a, b = await asyncio.gather(
+        start_daemon("bench-a", a_bytes), start_daemon("bench-b", 2 * total + 64 * MiB)
+    )
+    try:
+        t0 = time.perf_counter()
+        layouts: dict[tuple[int, int], tuple[kvmanager_pb2.KvLayout, list[int]]] = {}
+        for r in range(runs):
+            for size in SIZES:
+                lay = layout(size, f"{size}-{r}")
+                layouts[size, r] = (lay, await fill(a, lay, size, total // size))
+        fill_s = time.perf_counter() - t0
+        cells = {
+            (path, size): Cell(path, size)
+            for size in SIZES
+            for path in ("FetchFromPeer (data plane)", "gRPC GetBlocks")
+        }
+        for r in range(runs):
+            for size in SIZES:
+                lay, hashes = layouts[size, r]
+                for (path, sz), cell in cells.items():
+                    if sz != size:
+                        continue
+                    me = time.process_time()
+                    a_cpu, b_cpu = a.cpu_s(), b.cpu_s()
+                    t = time.perf_counter()
+                    if path.startswith("FetchFromPeer"):
+                        await fetch_from_peer(a, b, lay, hashes)
+                    else:
+                        await get_blocks(a, lay, hashes)
+                    wall = time.perf_counter() - t
+                    if r == 0:
+                        continue  # warm-up
+                    gb = len(hashes) * size / 1e9
+                    recv = (
+                        b.cpu_s() - b_cpu
+                        if path.startswith("FetchFromPeer")
+                        else time.process_time() - me
+                    )
+                    cell.gbps.append(gb / wall)
+                    cell.blocks_s.append(len(hashes) / wall)
+                    cell.serve_cpu.append((a.cpu_s() - a_cpu) / gb)
+                    cell.recv_cpu.append(recv / gb)
+    finally:
+        for d in (a, b):
+            await d.channel.close()
+            d.proc.terminate()
+        await asyncio.gather(a.proc.wait(), b.proc.wait())
+
+    print(
+        f"\n{args.total_mib} MiB per cell, median of {args.repeats} round-robin repeats"
+        f" (fill of A took {fill_s:.1f} s); {os.cpu_count()} CPUs, Python"
+        f" {sys.version.split()[0]}, grpcio {grpc.__version__}, data plane checksum"
+        f" {preferred_algo().name.lower()}\n"
+    )
+    print(
+        "| path | block | blocks/s (median) | GB/s (median) | GB/s (max) | x GetBlocks"
+        " | serving CPU s/GB | receiving CPU s/GB |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for size in SIZES:
+        base = statistics.median(cells["gRPC GetBlocks", size].gbps)
+        for path in ("FetchFromPeer (data plane)", "gRPC GetBlocks"):
+            c = cells[path, size]
+            med = statistics.median(c.gbps)
+            print(
+                f"| {path} | {size // KiB if size < MiB else size // MiB}"
+                f" {'KiB' if size < MiB else 'MiB'} | {statistics.median(c.blocks_s):,.0f}"
+                f" | {med:.2f} | {max(c.gbps):.2f} | {med / base:.2f}"
+                f" | {statistics.median(c.serve_cpu):.2f} | {statistics.median(c.recv_cpu):.2f} |"
+            )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--total-mib", type=int, default=128, help="payload per cell (MiB)")
+    parser.add_argument("--repeats", type=int, default=3, help="round-robin repeats")
+    asyncio.run(_main(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    main()
