@@ -9,6 +9,10 @@ worker: hash the prompt's blocks as vLLM does (a new session: every block; a ses
 extends the previous prompt by 2K tokens: only the new blocks), match the index, and run the
 scheduler profile. Prints a markdown table of p50/p90 in milliseconds, plus index ingest rate
 and memory.
+
+``--nodes N`` adds node kvmanagers: the workers are split over N nodes, each node's store (a
+kvmanager's blocks of the workers' layout) holds as many filler blocks as a worker, half on cpu,
+half on disk, and the first node's store also holds the whole prompt on cpu.
 """
 
 from __future__ import annotations
@@ -23,9 +27,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kvmesh.discovery.keys import WorkerId, WorkerRecord
-from kvmesh.kv.events import BlockHash, BlockStored, KvEventBatch
+from kvmesh.kv.events import BlockHash, BlockStored, KvEventBatch, Tier
 from kvmesh.kv.hashing import HashConfig, SessionHasher, block_hashes
-from services.router.core.index import KvIndex
+from services.router.core.index import KvIndex, StoreId, store_id
 from services.router.core.routing import make_policy
 from services.router.core.types import LoadSnapshot, RouteRequest
 from services.router.core.workers import WorkerSet
@@ -42,6 +46,7 @@ def main() -> int:
     ap.add_argument("--prompt-tokens", type=int, default=195_000)
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--profile", default="precise-sticky")
+    ap.add_argument("--nodes", type=int, default=0, help="node kvmanagers (0: none)")
     a = ap.parse_args()
     rng = random.Random(7)
     cfg = HashConfig(block_size=BLOCK)
@@ -65,11 +70,27 @@ def main() -> int:
     batches.append(
         KvEventBatch(ids[7], "e", 2, (BlockStored(tuple(held), None, block_size=BLOCK),))
     )
+    stores: list[tuple[StoreId, KvEventBatch]] = []
+    for n in range(a.nodes):
+        events = []
+        for k in range(chains_per_worker):
+            hs = tuple(BlockHash(rng.getrandbits(64)) for _i in range(chain))
+            events.append(BlockStored(hs, None, Tier.CPU if k % 2 else Tier.DISK, BLOCK))
+        if n == 0:
+            events.append(BlockStored(tuple(prompt_hashes), None, Tier.CPU, BLOCK))
+        sid = store_id(f"kvm{n}", "00112233aabbccdd")
+        stores.append((sid, KvEventBatch(f"kvm{n}", "e", 1, tuple(events), snapshot=True)))
     n_events = sum(len(e.block_hashes) for b in batches for e in b.events)
+    n_events += sum(len(e.block_hashes) for _, b in stores for e in b.events)
     start = time.perf_counter()
     for b in batches:
         index.apply(b)
+    for sid, b in stores:
+        index.apply_store(sid, b)
     ingest_s = time.perf_counter() - start
+    for i, wid in enumerate(ids):  # worker i is on node i * nodes // workers
+        if stores:
+            index.link(wid, stores[i * len(stores) // len(ids)][0])
     stats = index.stats()
 
     workers = WorkerSet("bench")
@@ -111,7 +132,8 @@ def main() -> int:
 
     print(
         f"workers={a.workers} index blocks={stats.blocks:,} prompt={a.prompt_tokens:,} tokens "
-        f"({len(prompt_hashes):,} blocks) profile={a.profile} repeats={a.repeats}\n"
+        f"({len(prompt_hashes):,} blocks) profile={a.profile} repeats={a.repeats} "
+        f"nodes={a.nodes}\n"
     )
     print("| case | hash p50 / p90 ms | index match p50 / p90 ms | whole decision p50 / p90 ms |")
     print("|---|---|---|---|")

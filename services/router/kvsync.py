@@ -5,7 +5,9 @@ with ``(epoch, last seq + 1)`` after a lost stream (the worker replays the misse
 still buffers them, else starts with a snapshot), and asks for a snapshot (empty epoch) whenever
 ``on_batch`` says the index cannot apply what came (a gap, a new epoch) or a batch does not follow
 the previous one. ``KvEventSync`` owns one subscriber per worker and follows the worker set like
-``WorkerPool`` does (``apply(change)``).
+``WorkerPool`` does (``apply(change)``). The kvmanagers' tier event streams
+(``KvManager.WatchKvEvents`` of one layout) speak the same protocol and use the same subscriber
+with another ``watch`` (``tiersync.py``).
 
 Callbacks run on the event loop, one worker's batches in order:
 
@@ -26,8 +28,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar
 
 import grpc
 
@@ -41,12 +44,39 @@ from kvmesh.kv_wire import KV_RESUMED_KEY, KV_SEQ_KEY, kv_batch_from_pb
 from kvmesh.telemetry import client_interceptors
 from kvmesh.v1 import worker_pb2, worker_pb2_grpc
 
+from .connections import ConnectionMap
 from .core.workers import Change
 
 log = logging.getLogger(__name__)
 
+S = TypeVar("S", bound=str)  # what a stream is of: a WorkerId, or a StoreId
+
 OnBatch = Callable[[KvEventBatch], bool]
 OnWorker = Callable[[WorkerId], None]
+
+
+class EventCall(Protocol):
+    """A server-streaming call of KvEventBatch messages (grpc.aio's UnaryStreamCall)."""
+
+    def __aiter__(self) -> AsyncIterator[worker_pb2.KvEventBatch]: ...
+    async def initial_metadata(self) -> Any: ...
+    def cancel(self) -> bool: ...
+
+
+# (epoch, from_seq) -> the call; built once per channel.
+OpenEvents = Callable[[str, int], EventCall]
+WatchFactory = Callable[[grpc.aio.Channel], OpenEvents]
+
+
+def worker_events(channel: grpc.aio.Channel) -> OpenEvents:
+    """``Worker.WatchKvEvents``."""
+    stub = worker_pb2_grpc.WorkerStub(channel)
+
+    def open_(epoch: str, from_seq: int) -> EventCall:
+        request = worker_pb2.WatchKvEventsRequest(epoch=epoch, from_seq=from_seq)
+        return stub.WatchKvEvents(request)
+
+    return open_
 
 
 BACKOFF_S = (0.1, 0.2, 0.5, 1.0, 2.0)
@@ -92,20 +122,23 @@ def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[st
     ]
 
 
-class KvEventSubscriber:
-    """Follows one worker's KV events until ``close()``."""
+class KvEventSubscriber(Generic[S]):
+    """Follows one worker's KV events (or, with ``watch``, another source of numbered
+    ``KvEventBatch`` streams, such as a kvmanager's tier events of one layout) until
+    ``close()``. ``source_id`` names it in logs and in the ``on_lost`` / ``on_live`` calls."""
 
     def __init__(
         self,
-        worker_id: WorkerId,
+        source_id: S,
         address: str,
         on_batch: OnBatch,
-        on_lost: OnWorker | None = None,
-        on_live: OnWorker | None = None,
+        on_lost: Callable[[S], None] | None = None,
+        on_live: Callable[[S], None] | None = None,
         backoff_s: Sequence[float] = BACKOFF_S,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
+        watch: WatchFactory = worker_events,
     ) -> None:
-        self.worker_id = worker_id
+        self.source_id = source_id
         self.address = address
         self.stats = KvStreamStats()
         self._on_batch = on_batch
@@ -117,14 +150,14 @@ class KvEventSubscriber:
             options=channel_options(max_message_bytes),
             interceptors=client_interceptors(),
         )
-        self._stub = worker_pb2_grpc.WorkerStub(self._channel)
+        self._open = watch(self._channel)
         self._epoch = ""  # where to resume; empty: ask for a snapshot
         self._next_seq = 0
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(
-            self._run(), name=f"kv-events-{self.worker_id}"
+            self._run(), name=f"kv-events-{self.source_id}"
         )
 
     async def close(self, grace_s: float = 1.0) -> None:
@@ -141,8 +174,7 @@ class KvEventSubscriber:
                 self.stats.reconnects += 1
             opened = True
             resync = False
-            request = worker_pb2.WatchKvEventsRequest(epoch=self._epoch, from_seq=self._next_seq)
-            call = self._stub.WatchKvEvents(request)
+            call = self._open(self._epoch, self._next_seq)
             try:
                 # Headers come first; they say how far the worker's log was when it started.
                 # Not dict(metadata): grpc's aio.Metadata iterates pairs but has keys().
@@ -163,7 +195,7 @@ class KvEventSubscriber:
             except grpc.aio.AioRpcError as exc:
                 ended = f"{exc.code().name}: {exc.details()}"
             except Exception as exc:  # a bug must not end the stream for good: log, retry
-                log.exception("KV event stream of %s failed", self.worker_id)
+                log.exception("KV event stream of %s failed", self.source_id)
                 ended = f"{type(exc).__name__}: {exc}"
             finally:
                 call.cancel()
@@ -171,13 +203,13 @@ class KvEventSubscriber:
                 self.stats.resyncs += 1
                 self.stats.live = False  # the index asked for it: on_live again after the snapshot
                 self._epoch, self._next_seq = "", 0
-                log.info("KV events of %s: resubscribing for a snapshot", self.worker_id)
+                log.info("KV events of %s: resubscribing for a snapshot", self.source_id)
                 if attempt:  # the last stream applied nothing either: do not spin
                     await asyncio.sleep(self._backoff_s[min(attempt, len(self._backoff_s) - 1)])
                 attempt += 1
                 continue
             level = logging.INFO if self.stats.live else logging.DEBUG  # not every retry
-            log.log(level, "KV event stream of %s ended (%s)", self.worker_id, ended)
+            log.log(level, "KV event stream of %s ended (%s)", self.source_id, ended)
             self._set_lost()
             await asyncio.sleep(self._backoff_s[min(attempt, len(self._backoff_s) - 1)])
             attempt += 1
@@ -188,15 +220,15 @@ class KvEventSubscriber:
         self.stats.live = True
         log.info(
             "KV events of %s live (epoch %s, seq %d)",
-            self.worker_id,
+            self.source_id,
             self._epoch,
             self._next_seq - 1,
         )
         if self._on_live is not None:
             try:
-                self._on_live(self.worker_id)
+                self._on_live(self.source_id)
             except Exception:
-                log.exception("on_live failed for %s", self.worker_id)
+                log.exception("on_live failed for %s", self.source_id)
 
     def _set_lost(self) -> None:
         if not self.stats.live:
@@ -205,9 +237,9 @@ class KvEventSubscriber:
         self.stats.lost += 1
         if self._on_lost is not None:
             try:
-                self._on_lost(self.worker_id)
+                self._on_lost(self.source_id)
             except Exception:
-                log.exception("on_lost failed for %s", self.worker_id)
+                log.exception("on_lost failed for %s", self.source_id)
 
     def _handle(self, batch: KvEventBatch) -> bool:
         """Applies one batch; False if the stream must be reset to a snapshot."""
@@ -218,7 +250,7 @@ class KvEventSubscriber:
         if not follows:  # the worker sent what we did not ask for; do not apply it
             log.warning(
                 "KV events of %s: batch epoch=%s seq=%d does not follow epoch=%s seq=%d",
-                self.worker_id,
+                self.source_id,
                 batch.epoch,
                 batch.seq,
                 self._epoch,
@@ -228,7 +260,7 @@ class KvEventSubscriber:
         try:
             resync = self._on_batch(batch)
         except Exception:
-            log.exception("on_batch failed for %s seq=%d; resyncing", self.worker_id, batch.seq)
+            log.exception("on_batch failed for %s seq=%d; resyncing", self.source_id, batch.seq)
             resync = True
         if resync:
             return False
@@ -254,19 +286,18 @@ class KvEventSync:
         self._on_live = on_live
         self._backoff_s = tuple(backoff_s)
         self._max_message_bytes = max_message_bytes
-        self._subscribers: dict[WorkerId, KvEventSubscriber] = {}
-        self._closing: set[asyncio.Task[None]] = set()
+        self._subscribers: ConnectionMap[WorkerId, KvEventSubscriber[WorkerId]] = ConnectionMap(
+            KvEventSubscriber.close
+        )
 
     def apply(self, change: Change) -> None:
         """Opens streams for new workers (or moved ones), closes them for gone ones (on the
         loop)."""
         for wid in change.removed:
-            self._drop(wid)
+            self._subscribers.drop(wid)
         for rec in (*change.added, *change.updated):
-            current = self._subscribers.get(rec.worker_id)
-            if current is not None and current.address == rec.address:
+            if self._subscribers.address(rec.worker_id) == rec.address:
                 continue
-            self._drop(rec.worker_id)
             sub = KvEventSubscriber(
                 rec.worker_id,
                 rec.address,
@@ -276,21 +307,11 @@ class KvEventSync:
                 self._backoff_s,
                 self._max_message_bytes,
             )
-            self._subscribers[rec.worker_id] = sub
+            self._subscribers.put(rec.worker_id, rec.address, sub)
             sub.start()
 
     def stats(self) -> dict[WorkerId, KvStreamStats]:
         return {wid: sub.stats for wid, sub in self._subscribers.items()}
 
-    def _drop(self, worker_id: WorkerId) -> None:
-        sub = self._subscribers.pop(worker_id, None)
-        if sub is not None:
-            closer = asyncio.get_running_loop().create_task(sub.close())
-            self._closing.add(closer)
-            closer.add_done_callback(self._closing.discard)
-
     async def close(self) -> None:
-        for wid in list(self._subscribers):
-            self._drop(wid)
-        if self._closing:
-            await asyncio.gather(*self._closing, return_exceptions=True)
+        await self._subscribers.close()

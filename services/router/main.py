@@ -17,7 +17,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvmesh import __version__
 from kvmesh.discovery.etcd import PrefixWatcher, Registrar
-from kvmesh.discovery.keys import RouterRecord, router_key, workers_prefix
+from kvmesh.discovery.keys import RouterRecord, kvmanagers_prefix, router_key, workers_prefix
 from kvmesh.metrics import MetricsServer, serve_metrics
 from kvmesh.telemetry import Exporter, server_interceptors, setup_logging, setup_tracing
 from kvmesh.v1 import router_pb2, router_pb2_grpc
@@ -32,6 +32,7 @@ from .kvsync import KvEventSync
 from .metrics import RouterMetrics
 from .pool import WorkerPool
 from .servicer import RouterServicer
+from .tiersync import TierSync
 from .tokenizer import Tokenizers
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,8 @@ class RunningRouter:
     _health: health.aio.HealthServicer
     _pool: WorkerPool
     kv_sync: KvEventSync
+    tier_sync: TierSync  # the kvmanagers' tier event streams (node stores in the index)
+    kvmanager_watcher: PrefixWatcher
     index: KvIndex
     _registrar: Registrar
     _executor: ThreadPoolExecutor
@@ -66,7 +69,9 @@ class RunningRouter:
         await self._registrar.close(revoke=True)
         await self._server.stop(grace=self._config.drain_grace_s)
         await self.watcher.close()
+        await self.kvmanager_watcher.close()
         await self.kv_sync.close()
+        await self.tier_sync.close()
         await self._pool.close()
         self._metrics_task.cancel()
         await asyncio.gather(self._metrics_task, return_exceptions=True)
@@ -87,6 +92,7 @@ async def start_router(config: RouterConfig) -> RunningRouter:
         on_lost=index.mark_degraded,
         on_live=index.mark_live,
     )
+    tier_sync = TierSync(config.cluster, index, lambda: (v.record for v in workers.all()))
     policy = make_policy(config.policy, index=index)
     metrics = RouterMetrics()
     servicer = RouterServicer(config, workers, pool, policy, tokenizers, hasher, metrics)
@@ -115,6 +121,7 @@ async def start_router(config: RouterConfig) -> RunningRouter:
         kv_sync.apply(change)
         for wid in change.removed:
             index.drop_worker(wid)
+        tier_sync.refresh()  # a worker's node or layout may have changed
         for rec in change.added:
             loading = tokenizers.preload(rec.model, rec.model_path)
             if not ready.is_set():
@@ -128,6 +135,14 @@ async def start_router(config: RouterConfig) -> RunningRouter:
         on_delete=lambda k: on_change(workers.apply_delete(k)),
     )
     await watcher.start()
+    kvmanager_watcher = PrefixWatcher(
+        list(config.etcd_endpoints),
+        kvmanagers_prefix(config.cluster),
+        on_snapshot=tier_sync.on_snapshot,
+        on_put=tier_sync.on_put,
+        on_delete=tier_sync.on_delete,
+    )
+    await kvmanager_watcher.start()
     # Tokenizers of the models already served load before we report SERVING, so the first
     # request's time to first token is not spent importing transformers.
     if starting:
@@ -146,7 +161,8 @@ async def start_router(config: RouterConfig) -> RunningRouter:
     if config.metrics_port >= 0:
         metrics_server = serve_metrics(metrics.registry, config.metrics_host, config.metrics_port)
     metrics_task = asyncio.get_running_loop().create_task(
-        _refresh_metrics(metrics, kv_sync, index, config.metrics_refresh_s), name="metrics"
+        _refresh_metrics(metrics, kv_sync, tier_sync, index, config.metrics_refresh_s),
+        name="metrics",
     )
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -160,6 +176,8 @@ async def start_router(config: RouterConfig) -> RunningRouter:
         _health=health_servicer,
         _pool=pool,
         kv_sync=kv_sync,
+        tier_sync=tier_sync,
+        kvmanager_watcher=kvmanager_watcher,
         index=index,
         _registrar=registrar,
         _executor=executor,
@@ -171,10 +189,15 @@ async def start_router(config: RouterConfig) -> RunningRouter:
 
 
 async def _refresh_metrics(
-    metrics: RouterMetrics, kv_sync: KvEventSync, index: KvIndex, every_s: float
+    metrics: RouterMetrics,
+    kv_sync: KvEventSync,
+    tier_sync: TierSync,
+    index: KvIndex,
+    every_s: float,
 ) -> None:
     while True:
         metrics.refresh_kv(kv_sync.stats(), index)
+        metrics.refresh_tiers(tier_sync.stats(), index)
         await asyncio.sleep(every_s)
 
 

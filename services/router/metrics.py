@@ -1,6 +1,7 @@
 """The router's Prometheus metrics: requests by status, routing decisions by profile and the
 plugin that decided, predicted vs served cache hits, time to first token, inter-token latency,
-and the state of every worker's KV event stream.
+and the state of every worker's KV event stream and of every kvmanager tier event stream (one
+per kvmanager and KV layout: a node store in the index).
 
 Counters and histograms are updated on the event loop by the servicer; the KV stream and index
 gauges are refreshed on the loop by ``refresh_kv`` (the HTTP thread never reads live router
@@ -18,9 +19,66 @@ from kvmesh.discovery.keys import WorkerId
 from kvmesh.metrics import DECISION_BUCKETS_S, ITL_BUCKETS_S, TTFT_BUCKETS_S
 
 from .core.index import KvIndex
-from .core.index_types import ViewState
+from .core.index_types import HolderId, StoreId, ViewState
+from .core.tiers import TierStream
 from .core.types import RouteDecision
 from .kvsync import KvStreamStats
+
+
+class _StreamGauges:
+    """The five gauges of a family of KV event streams, by the streams' labels. ``what``: the
+    source ("worker"), ``stream``: its stream ("worker's KV event stream")."""
+
+    def __init__(
+        self, r: CollectorRegistry, prefix: str, what: str, stream: str, labels: list[str]
+    ) -> None:
+        self.live = Gauge(
+            f"{prefix}_stream_live",
+            f"1 while the {stream} is open and caught up, else 0.",
+            labels,
+            registry=r,
+        )
+        self.exact = Gauge(
+            f"{prefix}_view_exact",
+            f"1 while the index's view of the {what} is exact; 0 when degraded (gap, restart, "
+            "lost stream) until it resyncs.",
+            labels,
+            registry=r,
+        )
+        self.age = Gauge(
+            f"{prefix}_event_age_seconds",
+            f"Seconds since the last batch of the {stream} arrived (-1: none yet).",
+            labels,
+            registry=r,
+        )
+        self.batches = Gauge(
+            f"{prefix}_event_batches",
+            f"Batches received on the {stream} since it was opened (snapshots included).",
+            labels,
+            registry=r,
+        )
+        self.resyncs = Gauge(
+            f"{prefix}_event_resyncs",
+            f"Snapshots asked of the {what} because a batch could not be applied (gap, restart).",
+            labels,
+            registry=r,
+        )
+        self._seen: set[tuple[str, ...]] = set()
+
+    def refresh(
+        self, rows: Mapping[tuple[str, ...], tuple[HolderId, KvStreamStats]], index: KvIndex
+    ) -> None:
+        now = time.monotonic()
+        for labels in self._seen - rows.keys():
+            for g in (self.live, self.exact, self.age, self.batches, self.resyncs):
+                g.remove(*labels)
+        self._seen = set(rows)
+        for labels, (hid, s) in rows.items():
+            self.live.labels(*labels).set(1.0 if s.live else 0.0)
+            self.exact.labels(*labels).set(1.0 if index.view(hid).state is ViewState.EXACT else 0.0)
+            self.age.labels(*labels).set(now - s.last_batch_s if s.last_batch_s else -1.0)
+            self.batches.labels(*labels).set(s.batches)
+            self.resyncs.labels(*labels).set(s.resyncs)
 
 
 class RouterMetrics:
@@ -86,39 +144,34 @@ class RouterMetrics:
         self.kv_index_blocks = Gauge(
             "kvmesh_router_kv_index_blocks", "Distinct block hashes in the KV index.", registry=r
         )
-        self.kv_stream_live = Gauge(
-            "kvmesh_router_kv_stream_live",
-            "1 while the worker's KV event stream is open and caught up, else 0.",
-            ["worker"],
+        self._kv = _StreamGauges(
+            r, "kvmesh_router_kv", "worker", "worker's KV event stream", ["worker"]
+        )
+        self.kv_stream_live = self._kv.live
+        self.kv_view_exact = self._kv.exact
+        self.kv_event_age_seconds = self._kv.age
+        self.kv_event_batches = self._kv.batches
+        self.kv_resyncs = self._kv.resyncs
+        self._tiers = _StreamGauges(
+            r,
+            "kvmesh_router_kv_tier",
+            "kvmanager's layout (a node store)",
+            "kvmanager's tier event stream of the layout",
+            ["kvmanager", "layout"],
+        )
+        self.kv_tier_blocks = Gauge(
+            "kvmesh_router_kv_tier_blocks",
+            "Blocks the KV index holds for a kvmanager's layout, by tier (cpu, disk).",
+            ["kvmanager", "layout", "tier"],
             registry=r,
         )
-        self.kv_view_exact = Gauge(
-            "kvmesh_router_kv_view_exact",
-            "1 while the index's view of the worker is exact; 0 when degraded (gap, restart, "
-            "lost stream) until it resyncs.",
-            ["worker"],
+        self.kv_tier_linked_workers = Gauge(
+            "kvmesh_router_kv_tier_linked_workers",
+            "Workers whose lower KV tiers are this kvmanager's blocks of this layout.",
+            ["kvmanager", "layout"],
             registry=r,
         )
-        self.kv_event_age_seconds = Gauge(
-            "kvmesh_router_kv_event_age_seconds",
-            "Seconds since the worker's last KV event batch arrived (-1: none yet).",
-            ["worker"],
-            registry=r,
-        )
-        self.kv_event_batches = Gauge(
-            "kvmesh_router_kv_event_batches",
-            "KV event batches received from the worker since its stream was opened (snapshots "
-            "included).",
-            ["worker"],
-            registry=r,
-        )
-        self.kv_resyncs = Gauge(
-            "kvmesh_router_kv_event_resyncs",
-            "Snapshots asked of the worker because a batch could not be applied (gap, restart).",
-            ["worker"],
-            registry=r,
-        )
-        self._kv_workers: set[WorkerId] = set()
+        self._tier_labels: set[tuple[str, ...]] = set()
 
     # ---- per request (on the loop) --------------------------------------------------------
     def decided(self, decision: RouteDecision, seconds: float) -> None:
@@ -135,25 +188,26 @@ class RouterMetrics:
 
     # ---- KV streams (on the loop, every few seconds) --------------------------------------
     def refresh_kv(self, streams: Mapping[WorkerId, KvStreamStats], index: KvIndex) -> None:
-        now = time.monotonic()
         self.kv_index_blocks.set(index.block_count)
-        for wid in self._kv_workers - streams.keys():
-            for g in (
-                self.kv_stream_live,
-                self.kv_view_exact,
-                self.kv_event_age_seconds,
-                self.kv_event_batches,
-                self.kv_resyncs,
-            ):
-                g.remove(wid)
-        self._kv_workers = set(streams)
-        for wid, s in streams.items():
-            self.kv_stream_live.labels(wid).set(1.0 if s.live else 0.0)
-            self.kv_view_exact.labels(wid).set(
-                1.0 if index.view(wid).state is ViewState.EXACT else 0.0
-            )
-            self.kv_event_age_seconds.labels(wid).set(
-                now - s.last_batch_s if s.last_batch_s else -1.0
-            )
-            self.kv_event_batches.labels(wid).set(s.batches)
-            self.kv_resyncs.labels(wid).set(s.resyncs)
+        self._kv.refresh({(wid,): (wid, s) for wid, s in streams.items()}, index)
+
+    def refresh_tiers(
+        self, streams: Mapping[StoreId, tuple[TierStream, KvStreamStats]], index: KvIndex
+    ) -> None:
+        rows: dict[tuple[str, ...], tuple[HolderId, KvStreamStats]] = {
+            (t.kvmanager_id, t.layout_key): (sid, s) for sid, (t, s) in streams.items()
+        }
+        self._tiers.refresh(rows, index)
+        for labels in self._tier_labels - rows.keys():
+            self.kv_tier_linked_workers.remove(*labels)
+            for tier in ("cpu", "disk"):
+                self.kv_tier_blocks.remove(*labels, tier)
+        self._tier_labels = set(rows)
+        linked: dict[str, int] = {}
+        for sid in index.links().values():
+            linked[sid] = linked.get(sid, 0) + 1
+        for labels, (hid, _) in rows.items():
+            v = index.view(hid)
+            self.kv_tier_blocks.labels(*labels, "cpu").set(v.cpu_blocks)
+            self.kv_tier_blocks.labels(*labels, "disk").set(v.disk_blocks)
+            self.kv_tier_linked_workers.labels(*labels).set(linked.get(hid, 0))

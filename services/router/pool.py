@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 
 import grpc
 
@@ -11,6 +12,7 @@ from kvmesh.discovery.keys import WorkerId
 from kvmesh.telemetry import client_interceptors
 from kvmesh.v1 import worker_pb2, worker_pb2_grpc
 
+from .connections import ConnectionMap
 from .core.types import LoadSnapshot
 from .core.workers import Change, WorkerSet
 
@@ -23,41 +25,31 @@ class WorkerPool:
     def __init__(self, workers: WorkerSet, load_interval_s: float = 0.25) -> None:
         self._workers = workers
         self._load_interval_s = load_interval_s
-        self._channels: dict[WorkerId, tuple[str, grpc.aio.Channel]] = {}
-        self._load_tasks: dict[WorkerId, asyncio.Task[None]] = {}
-        self._closing: set[asyncio.Task[None]] = set()
+        self._conns: ConnectionMap[WorkerId, _Conn] = ConnectionMap(_close_later)
 
     def apply(self, change: Change) -> None:
         """Opens channels for new workers, closes them for gone ones (called on the loop)."""
         for wid in change.removed:
             self._drop(wid)
         for rec in (*change.added, *change.updated):
-            current = self._channels.get(rec.worker_id)
-            if current is not None and current[0] == rec.address:
+            if self._conns.address(rec.worker_id) == rec.address:
                 continue
             self._drop(rec.worker_id)
             channel = grpc.aio.insecure_channel(rec.address, interceptors=client_interceptors())
-            self._channels[rec.worker_id] = (rec.address, channel)
-            self._load_tasks[rec.worker_id] = asyncio.create_task(
+            task = asyncio.create_task(
                 self._watch_load(rec.worker_id, channel), name=f"load-{rec.worker_id}"
             )
+            self._conns.put(rec.worker_id, rec.address, _Conn(channel, task))
             log.info("worker %s at %s joined", rec.worker_id, rec.address)
 
     def stub(self, worker_id: WorkerId) -> worker_pb2_grpc.WorkerStub | None:
-        entry = self._channels.get(worker_id)
-        return worker_pb2_grpc.WorkerStub(entry[1]) if entry else None
+        conn = self._conns.get(worker_id)
+        return worker_pb2_grpc.WorkerStub(conn.channel) if conn else None
 
     def _drop(self, worker_id: WorkerId) -> None:
-        task = self._load_tasks.pop(worker_id, None)
-        if task is not None:
-            task.cancel()
-        entry = self._channels.pop(worker_id, None)
-        if entry is not None:
-            log.info("worker %s at %s left", worker_id, entry[0])
-            # Let in-flight streams on the old channel finish; close it after a grace.
-            closer = asyncio.create_task(_close_later(entry[1], task))
-            self._closing.add(closer)
-            closer.add_done_callback(self._closing.discard)
+        address = self._conns.address(worker_id)
+        if self._conns.drop(worker_id) is not None:
+            log.info("worker %s at %s left", worker_id, address)
 
     async def _watch_load(self, worker_id: WorkerId, channel: grpc.aio.Channel) -> None:
         stub = worker_pb2_grpc.WorkerStub(channel)
@@ -76,16 +68,20 @@ class WorkerPool:
             attempt += 1
 
     async def close(self) -> None:
-        for wid in list(self._channels):
-            self._drop(wid)
-        if self._closing:
-            await asyncio.gather(*self._closing, return_exceptions=True)
+        await self._conns.close()
 
 
-async def _close_later(channel: grpc.aio.Channel, task: asyncio.Task[None] | None) -> None:
-    if task is not None:
-        await asyncio.gather(task, return_exceptions=True)
-    await channel.close(grace=5.0)
+@dataclass(frozen=True, slots=True)
+class _Conn:
+    channel: grpc.aio.Channel
+    load_task: asyncio.Task[None]
+
+
+async def _close_later(conn: _Conn) -> None:
+    """Stops the load stream; lets in-flight streams on the old channel finish (a grace)."""
+    conn.load_task.cancel()
+    await asyncio.gather(conn.load_task, return_exceptions=True)
+    await conn.channel.close(grace=5.0)
 
 
 def load_from_pb(msg: worker_pb2.WorkerLoad) -> LoadSnapshot:

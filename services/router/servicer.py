@@ -180,13 +180,14 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 continue
             explanation = decision.explanation
             log.info(
-                "request %s -> worker %s (%s: %s) predicted_cached_blocks=%d of %d",
+                "request %s -> worker %s (%s: %s) predicted_cached_blocks=%d of %d (gpu %d)",
                 route.request_id,
                 decision.worker_id,
                 decision.policy,
                 decision.reason,
                 explanation.cached_blocks if explanation is not None else -1,
                 len(route.block_hashes),
+                explanation.cached_gpu_blocks if explanation is not None else -1,
             )
             metrics.routed(
                 model,

@@ -59,6 +59,10 @@ class WorkerConfig:
     etcd_ttl_s: float = 10.0  # lease TTL of the worker's etcd record, seconds
     role: Role = Role.BOTH  # prefill, decode or both
     node: str = ""  # node (host) name in the etcd record; empty: this host's name
+    # KvLayout key (16 hex digits) of the blocks it saves to its node's kvmanager, published as
+    # WorkerRecord.kv_layout (routers count that kvmanager's blocks as its lower tiers); empty:
+    # the engine's connector layout, if any (EngineInfo.connector_layout).
+    kv_layout: str = ""
     drain_grace_s: float = 30.0  # on SIGTERM, seconds in-flight requests get before abort
     load_interval_s: float = 0.25  # default minimum seconds between two WatchLoad pushes
     max_request_bytes: int = 16 * 1024 * 1024  # largest request message, bytes

@@ -85,6 +85,16 @@ class RunningWorker:
         log.info("worker %s stopped", self.worker_id)
 
 
+def layout_key_of(connector_layout: str) -> str:
+    """The KvLayout key (what kvmanagers and routers use) of the engine connector's layout key;
+    "" without a connector."""
+    if not connector_layout:
+        return ""
+    from .connector.kvmanager_client import kv_layout
+
+    return kv_layout(connector_layout).key
+
+
 def advertised_host(host: str, advertise_host: str) -> str:
     """The host other services dial: explicit, else the listen host unless it is a wildcard."""
     if advertise_host:
@@ -148,6 +158,7 @@ async def start_worker(config: WorkerConfig, engine: Engine) -> RunningWorker:
         max_model_len=info.max_model_len,
         block_size=info.block_size,
         vocab_size=info.vocab_size,
+        kv_layout=config.kv_layout or layout_key_of(info.connector_layout),
     )
     registrar = None
     try:

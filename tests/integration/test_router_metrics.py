@@ -89,10 +89,21 @@ async def test_metrics_count_requests_decisions_and_cache_hits(mesh):
     prompt = list(range(1, PREFIX + 1))
     async with RouterClient(router.address) as client:
         await client.wait_for_models()
-        first = await client.complete(make_request(prompt, max_tokens=4, session_id="a"))
+        token_chunks: list[int] = []  # chunks that carried tokens, per request
+
+        def count(chunk) -> None:
+            if chunk.token_ids:
+                token_chunks[-1] += 1
+
+        token_chunks.append(0)
+        first = await client.complete(
+            make_request(prompt, max_tokens=4, session_id="a"), on_chunk=count
+        )
+        token_chunks.append(0)
         await asyncio.sleep(0.5)  # the first turn's KV events reach the router's index
         second = await client.complete(
-            make_request(prompt + first.token_ids + [7, 8, 9], max_tokens=4, session_id="a")
+            make_request(prompt + first.token_ids + [7, 8, 9], max_tokens=4, session_id="a"),
+            on_chunk=count,
         )
         with pytest.raises(grpc.aio.AioRpcError) as bad:
             await client.complete(make_request([], max_tokens=4))
@@ -121,8 +132,9 @@ async def test_metrics_count_requests_decisions_and_cache_hits(mesh):
     assert predicted >= PREFIX - 32
     assert served == first.usage.cached_prompt_tokens + second.usage.cached_prompt_tokens
     assert total(m, "kvmesh_router_time_to_first_token_seconds_count", model="sim") == 2
-    # 4 tokens each: 3 gaps after the first token, unless the engine batched some together.
-    assert 1 <= total(m, "kvmesh_router_inter_token_latency_seconds_count", model="sim") <= 6
+    # One inter-token gap per token-carrying chunk after a request's first.
+    gaps = sum(n - 1 for n in token_chunks)
+    assert total(m, "kvmesh_router_inter_token_latency_seconds_count", model="sim") == gaps
     assert total(m, "kvmesh_router_in_flight_requests") == 0
     assert total(m, "kvmesh_router_kv_index_blocks") >= PREFIX // 32
     for w in ("sim-0", "sim-1"):

@@ -24,6 +24,7 @@ from services.router.core.index import (
     IndexConfig,
     KvIndex,
     PrefixMatch,
+    StoreId,
     ViewState,
 )
 
@@ -380,6 +381,8 @@ def test_config_rejects_bad_values(kwargs):
 # ---- properties against a naive model -------------------------------------------------------
 TIERS = (GPU, CPU, DISK)
 WORKERS = ("a", "b", "c", "d")
+STORES = ("n1/k", "n2/k")  # node stores: a kvmanager's blocks of one layout
+HOLDERS = WORKERS + STORES
 hashes_st = st.lists(st.integers(0, 11).map(BlockHash), min_size=1, max_size=6)
 event_st = st.one_of(
     st.builds(lambda hs, t: BlockStored(tuple(hs), None, t), hashes_st, st.sampled_from(TIERS)),
@@ -388,22 +391,37 @@ event_st = st.one_of(
 )
 events_st = st.lists(event_st, min_size=1, max_size=3).map(tuple)
 op_st = st.one_of(
-    st.tuples(st.just("batch"), st.sampled_from(WORKERS), events_st),
-    st.tuples(st.just("snapshot"), st.sampled_from(WORKERS), events_st),
-    st.tuples(st.just("new_epoch"), st.sampled_from(WORKERS), events_st),
-    st.tuples(st.just("drop"), st.sampled_from(WORKERS), st.just(())),
+    st.tuples(st.just("batch"), st.sampled_from(HOLDERS), events_st),
+    st.tuples(st.just("snapshot"), st.sampled_from(HOLDERS), events_st),
+    st.tuples(st.just("new_epoch"), st.sampled_from(HOLDERS), events_st),
+    st.tuples(st.just("drop"), st.sampled_from(HOLDERS), st.just(())),
     st.tuples(st.just("sweep"), st.sampled_from(WORKERS), st.just(())),
+    st.tuples(st.just("link"), st.sampled_from(WORKERS), st.sampled_from((*STORES, None))),
 )
 query_st = st.lists(st.integers(0, 11).map(BlockHash), max_size=8)
 
 
 @dataclass
 class Model:
-    """The obvious implementation: per worker, per tier, a set of hashes."""
+    """The obvious implementation: per holder (worker or store), per tier, a set of hashes; a
+    worker's tiers in a match are its own united with its linked store's."""
 
     held: dict[str, dict[Tier, set[int]]] = field(default_factory=dict)
     epoch: dict[str, int] = field(default_factory=dict)
     seq: dict[str, int] = field(default_factory=dict)
+    links: dict[str, str] = field(default_factory=dict)
+    synced: dict[str, bool] = field(default_factory=dict)  # view EXACT (a snapshot applied)
+
+    def exact(self, wid: str) -> bool:
+        store = self.links.get(wid, "")
+        return self.synced[wid] and (store not in self.held or self.synced[store])
+
+    def tiers_of(self, wid: str) -> dict[Tier, set[int]] | None:
+        own = self.held.get(wid)
+        store = self.held.get(self.links.get(wid, ""))
+        if own is None or store is None:
+            return own
+        return {t: own[t] | store[t] for t in TIERS}
 
     def apply(self, wid: str, events: Iterable[KvEvent]) -> None:
         tiers = self.held.setdefault(wid, {t: set() for t in TIERS})
@@ -419,7 +437,7 @@ class Model:
     def match(self, query: Sequence[int], workers: Iterable[str]) -> dict[str, tuple[int, ...]]:
         out = {}
         for wid in workers:
-            tiers = self.held.get(wid)
+            tiers = self.tiers_of(wid)
             if tiers is None:
                 continue
             per_tier = [0, 0, 0]
@@ -435,10 +453,28 @@ class Model:
         return out
 
 
+def apply_to(ix: KvIndex, hid: str, b: KvEventBatch) -> ApplyResult:
+    if hid in STORES:  # a kvmanager's stream: worker_id is the kvmanager's, not the store's
+        kvm = KvEventBatch(hid.split("/")[0], b.epoch, b.seq, b.events, b.snapshot)
+        return ix.apply_store(StoreId(hid), kvm)
+    return ix.apply(b)
+
+
 def run_ops(ix: KvIndex, model: Model, ops) -> None:
     for kind, wid, events in ops:
+        if kind == "link":
+            ix.link(WorkerId(wid), None if events is None else StoreId(events))
+            if events is None:
+                model.links.pop(wid, None)
+            else:
+                model.links[wid] = events
+            continue
         if kind == "drop":
-            ix.drop_worker(WorkerId(wid))
+            if wid in STORES:
+                ix.drop_store(StoreId(wid))
+            else:
+                ix.drop_worker(WorkerId(wid))
+                model.links.pop(wid, None)
             model.held.pop(wid, None)
             model.epoch.pop(wid, None)
             continue
@@ -448,18 +484,19 @@ def run_ops(ix: KvIndex, model: Model, ops) -> None:
         if kind == "batch" and wid in model.epoch:
             model.seq[wid] += 1
             b = KvEventBatch(wid, f"e{model.epoch[wid]}", model.seq[wid], events)
-            assert ix.apply(b) is ApplyResult.APPLIED
+            assert apply_to(ix, wid, b) is ApplyResult.APPLIED
         else:  # snapshot, or a new epoch (also what a first non-snapshot batch is)
             model.epoch[wid] = model.epoch.get(wid, 0) + 1
             model.seq[wid] = 1
             model.held.pop(wid, None)
             stored_only = tuple(e for e in events if isinstance(e, BlockStored))
             is_snap = kind == "snapshot"
+            model.synced[wid] = is_snap
             b = KvEventBatch(
                 wid, f"e{model.epoch[wid]}", 1, stored_only if is_snap else events, is_snap
             )
             want = ApplyResult.SNAPSHOT_APPLIED if is_snap else ApplyResult.NEW_EPOCH
-            assert ix.apply(b) is want
+            assert apply_to(ix, wid, b) is want
             events = b.events
         model.apply(wid, events)
 
@@ -468,21 +505,33 @@ def as_tuples(got: dict[WorkerId, PrefixMatch]) -> dict[str, tuple[int, ...]]:
     return {w: (m.blocks, m.gpu_blocks, m.cpu_blocks, m.disk_blocks) for w, m in got.items()}
 
 
+links_st = st.dictionaries(st.sampled_from(WORKERS), st.sampled_from(STORES)).map(
+    lambda d: [("link", w, s) for w, s in d.items()]
+)
+
+
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
+    links=links_st,
     ops=st.lists(op_st, max_size=25),
     queries=st.lists(query_st, min_size=1, max_size=5),
     subset=st.sets(st.sampled_from(WORKERS)),
 )
-def test_property_agrees_with_naive_model(ops, queries, subset):
+def test_property_agrees_with_naive_model(links, ops, queries, subset):
     ix = KvIndex(IndexConfig(sweep_keys_per_apply=2))
     model = Model()
-    run_ops(ix, model, ops)
+    run_ops(ix, model, links + ops)
     ix.check_invariants()
     for q in queries:
         assert as_tuples(ix.match(q)) == model.match(q, WORKERS)
         assert as_tuples(ix.match(q, map(WorkerId, subset))) == model.match(q, subset)
-    for wid in WORKERS:  # no negative counts; no entries for workers that hold nothing
+        assert as_tuples(ix.match(q, map(WorkerId, STORES))) == {}  # stores never match
+        assert {w: m.exact for w, m in ix.match(q).items()} == {
+            w: model.exact(w) for w in model.match(q, WORKERS)
+        }
+    assert ix.workers() == tuple(w for w in WORKERS if w in model.held)
+    assert ix.stores() == tuple(s for s in STORES if s in model.held)
+    for wid in HOLDERS:  # no negative counts; no entries for holders that hold nothing
         v = ix.view(WorkerId(wid))
         tiers = model.held.get(wid)
         assert (v.gpu_blocks, v.cpu_blocks, v.disk_blocks) == (
@@ -496,18 +545,22 @@ def test_property_agrees_with_naive_model(ops, queries, subset):
 
 
 @settings(max_examples=200, deadline=None)
-@given(ops=st.lists(op_st, max_size=25), queries=st.lists(query_st, min_size=1, max_size=5))
-def test_property_bounded_index_never_overclaims(ops, queries):
+@given(
+    links=links_st,
+    ops=st.lists(op_st, max_size=25),
+    queries=st.lists(query_st, min_size=1, max_size=5),
+)
+def test_property_bounded_index_never_overclaims(links, ops, queries):
     ix = KvIndex(IndexConfig(max_blocks=5, evict_fraction=0.4, sweep_keys_per_apply=1))
     model = Model()
-    run_ops(ix, model, ops)
+    run_ops(ix, model, links + ops)
     ix.check_invariants()
     assert ix.stats().blocks <= 5
     for q in queries:
         want = model.match(q, WORKERS)
         for wid, (n, *_tiers) in as_tuples(ix.match(q)).items():
             assert wid in want and n <= want[wid][0]  # an evicted block only shortens a match
-    for wid in WORKERS:
+    for wid in HOLDERS:
         v = ix.view(WorkerId(wid))
         tiers = model.held.get(wid)
         for i, t in enumerate(TIERS):

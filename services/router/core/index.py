@@ -15,6 +15,14 @@ slot at once and its old slot is *retired*: match() never looks at it again, and
 its bits in bounded steps (one per ``apply``) before the slot is reused. So dropping a worker is
 O(1) however big the index is.
 
+Node stores. A kvmanager's blocks of one KV layout are a *store* (``StoreId``), fed by its own
+numbered tier event stream (``apply_store``) and held like a worker, in a slot of its own.
+``link`` names the store backing a worker's lower tiers (its node's kvmanager, for its layout):
+``match`` counts the store's blocks as the worker's own by projecting each holder int it looks up,
+copying a linked store's bits onto the bits of the candidates it backs (memoised per distinct
+int: one more dict lookup per block; none at all when no candidate is linked). A block on the
+worker's gpu still beats the store's cpu. Stores are never matched themselves.
+
 Memory is bounded by ``IndexConfig.max_blocks`` distinct hashes: past it the least recently stored
 blocks go (a dict keeps insertion order and a block moves to the end whenever a worker stores it).
 A dropped block only costs affinity: the index never claims a block a worker does not hold because
@@ -26,11 +34,12 @@ from __future__ import annotations
 
 import sys
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from heapq import heappop, heappush
 from itertools import compress, islice, repeat
 from operator import and_
+from types import MappingProxyType
 
 from kvmesh.discovery.keys import WorkerId
 from kvmesh.kv.events import (
@@ -45,21 +54,27 @@ from kvmesh.kv.events import (
 
 from .index_types import (
     ApplyResult,
+    HolderId,
     IndexConfig,
     IndexStats,
     PrefixMatch,
+    StoreId,
     ViewState,
     WorkerKvView,
+    store_id,
 )
 
 __all__ = [
     "ApplyResult",
+    "HolderId",
     "IndexConfig",
     "IndexStats",
     "KvIndex",
     "PrefixMatch",
+    "StoreId",
     "ViewState",
     "WorkerKvView",
+    "store_id",
 ]
 
 _GPU, _CPU, _DISK = 0, 1, 2
@@ -83,13 +98,32 @@ def _bits(mask: int) -> Iterable[int]:
         mask ^= low
 
 
+def _or(masks: Iterable[int]) -> int:
+    out = 0
+    for m in masks:
+        out |= m
+    return out
+
+
+def _project_tiers(v: int, spread: Mapping[int, int], stores: int) -> int:
+    """``v`` with each store's four bits copied onto every worker it backs. ``workers * nibble``
+    puts the nibble at each worker's slot at once: slots are 4 bits apart, so nothing carries."""
+    out = v & ~(stores * 15)
+    for pos in _bits(v & stores):
+        out |= spread[1 << pos] * ((v >> pos) & 15)
+    return out
+
+
 @dataclass(slots=True, eq=False)
 class _Worker:
-    worker_id: WorkerId
+    """A holder: a worker, or a node store (``store``)."""
+
+    worker_id: WorkerId  # a store's id is a StoreId (typed as a WorkerId here: no call per match)
     epoch: str
     seq: int
     state: ViewState
     synced: bool  # the blocks are exactly the worker's as of ``seq`` (False after NEW_EPOCH)
+    store: bool = False  # a node store: never matched itself, only through ``link``
     slot: int = -1
     any_bit: int = 0  # 1 << 4*slot
     tier_bits: tuple[int, int, int] = (0, 0, 0)  # per tier: 1 << 4*slot + 1 + tier
@@ -104,12 +138,14 @@ class KvIndex:
         self._cfg = config or IndexConfig()
         self._evict_batch = max(1, int(self._cfg.max_blocks * self._cfg.evict_fraction))
         self._d: dict[int, int] = {}
-        self._workers: dict[WorkerId, _Worker] = {}
+        self._workers: dict[HolderId, _Worker] = {}  # workers and stores
+        self._links: dict[WorkerId, StoreId] = {}  # worker -> the store of its lower tiers
         self._owner: dict[int, _Worker] = {}  # live slot -> worker
         self._free: list[int] = []  # heap of clean slots (no bits anywhere)
         self._next_slot = 0
         self._live_any = 0  # any-bits of live slots
         self._live4 = 0  # all four bits of live slots
+        self._store_any = 0  # any-bits of live store slots (a subset of _live_any)
         self._dirty = 0  # any-bits of retired slots waiting for the next sweep pass
         self._sweeping = 0  # any-bits of retired slots the current pass clears
         self._sweep_keys: list[int] = []
@@ -121,21 +157,29 @@ class KvIndex:
     # ---- events ---------------------------------------------------------------------------
     def apply(self, batch: KvEventBatch) -> ApplyResult:
         """Applies one worker's batch if it is the next one (see ``ApplyResult``)."""
+        return self._apply(WorkerId(batch.worker_id), batch, False)
+
+    def apply_store(self, store: StoreId, batch: KvEventBatch) -> ApplyResult:
+        """Applies one batch of a node store's tier event stream (``batch.worker_id``, the
+        kvmanager's id, is ignored: one kvmanager has one stream per layout). Same ordering
+        rules as ``apply``."""
+        return self._apply(store, batch, True)
+
+    def _apply(self, hid: HolderId, batch: KvEventBatch, store: bool) -> ApplyResult:
         if self._dirty or self._sweep_keys:  # first, so a pass this batch needs starts later
             self.sweep(self._cfg.sweep_keys_per_apply)
         if len(self._intern) > self._cfg.intern_values:
             self._intern.clear()
-        wid = WorkerId(batch.worker_id)
-        w = self._workers.get(wid)
+        w = self._workers.get(hid)
         if batch.snapshot:
             if w is not None and w.synced and w.epoch == batch.epoch and batch.seq < w.seq:
                 return ApplyResult.STALE
-            w = self._fresh(wid, w, batch)
+            w = self._fresh(hid, w, batch, store)
             self._apply_events(w, batch.events)
             w.state, w.synced = ViewState.EXACT, True
             return ApplyResult.SNAPSHOT_APPLIED
         if w is None or w.epoch != batch.epoch:
-            w = self._fresh(wid, w, batch)
+            w = self._fresh(hid, w, batch, store)
             self._apply_events(w, batch.events)
             w.state, w.synced = ViewState.DEGRADED, False
             return ApplyResult.NEW_EPOCH
@@ -151,21 +195,46 @@ class KvIndex:
         return ApplyResult.APPLIED
 
     def drop_worker(self, worker_id: WorkerId) -> bool:
-        """Forgets a worker (it left etcd). O(1); its bits are swept later. False: unknown."""
-        w = self._workers.pop(worker_id, None)
+        """Forgets a worker (it left etcd) and its link. O(1); its bits are swept later.
+        False: unknown."""
+        self._links.pop(worker_id, None)
+        return self._drop(worker_id)
+
+    def drop_store(self, store: StoreId) -> bool:
+        """Forgets a node store (its kvmanager left, or no worker uses its layout any more):
+        the workers linked to it keep the link but match only their own blocks. O(1)."""
+        return self._drop(store)
+
+    def _drop(self, hid: HolderId) -> bool:
+        w = self._workers.pop(hid, None)
         if w is None:
             return False
         self._retire(w)
         return True
 
-    def mark_degraded(self, worker_id: WorkerId) -> None:
+    def link(self, worker_id: WorkerId, store: StoreId | None) -> None:
+        """Names the node store whose blocks count as the worker's lower tiers (None: none).
+        Links are by id: either side may have no view yet, or lose it and get it back."""
+        if store is None:
+            self._links.pop(worker_id, None)
+        else:
+            self._links[worker_id] = store
+
+    def linked(self, worker_id: WorkerId) -> StoreId | None:
+        return self._links.get(worker_id)
+
+    def links(self) -> Mapping[WorkerId, StoreId]:
+        """Every worker -> store link (a read-only view)."""
+        return MappingProxyType(self._links)
+
+    def mark_degraded(self, worker_id: HolderId) -> None:
         """The worker's event stream was lost: keep its blocks, but as a hint. The next batch in
         sequence (a resumed stream) or a snapshot makes it EXACT again."""
         w = self._workers.get(worker_id)
         if w is not None:
             w.state = ViewState.DEGRADED
 
-    def mark_live(self, worker_id: WorkerId) -> None:
+    def mark_live(self, worker_id: HolderId) -> None:
         """The worker's stream resumed and caught up with nothing missed: a view that was EXACT
         before the loss is EXACT again (one that never had a snapshot stays DEGRADED)."""
         w = self._workers.get(worker_id)
@@ -211,40 +280,25 @@ class KvIndex:
     def match(
         self, hashes: Sequence[BlockHash], workers: Iterable[WorkerId] | None = None
     ) -> dict[WorkerId, PrefixMatch]:
-        """Per worker, the contiguous prefix of ``hashes`` it holds and its best tiers.
+        """Per worker, the contiguous prefix of ``hashes`` it holds, on its own tiers or its
+        linked store's, and its best tiers.
 
-        ``workers``: only these (unknown ids are ignored); None: every worker in the index.
-        Workers matching zero blocks are omitted. The dict is ordered by ``blocks``, longest
-        first, ties by worker id."""
-        if workers is None:
-            active = self._live_any
-        else:
-            active = 0
-            by_id = self._workers
-            for wid in workers:
-                w = by_id.get(wid)
-                if w is not None:
-                    active |= w.any_bit
+        ``workers``: only these (unknown ids and store ids are ignored); None: every worker in
+        the index. Workers matching zero blocks are omitted. The dict is ordered by ``blocks``,
+        longest first, ties by worker id."""
+        active, spread, degraded = self._candidates(workers)
         if not active or not hashes:
             return {}
-        get = self._d.get
-        # (prefix length, any-bits of the workers whose prefix ends there), lengths ascending.
-        ends: list[tuple[int, int]] = []
-        n = 0
-        for h in hashes:
-            m = get(h, 0) & active
-            if m != active:
-                if n:
-                    ends.append((n, active ^ m))
-                active = m
-                if not m:
-                    break
-            n += 1
-        else:
-            ends.append((n, active))
+        ends = (
+            self._walk_projected(hashes, active, spread) if spread else self._walk(hashes, active)
+        )
         if not ends:
             return {}
-        lower = self._lower_tier_counts(hashes, ends) if self._totals[1] or self._totals[2] else {}
+        lower = (
+            self._lower_tier_counts(hashes, ends, spread)
+            if self._totals[1] or self._totals[2]
+            else {}
+        )
         owner = self._owner
         out: list[PrefixMatch] = []
         for length, mask in ends:
@@ -258,19 +312,101 @@ class KvIndex:
                         length - cpu - disk,
                         cpu,
                         disk,
-                        w.state is ViewState.EXACT,
+                        w.state is ViewState.EXACT and not (degraded >> pos) & 1,
                     )
                 )
         out.sort(key=lambda p: (-p.blocks, p.worker_id))
         return {p.worker_id: p for p in out}
 
+    def _walk(self, hashes: Sequence[BlockHash], active: int) -> list[tuple[int, int]]:
+        """(prefix length, any-bits of the workers whose prefix ends there), lengths ascending."""
+        get = self._d.get
+        ends: list[tuple[int, int]] = []
+        n = 0
+        for h in hashes:
+            m = get(h, 0) & active
+            if m != active:
+                if n:
+                    ends.append((n, active ^ m))
+                active = m
+                if not m:
+                    break
+            n += 1
+        else:
+            ends.append((n, active))
+        return ends
+
+    def _walk_projected(
+        self, hashes: Sequence[BlockHash], active: int, spread: dict[int, int]
+    ) -> list[tuple[int, int]]:
+        """``_walk`` where a block a store holds also counts for the workers it backs
+        (``spread``: store any-bit -> their any-bits). Each distinct holder int is projected
+        once (interned ints: a prompt has few), so a block costs one more dict lookup."""
+        get = self._d.get
+        stores = _or(spread)
+        memo: dict[int, int] = {}
+        ends: list[tuple[int, int]] = []
+        n = 0
+        for h in hashes:
+            v = get(h, 0)
+            pv = memo.get(v)
+            if pv is None:
+                sv = v & stores
+                pv = memo[v] = v | _or(spread[1 << pos] for pos in _bits(sv)) if sv else v
+            m = pv & active
+            if m != active:
+                if n:
+                    ends.append((n, active ^ m))
+                active = m
+                if not m:
+                    break
+            n += 1
+        else:
+            ends.append((n, active))
+        return ends
+
+    def _candidates(self, workers: Iterable[WorkerId] | None) -> tuple[int, dict[int, int], int]:
+        """(any-bits of the workers asked for, store any-bit -> the any-bits of those it backs,
+        any-bits of those whose store's view is not EXACT)."""
+        by_id = self._workers
+        if workers is None:
+            active = self._live_any & ~self._store_any
+            pairs: Iterable[tuple[_Worker | None, StoreId]] = (
+                (by_id.get(wid), sid) for wid, sid in self._links.items()
+            )
+        else:
+            active = 0
+            found: list[tuple[_Worker | None, StoreId]] = []
+            links = self._links
+            for wid in workers:
+                w = by_id.get(wid)
+                if w is not None and not w.store:
+                    active |= w.any_bit
+                    sid = links.get(wid)
+                    if sid is not None:
+                        found.append((w, sid))
+            pairs = found
+        spread: dict[int, int] = {}
+        degraded = 0
+        for w, sid in pairs:
+            s = by_id.get(sid)
+            if w is None or s is None or w.store or not s.store:
+                continue
+            spread[s.any_bit] = spread.get(s.any_bit, 0) | w.any_bit
+            if s.state is not ViewState.EXACT:
+                degraded |= w.any_bit
+        return active, spread, degraded
+
     def _lower_tier_counts(
-        self, hashes: Sequence[BlockHash], ends: list[tuple[int, int]]
+        self, hashes: Sequence[BlockHash], ends: list[tuple[int, int]], spread: dict[int, int]
     ) -> dict[int, tuple[int, int]]:
         """Per matching worker (bit position of its any-bit): matched blocks whose best tier is
         cpu, and disk. Walks the matched region in segments where the set of workers still
-        matching is constant, counting each segment's distinct holder ints at C speed."""
+        matching is constant, counting each segment's distinct holder ints at C speed (stores'
+        bits projected onto the workers they back, once per distinct int)."""
         get = self._d.get
+        stores = _or(spread)
+        stores4 = stores * 15
         suffix: list[tuple[int, int]] = []
         acc = 0
         for length, mask in reversed(ends):
@@ -281,8 +417,11 @@ class KvIndex:
         start = 0
         for end, active in reversed(suffix):
             if end > start:
-                counts = Counter(map(and_, map(get, hashes[start:end]), repeat(active * 15)))
+                a4 = active * 15
+                counts = Counter(map(and_, map(get, hashes[start:end]), repeat(a4 | stores4)))
                 for v, c in counts.items():
+                    if v & stores:
+                        v = _project_tiers(v, spread, stores) & a4
                     on_gpu = (v >> 1) & active
                     if on_gpu == active:
                         continue
@@ -294,7 +433,7 @@ class KvIndex:
             start = end
         return {pos: (cpu.get(pos, 0), disk.get(pos, 0)) for pos in cpu.keys() | disk.keys()}
 
-    def view(self, worker_id: WorkerId) -> WorkerKvView:
+    def view(self, worker_id: HolderId) -> WorkerKvView:
         w = self._workers.get(worker_id)
         if w is None:
             return WorkerKvView(worker_id, ViewState.UNKNOWN, None, 0)
@@ -308,7 +447,11 @@ class KvIndex:
 
     def workers(self) -> tuple[WorkerId, ...]:
         """Workers the index has a view of, by id."""
-        return tuple(sorted(self._workers))
+        return tuple(sorted(w.worker_id for w in self._workers.values() if not w.store))
+
+    def stores(self) -> tuple[StoreId, ...]:
+        """Node stores the index has a view of, by id."""
+        return tuple(sorted(StoreId(w.worker_id) for w in self._workers.values() if w.store))
 
     def stats(self) -> IndexStats:
         d = self._d
@@ -319,13 +462,16 @@ class KvIndex:
             + sum(map(sys.getsizeof, self._intern))
             + sys.getsizeof(self._sweep_keys)
         )
+        stores = sum(w.store for w in self._workers.values())
         return IndexStats(
-            workers=len(self._workers),
+            workers=len(self._workers) - stores,
             blocks=len(d),
             entries=sum(self._totals),
             evicted_blocks=self._evicted,
             sweep_pending=self._sweep_pending(),
             estimated_bytes=est,
+            stores=stores,
+            links=len(self._links),
         )
 
     def check_invariants(self) -> None:
@@ -351,13 +497,15 @@ class KvIndex:
                 totals[t] += got
         assert totals == self._totals, f"totals {self._totals} != {totals}"
         assert len(self._owner) == len(self._workers)
+        stores = _or(w.any_bit for w in self._workers.values() if w.store)
+        assert stores == self._store_any, "store any-bits disagree"
 
     # ---- internals ------------------------------------------------------------------------
-    def _fresh(self, wid: WorkerId, w: _Worker | None, batch: KvEventBatch) -> _Worker:
+    def _fresh(self, hid: HolderId, w: _Worker | None, batch: KvEventBatch, store: bool) -> _Worker:
         """The worker with no blocks (a new slot), at the batch's epoch and seq."""
         if w is None:
-            w = _Worker(wid, batch.epoch, batch.seq, ViewState.DEGRADED, False)
-            self._workers[wid] = w
+            w = _Worker(WorkerId(hid), batch.epoch, batch.seq, ViewState.DEGRADED, False, store)
+            self._workers[hid] = w
         else:
             self._retire(w)
             w.epoch, w.seq = batch.epoch, batch.seq
@@ -378,12 +526,15 @@ class KvIndex:
         self._owner[slot] = w
         self._live_any |= ab
         self._live4 |= ab * 15
+        if w.store:
+            self._store_any |= ab
 
     def _retire(self, w: _Worker) -> None:
         """Takes the worker's slot out of use; its bits are garbage until swept."""
         ab = w.any_bit
         self._live_any &= ~ab
         self._live4 &= ~(ab * 15)
+        self._store_any &= ~ab
         del self._owner[w.slot]
         totals = self._totals
         held = False

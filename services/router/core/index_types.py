@@ -5,9 +5,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import NewType
 
 from kvmesh.discovery.keys import WorkerId
 from kvmesh.kv.events import Tier
+
+StoreId = NewType("StoreId", str)
+"""A node store: one kvmanager's blocks of one KV layout (its own numbered event stream)."""
+
+HolderId = WorkerId | StoreId  # whatever the index keeps a view of
+
+
+def store_id(kvmanager_id: str, layout_key: str) -> StoreId:
+    """The index id of a kvmanager's blocks of one layout. It has a '/', which worker ids (etcd
+    key segments) cannot have, so the two never collide."""
+    return StoreId(f"{kvmanager_id}/{layout_key}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,9 +64,9 @@ class ViewState(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class WorkerKvView:
-    """What the index knows of one worker."""
+    """What the index knows of one worker (or node store): its own blocks, not its store's."""
 
-    worker_id: WorkerId
+    worker_id: HolderId
     state: ViewState
     epoch: str | None  # None: unknown worker
     seq: int  # last batch applied (0: none)
@@ -72,15 +84,15 @@ class PrefixMatch:
     """How much of a prompt's block chain one worker holds.
 
     ``blocks`` is the contiguous matched prefix: block i counts only if the worker holds blocks
-    0..i (on any tier). Each matched block is counted once, on its best tier (gpu > cpu > disk),
-    so ``gpu_blocks + cpu_blocks + disk_blocks == blocks``."""
+    0..i (on any tier, its own or its node store's). Each matched block is counted once, on its
+    best tier (gpu > cpu > disk), so ``gpu_blocks + cpu_blocks + disk_blocks == blocks``."""
 
     worker_id: WorkerId
     blocks: int
     gpu_blocks: int
     cpu_blocks: int
     disk_blocks: int
-    exact: bool  # the worker's view is EXACT (False: DEGRADED, treat as a hint)
+    exact: bool  # the worker's view (and its store's) is EXACT (False: a hint)
 
     def on(self, tier: Tier) -> int:
         return _pick(tier, self.gpu_blocks, self.cpu_blocks, self.disk_blocks)
@@ -94,6 +106,8 @@ class IndexStats:
     evicted_blocks: int  # dropped by the max_blocks bound since start
     sweep_pending: int  # keys the current sweep still has to visit (0: idle)
     estimated_bytes: int  # the index's own memory (dict, keys, shared values), estimated
+    stores: int = 0  # node stores with a view
+    links: int = 0  # workers whose lower tiers are a node store's
 
 
 def _pick(tier: Tier, gpu: int, cpu: int, disk: int) -> int:

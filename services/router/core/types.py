@@ -72,6 +72,7 @@ class Explanation:
     tied: int = 1  # workers sharing the best total (the picker chose among them at random)
     cached_blocks: int = -1  # winner's matched prefix in blocks per the profile's prefix source
     cached_tokens: int = -1  # the same in tokens; -1: the profile has no prefix source
+    cached_gpu_blocks: int = -1  # of cached_blocks, those in the engine's own memory
     total_blocks: int = 0  # blocks of the request
     stages: tuple[str, ...] = ()  # filters, scorers, picker, in the order they ran
     stage_ns: tuple[int, ...] = ()  # time each stage took

@@ -160,11 +160,12 @@ class Scheduler:
                     best, deciding = d, self.scorer_names[k]
         winner = cands[win]
         wid = winner.record.worker_id
-        cached_blocks = cached_tokens = -1
+        cached_blocks = cached_tokens = cached_gpu = -1
         total_blocks = len(ctx.request.block_hashes)
         if self.prefix_source is not None:
             m = ctx.prefix().get(wid)
             cached_blocks = m.blocks if m is not None else 0
+            cached_gpu = m.gpu_blocks if m is not None else 0
             bs = winner.record.block_size or (
                 ctx.request.prompt_tokens // total_blocks if total_blocks else 0
             )
@@ -181,6 +182,7 @@ class Scheduler:
             tied=choice.tied,
             cached_blocks=cached_blocks,
             cached_tokens=cached_tokens,
+            cached_gpu_blocks=cached_gpu,
             total_blocks=total_blocks,
             stages=self.stages,
             stage_ns=tuple(ns),

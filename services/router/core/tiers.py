@@ -1,0 +1,160 @@
+"""Which node store backs which worker's lower tiers. Pure: the adapter (``tiersync.py``) feeds
+the kvmanagers' etcd records in and carries the plan out (tier event streams, index links).
+
+Each node runs one kvmanager (``/kvmesh/<cluster>/kvmanagers/<id>``, ``KvManagerRecord.node``).
+A worker publishes its ``node`` and ``kv_layout``, the key of the KV layout of the blocks it saves
+to that node's kvmanager. For every kvmanager and every layout used by a serving worker of its
+node, the router follows that kvmanager's tier event stream of that layout (a *store* in the
+index) and links the workers to it; a block means nothing across layouts, so each layout is its
+own store, and a worker on a node without a kvmanager (or without a layout) has no lower tiers.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from kvmesh.discovery.keys import (
+    KvManagerRecord,
+    WorkerId,
+    WorkerRecord,
+    WorkerState,
+    kvmanagers_prefix,
+)
+
+from .index_types import StoreId, store_id
+
+log = logging.getLogger(__name__)
+
+_LAYOUT_KEY = re.compile(r"[0-9a-f]{16}")  # KvLayout.key: 16 lowercase hex digits
+
+
+class KvManagerSet:
+    """The live kvmanagers, fed by etcd with raw keys and values (like ``WorkerSet``): a
+    malformed record is logged and skipped instead of breaking the watch."""
+
+    def __init__(self, cluster: str) -> None:
+        self._prefix = kvmanagers_prefix(cluster)
+        self._by_id: dict[str, KvManagerRecord] = {}
+
+    def apply_snapshot(self, items: Mapping[str, str]) -> None:
+        self._by_id = {r.kvmanager_id: r for r in map(self._parse, items.items()) if r}
+
+    def apply_put(self, key: str, value: str) -> None:
+        rec = self._parse((key, value))
+        if rec is not None:
+            self._by_id[rec.kvmanager_id] = rec
+
+    def apply_delete(self, key: str) -> None:
+        kid = self._id_of(key)
+        if kid is not None:
+            self._by_id.pop(kid, None)
+
+    def get(self, kvmanager_id: str) -> KvManagerRecord | None:
+        return self._by_id.get(kvmanager_id)
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def by_node(self) -> dict[str, KvManagerRecord]:
+        """The kvmanager of each node. Should two claim one node, the smallest id serves it
+        (deterministic on every router)."""
+        out: dict[str, KvManagerRecord] = {}
+        for kid in sorted(self._by_id):
+            rec = self._by_id[kid]
+            if rec.node and rec.address:
+                if rec.node in out:
+                    log.debug(
+                        "kvmanagers %s and %s both claim node %s", out[rec.node], kid, rec.node
+                    )
+                    continue
+                out[rec.node] = rec
+        return out
+
+    def _id_of(self, key: str) -> str | None:
+        if not key.startswith(self._prefix):
+            return None
+        kid = key[len(self._prefix) :]
+        return kid if kid and "/" not in kid else None
+
+    def _parse(self, item: tuple[str, str]) -> KvManagerRecord | None:
+        key, value = item
+        kid = self._id_of(key)
+        if kid is None:
+            return None
+        try:
+            rec = KvManagerRecord.from_json(value)
+        except (ValueError, KeyError, TypeError) as exc:
+            log.warning("skipping malformed kvmanager record at %s: %s", key, exc)
+            return None
+        if rec.kvmanager_id != kid:
+            log.warning("skipping kvmanager record at %s: its id disagrees with its key", key)
+            return None
+        return rec
+
+
+@dataclass(frozen=True, slots=True)
+class TierStream:
+    """One kvmanager's tier event stream of one layout: a store in the index."""
+
+    store: StoreId
+    kvmanager_id: str
+    layout_key: str
+    address: str  # the kvmanager's gRPC host:port
+
+
+@dataclass(frozen=True, slots=True)
+class TierPlan:
+    """The streams to follow and which store each worker's lower tiers are."""
+
+    streams: Mapping[StoreId, TierStream] = field(default_factory=dict)
+    links: Mapping[WorkerId, StoreId] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class TierChanges:
+    """What it takes to go from one plan to the next."""
+
+    start: tuple[TierStream, ...] = ()  # new streams, or ones whose kvmanager moved
+    stop: tuple[StoreId, ...] = ()  # streams no longer wanted: forget their stores
+    links: tuple[tuple[WorkerId, StoreId | None], ...] = ()  # to set (None: unlink)
+
+    def __bool__(self) -> bool:
+        return bool(self.start or self.stop or self.links)
+
+
+def plan_tiers(workers: Iterable[WorkerRecord], kvmanagers: KvManagerSet) -> TierPlan:
+    """The plan for the serving workers (a draining worker is not routed to: no lower tiers)."""
+    by_node = kvmanagers.by_node()
+    streams: dict[StoreId, TierStream] = {}
+    links: dict[WorkerId, StoreId] = {}
+    for rec in workers:
+        if rec.state is not WorkerState.SERVING or not rec.kv_layout:
+            continue
+        kvm = by_node.get(rec.node)
+        if kvm is None:
+            continue
+        if not _LAYOUT_KEY.fullmatch(rec.kv_layout):
+            log.debug("worker %s: kv_layout %r is not a layout key", rec.worker_id, rec.kv_layout)
+            continue
+        sid = store_id(kvm.kvmanager_id, rec.kv_layout)
+        if sid not in streams:
+            streams[sid] = TierStream(sid, kvm.kvmanager_id, rec.kv_layout, kvm.address)
+        links[rec.worker_id] = sid
+    return TierPlan(streams, links)
+
+
+def diff_plans(old: TierPlan, new: TierPlan) -> TierChanges:
+    start = tuple(
+        s
+        for sid, s in sorted(new.streams.items())
+        if (o := old.streams.get(sid)) is None or o.address != s.address
+    )
+    stop = tuple(sorted(sid for sid in old.streams if sid not in new.streams))
+    links: list[tuple[WorkerId, StoreId | None]] = [
+        (wid, sid) for wid, sid in sorted(new.links.items()) if old.links.get(wid) != sid
+    ]
+    links += [(wid, None) for wid in sorted(old.links) if wid not in new.links]
+    return TierChanges(start, stop, tuple(links))
