@@ -241,7 +241,7 @@ scorers:
       tier_weights: {gpu: 1.0, cpu: 0.8, disk: 0.5}
       degraded_factor: 0.5
   - type: active-context
-    weight: 5.0
+    weight: 5.5
     params: {idle_requests: 400, fork_share: 0.0}
   - {type: queue, weight: 1.0}
   - {type: in-flight, weight: 0.5}
