@@ -28,7 +28,12 @@ ORACLES = ("oracle-prefix", "oracle-cost")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    bench = subparsers.add_parser("bench", help="benchmarks (replay a trace through the router)")
+    """Adds ``bench`` with its subcommands: ``replay`` (here) and ``tiers``."""
+    from benchmarks.tiers import cli as tiers_cli
+
+    bench = subparsers.add_parser(
+        "bench", help="benchmarks (replay a trace through the router; kvmanager tiers)"
+    )
     sub = bench.add_subparsers(dest="bench_command", required=True)
     p = sub.add_parser(
         "replay",
@@ -63,6 +68,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--json", action="store_true", help="print one JSON object per policy")
     p.set_defaults(func=run)
+    tiers_cli.register(sub)
 
 
 def _requests(a: argparse.Namespace) -> Iterable:  # type: ignore[type-arg]
