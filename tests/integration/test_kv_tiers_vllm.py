@@ -1,0 +1,120 @@
+"""The kvmanager tiers under a real vLLM worker (the tiny model) whose own KV memory is small:
+a long prompt, enough other traffic to evict it from the engine, then the prompt again: its
+prefix comes back from the kvmanager's CPU tier, and after a kvmanager restart from its disk
+tier, with greedy output identical to the cold recompute both times."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import grpc
+import pytest
+
+from kvmesh.kv.events import Tier
+from kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from services.kvmanager.config import KvManagerConfig
+from services.kvmanager.core.config import StoreConfig
+from services.kvmanager.main import start_kvmanager
+from services.worker.config import EngineConfig, WorkerConfig
+from services.worker.connector import kv_transfer_config
+from services.worker.main import VLLM_ENVIRONMENT
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+
+BLOCK = 32
+MAX_MODEL_LEN = 1024
+PROMPT_TOKENS = 900  # 28 full blocks
+ENGINE_KV_BYTES = 2 << 20  # 64 blocks of 32 KiB (float32): two long prompts at most
+
+
+def prompt(salt: int) -> list[int]:
+    return [10 + (salt * 7919 + i * 31) % 1000 for i in range(PROMPT_TOKENS)]
+
+
+async def generate(stub, rid: str, tokens: list[int]) -> tuple[list[int], int]:
+    req = worker_pb2.WorkerGenerateRequest(
+        request_id=rid,
+        prompt_token_ids=tokens,
+        sampling=common_pb2.SamplingParams(max_tokens=8, temperature=0.0),
+    )
+    out: list[int] = []
+    cached = -1
+    async for msg in stub.Generate(req, timeout=120):
+        out.extend(msg.token_ids)
+        if msg.HasField("finished"):
+            cached = msg.finished.usage.cached_prompt_tokens
+    return out, cached
+
+
+async def test_evicted_prefix_comes_back_from_cpu_then_from_disk(tiny_model, tmp_path, monkeypatch):
+    for key, value in VLLM_ENVIRONMENT.items():
+        monkeypatch.setenv(key, os.environ.get(key, value))
+    from services.worker.engine import VllmEngine
+    from services.worker.server import start_worker
+
+    kvm_config = KvManagerConfig(
+        kvmanager_id="node-1",
+        node="node-1",
+        etcd_endpoints=(),
+        # Write-through: every block also lands on disk, so a restart finds it there.
+        store=StoreConfig(
+            cpu_bytes=64 << 20,
+            disk_bytes=256 << 20,
+            disk_dir=Path(tmp_path / "kv"),
+            write_through=True,
+        ),
+        metrics_port=-1,
+        drain_grace_s=1.0,
+    )
+    kvm = await start_kvmanager(kvm_config)
+    port = int(kvm.address.rsplit(":", 1)[1])
+    config = WorkerConfig(
+        engine=EngineConfig(
+            model=str(tiny_model),
+            served_model_name="tiny",
+            dtype="float32",
+            max_model_len=MAX_MODEL_LEN,
+            block_size=BLOCK,
+            kv_cache_bytes=ENGINE_KV_BYTES,
+            kv_transfer_config=kv_transfer_config(f"127.0.0.1:{port}", store="kvmanager"),
+        ),
+        worker_id="w-small",
+        etcd_endpoints=(),
+        drain_grace_s=2.0,
+    )
+    engine = await VllmEngine.start(config.engine)
+    worker = await start_worker(config, engine)
+    long = prompt(1)
+    try:
+        async with grpc.aio.insecure_channel(worker.address) as ch:
+            stub = worker_pb2_grpc.WorkerStub(ch)
+            cold, cached = await generate(stub, "cold", long)
+            assert cached == 0
+
+            async def evict() -> None:
+                for i in range(3):  # 3 x 28 blocks through a 64-block engine cache
+                    await generate(stub, f"other-{i}-{len(cold)}", prompt(100 + i))
+
+            await evict()
+            hits_before = kvm.store.stats.hits_cpu
+            again, cached = await generate(stub, "from-cpu", long)
+            assert again == cold, "identical greedy output from the kvmanager's CPU tier"
+            assert cached == (PROMPT_TOKENS - 1) // BLOCK * BLOCK
+            assert kvm.store.stats.hits_cpu - hits_before >= PROMPT_TOKENS // BLOCK
+
+            # Restart the kvmanager on the same port: RAM is gone, the disk tier is rebuilt.
+            await kvm.stop()
+            kvm = await start_kvmanager(dataclasses.replace(kvm_config, port=port))
+            assert kvm.store.usage(Tier.CPU).blocks == 0
+            assert kvm.store.usage(Tier.DISK).blocks >= 4 * (PROMPT_TOKENS // BLOCK)
+            await evict()
+            disk_before = kvm.store.stats.hits_disk
+            again, cached = await generate(stub, "from-disk", long)
+            assert again == cold, "identical greedy output from the kvmanager's disk tier"
+            assert cached == (PROMPT_TOKENS - 1) // BLOCK * BLOCK
+            assert kvm.store.stats.hits_disk - disk_before >= PROMPT_TOKENS // BLOCK
+    finally:
+        await worker.stop()
+        await kvm.stop()
