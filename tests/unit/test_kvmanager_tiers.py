@@ -218,6 +218,29 @@ def test_a_ram_copy_read_by_a_disk_write_stays_until_the_write_ends() -> None:
     index.check_invariants()
 
 
+def test_discarding_a_ram_copy_withdraws_its_queued_demotion() -> None:
+    """A dirty RAM copy doomed while the disk tier has no room yet queues its write-back there;
+    if the copy then leaves (discarded), the write-back must go too: granted later, it would ask
+    the adapter to write RAM bytes that are gone, and hold disk room others wait for."""
+    index = TierIndex(cpu_bytes=8, disk_bytes=16, disk_file_bytes=file_bytes)
+    store(index, 0, CPU, B)  # fills RAM
+    assert index.adopt(A, BlockHash(0), None)  # 8 of 16 disk bytes
+    assert index.request(A, BlockHash(0), CPU) is Grant.QUEUED  # promotion: demotes B0 (12)
+    assert names(index.take_actions()) == ["delete 0"]  # A0's file makes room for it
+    assert index.state(bid(0, B), CPU) is CopyState.DEMOTING
+    assert index.usage(DISK).queued_bytes == 12
+    index.discard(bid(0, B), CPU)
+    assert names(index.take_actions()) == ["drop 0", "granted 0 cpu"]
+    assert index.usage(DISK).queued_bytes == 0 and index.layout_of(bid(0, B)) is None
+    assert index.request(A, BlockHash(1), DISK) is Grant.GRANTED  # no phantom ahead of it
+    index.deleted(bid(0))
+    assert index.take_actions() == []  # no WriteToDisk of the dropped B0
+    index.write_done(bid(0), CPU, ok=True)
+    index.write_done(bid(1), DISK, ok=True)
+    assert index.usage(DISK).used_bytes == 8 and index.usage(DISK).leaving_bytes == 0
+    index.check_invariants()
+
+
 def test_unpin_never_goes_below_zero() -> None:
     index = TierIndex(cpu_bytes=8)
     store(index, 1, CPU)
@@ -482,6 +505,40 @@ TierIndexMachine.TestCase.settings = settings(
     max_examples=200, stateful_step_count=40, deadline=None
 )
 test_tier_index_invariants = TierIndexMachine.TestCase
+
+
+# Falsifying examples the machine once found (a doomed RAM copy discarded while its demotion
+# still waited for disk room), replayed step by step: the machine's own rules, invariants after
+# every step, then its teardown (liveness).
+MACHINE_EXAMPLES = {
+    "discarded-demotion-source-then-delete": [
+        ("request", {"h": 0, "layout": B, "parent": None, "tier": CPU}),
+        ("adopt", {"h": 0, "layout": A}),
+        ("finish_write", {"i": 0, "ok": True}),
+        ("request", {"h": 0, "layout": A, "parent": None, "tier": CPU}),
+        ("discard", {"i": 0, "tier": CPU}),
+        ("request", {"h": 1, "layout": A, "parent": None, "tier": DISK}),
+        ("finish_delete", {"i": 0}),
+    ],
+    "discarded-demotion-source-then-teardown": [
+        ("request", {"h": 0, "layout": B, "parent": None, "tier": CPU}),
+        ("adopt", {"h": 0, "layout": A}),
+        ("finish_write", {"i": 0, "ok": True}),
+        ("request", {"h": 0, "layout": A, "parent": None, "tier": CPU}),
+        ("discard", {"i": 0, "tier": CPU}),
+    ],
+}
+
+
+@pytest.mark.parametrize("steps", MACHINE_EXAMPLES.values(), ids=MACHINE_EXAMPLES.keys())
+def test_tier_index_machine_examples(steps: list[tuple[str, dict]]) -> None:
+    machine = TierIndexMachine()
+    machine.start(cpu_blocks=2, disk_blocks=2)
+    machine.consistent()
+    for rule_name, kwargs in steps:
+        getattr(machine, rule_name)(**kwargs)
+        machine.consistent()
+    machine.teardown()
 
 
 def test_events_name_their_layout() -> None:

@@ -22,7 +22,8 @@ granted in turn once in-flight I/O ends and pins are released; more may wait tha
 
 Policy. RAM victims with a readable disk copy (clean) are dropped at once; others (dirty) are
 written back to disk first (demotion) if the disk tier has room for them, else dropped. Disk
-victims are deleted; a RAM copy of the same block then becomes dirty.
+victims are deleted; a RAM copy of the same block then becomes dirty. A doomed RAM copy that
+leaves before its write-back got disk room (discarded) withdraws that queued write-back.
 """
 
 from __future__ import annotations
@@ -420,8 +421,10 @@ class TierIndex:
         b = self._blocks[block]
         c = b.copies[tier]
         t = self._tiers[tier]
+        withdrawn = False
         if c.doomed:
             c.doomed = False  # its bytes count as leaving already
+            withdrawn = self._withdraw_demotion(block)
         else:
             t.leaving_bytes += c.size_bytes
             t.lru.pop(block, None)
@@ -429,6 +432,19 @@ class TierIndex:
         if c.ready:
             self._emit(b, BlockRemoved((block.block_hash,), tier))
         self._remove_if_idle(block, tier)
+        if withdrawn:
+            self._pump(_DISK)
+
+    def _withdraw_demotion(self, block: BlockId) -> bool:
+        """A doomed RAM copy leaves before its write-back got room on disk: the queued demotion
+        goes with it (granted later, it would write bytes that are gone, or bad)."""
+        t = self._tiers.get(_DISK)
+        req = t.queue.get(block) if t is not None else None
+        if t is None or req is None or not req.demotion:
+            return False
+        del t.queue[block]
+        t.queued_bytes -= req.size_bytes
+        return True
 
     def _remove_if_idle(self, block: BlockId, tier: Tier) -> None:
         b = self._blocks[block]
