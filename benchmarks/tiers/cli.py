@@ -6,7 +6,8 @@ measured in the same run, as one markdown table (or JSON rows with ``--json``).
 
 Parts:
   offload  worker -> kvmanager offload and kvmanager -> worker load through the connector's
-           KvManagerBlockClient against a kvmanager daemon (own process, loopback), beside memcpy
+           KvManagerBlockClient against a kvmanager daemon (own process, loopback), over shared
+           memory and over inline gRPC bytes side by side, beside memcpy
   disk     CPU -> disk demotion and disk -> CPU promotion through TieredStore, beside raw
            sequential file I/O, cold page cache (posix_fadvise DONTNEED, checked with mincore)
   peer     KvManager.FetchFromPeer between two kvmanager daemons, beside raw loopback TCP

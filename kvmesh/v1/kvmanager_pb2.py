@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvmesh.v1 import worker_pb2 as kvmesh_dot_v1_dot_worker__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvmesh/v1/kvmanager.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/worker.proto\"\xab\x01\n\x08KvLayout\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\r\x12\x11\n\thead_size\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0f\n\x07tp_rank\x18\x07 \x01(\r\x12\x0f\n\x07tp_size\x18\x08 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\"\x16\n\x14KvManagerInfoRequest\"h\n\tTierUsage\x12\x1f\n\x04tier\x18\x01 \x01(\x0e\x32\x11.kvmesh.v1.KvTier\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x04\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06\x62locks\x18\x04 \x01(\x04\"\x94\x01\n\rKvManagerInfo\x12\x14\n\x0ckvmanager_id\x18\x01 \x01(\t\x12\x0c\n\x04node\x18\x02 \x01(\t\x12#\n\x05tiers\x18\x03 \x03(\x0b\x32\x14.kvmesh.v1.TierUsage\x12\x1a\n\x12\x64\x61ta_plane_address\x18\x04 \x01(\t\x12\r\n\x05\x65poch\x18\x05 \x01(\t\x12\x0f\n\x07version\x18\x06 \x01(\t\"J\n\rLookupRequest\x12#\n\x06layout\x18\x01 \x01(\x0b\x32\x13.kvmesh.v1.KvLayout\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x06\"2\n\x0eLookupResponse\x12 \n\x05tiers\x18\x01 \x03(\x0e\x32\x11.kvmesh.v1.KvTier\"U\n\x07KvBlock\x12\x12\n\nblock_hash\x18\x01 \x01(\x06\x12\x18\n\x0bparent_hash\x18\x02 \x01(\x06H\x00\x88\x01\x01\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x42\x0e\n\x0c_parent_hash\"[\n\x10PutBlocksRequest\x12#\n\x06layout\x18\x01 \x01(\x0b\x32\x13.kvmesh.v1.KvLayout\x12\"\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x12.kvmesh.v1.KvBlock\"#\n\x11PutBlocksResponse\x12\x0e\n\x06stored\x18\x01 \x01(\r\"M\n\x10GetBlocksRequest\x12#\n\x06layout\x18\x01 \x01(\x0b\x32\x13.kvmesh.v1.KvLayout\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x06\"y\n\x11GetBlocksResponse\x12!\n\x05\x62lock\x18\x01 \x01(\x0b\x32\x12.kvmesh.v1.KvBlock\x12\x1f\n\x04tier\x18\x02 \x01(\x0e\x32\x11.kvmesh.v1.KvTier\x12\x14\n\x07missing\x18\x03 \x01(\x06H\x00\x88\x01\x01\x42\n\n\x08_missing\"r\n\x16WatchTierEventsRequest\x12#\n\x06layout\x18\x01 \x01(\x0b\x32\x13.kvmesh.v1.KvLayout\x12\x12\n\nlayout_key\x18\x04 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\t\x12\x10\n\x08\x66rom_seq\x18\x03 \x01(\x04\"p\n\x10OpenFetchRequest\x12#\n\x06layout\x18\x01 \x01(\x0b\x32\x13.kvmesh.v1.KvLayout\x12\x12\n\nlayout_key\x18\x02 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x06\x12\r\n\x05ttl_s\x18\x04 \x01(\x01\"\xa1\x01\n\x11OpenFetchResponse\x12\x1a\n\x12\x64\x61ta_plane_address\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\x0c\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x06\x12\x18\n\x0bparent_hash\x18\x04 \x01(\x06H\x00\x88\x01\x01\x12\x12\n\nlayout_key\x18\x05 \x01(\t\x12\r\n\x05ttl_s\x18\x06 \x01(\x01\x42\x0e\n\x0c_parent_hash\"\x8e\x01\n\x14\x46\x65tchFromPeerRequest\x12#\n\x06layout\x18\x01 \x01(\x0b\x32\x13.kvmesh.v1.KvLayout\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x06\x12\x1b\n\x11peer_kvmanager_id\x18\x03 \x01(\tH\x00\x12\x16\n\x0cpeer_address\x18\x04 \x01(\tH\x00\x42\x06\n\x04peer\"\x8b\x01\n\x15\x46\x65tchFromPeerResponse\x12\x0f\n\x07\x66\x65tched\x18\x01 \x01(\r\x12\x14\n\x0c\x61lready_held\x18\x02 \x01(\r\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\x12\x14\n\x0cpeer_missing\x18\x05 \x01(\r\x12\x15\n\rprefix_blocks\x18\x06 \x01(\r2\x8f\x04\n\tKvManager\x12\x44\n\x07GetInfo\x12\x1f.kvmesh.v1.KvManagerInfoRequest\x1a\x18.kvmesh.v1.KvManagerInfo\x12=\n\x06Lookup\x12\x18.kvmesh.v1.LookupRequest\x1a\x19.kvmesh.v1.LookupResponse\x12H\n\tPutBlocks\x12\x1b.kvmesh.v1.PutBlocksRequest\x1a\x1c.kvmesh.v1.PutBlocksResponse(\x01\x12H\n\tGetBlocks\x12\x1b.kvmesh.v1.GetBlocksRequest\x1a\x1c.kvmesh.v1.GetBlocksResponse0\x01\x12M\n\rWatchKvEvents\x12!.kvmesh.v1.WatchTierEventsRequest\x1a\x17.kvmesh.v1.KvEventBatch0\x01\x12\x46\n\tOpenFetch\x12\x1b.kvmesh.v1.OpenFetchRequest\x1a\x1c.kvmesh.v1.OpenFetchResponse\x12R\n\rFetchFromPeer\x12\x1f.kvmesh.v1.FetchFromPeerRequest\x1a .kvmesh.v1.FetchFromPeerResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvmesh/v1/kvmanager.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/worker.proto\"\xab\x01\n\x08KvLayout\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\r\x12\x11\n\thead_size\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0f\n\x07tp_rank\x18\x07 \x01(\r\x12\x0f\n\x07tp_size\x18\x08 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\"\x16\n\x14KvManagerInfoRequest\"h\n\tTierUsage\x12\x1f\n\x04tier\x18\x01 \x01(\x0e\x32\x11.kvmesh.v1.KvTier\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x04\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06\x62locks\x18\x04 \x01(\x04\"\x94\x01\n\rKvManagerInfo\x12\x14\n\x0ckvmanager_id\x18\x01 \x01(\t\x12\x0c\n\x04node\x18\x02 \x01(\t\x12#\n\x05tiers\x18\x03 \x03(\x0b\x32\x14.kvmesh.v1.TierUsage\x12\x1a\n\x12\x64\x61ta_plane_address\x18\x04 \x01(\t\x12\r\n\x05\x65poch\x18\x05 \x01(\t\x12\x0f\n\x07version\x18\x06 \x01(\t\"J\n\rLookupRequest\x12#\n\x06layout\x18\x01 \x01(\x0b\x32\x13.kvmesh.v1.KvLayout\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x06\"2\n\x0eLookupResponse\x12 \n\x05tiers\x18\x01 \x03(\x0e\x32\x11.kvmesh.v1.KvTier\"\x87\x01\n\x07KvBlock\x12\x12\n\nblock_hash\x18\x01 \x01(\x06\x12\x18\n\x0bparent_hash\x18\x02 \x01(\x06H\x01\x88\x01\x01\x12\x0e\n\x04\x64\x61ta\x18\x03 \x01(\x0cH\x00\x12#\n\x03shm\x18\x04 \x01(\x0b\x32\x14.kvmesh.v1.ShmRegionH\x00\x42\t\n\x07payloadB\x0e\n\x0c_parent_hash\";\n\tShmRegion\x12\x0e\n\x06shm_id\x18\x01 \x01(\x06\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06length\x18\x03 \x01(\x04\"C\n\x10\x41ttachShmRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\r\n\x05token\x18\x03 \x01(\x0c\"#\n\x11\x41ttachShmResponse\x12\x0e\n\x06shm_id\x18\x01 \x01(\x06\"\"\n\x10\x44\x65tachShmRequest\x12\x0e\n\x06shm_id\x18\x01 \x01(\x06\"%\n\x11\x44\x65tachShmResponse\x12\x10\n\x08\x64\x65tached\x18\x01 \x01(\x08\"[\n\x10PutBlocksRequest\x12#\n\x06layout\x18\x01 \x01(\x0b\x32\x13.kvmesh.v1.KvLayout\x12\"\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x12.kvmesh.v1.KvBlock\"#\n\x11PutBlocksResponse\x12\x0e\n\x06stored\x18\x01 \x01(\r\"p\n\x10GetBlocksRequest\x12#\n\x06layout\x18\x01 \x01(\x0b\x32\x13.kvmesh.v1.KvLayout\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x06\x12!\n\x03shm\x18\x03 \x01(\x0b\x32\x14.kvmesh.v1.ShmRegion\"\xbf\x01\n\x11GetBlocksResponse\x12!\n\x05\x62lock\x18\x01 \x01(\x0b\x32\x12.kvmesh.v1.KvBlock\x12\x1f\n\x04tier\x18\x02 \x01(\x0e\x32\x11.kvmesh.v1.KvTier\x12\x14\n\x07missing\x18\x03 \x01(\x06H\x00\x88\x01\x01\x12\"\n\x06\x62locks\x18\x04 \x03(\x0b\x32\x12.kvmesh.v1.KvBlock\x12 \n\x05tiers\x18\x05 \x03(\x0e\x32\x11.kvmesh.v1.KvTierB\n\n\x08_missing\"r\n\x16WatchTierEventsRequest\x12#\n\x06layout\x18\x01 \x01(\x0b\x32\x13.kvmesh.v1.KvLayout\x12\x12\n\nlayout_key\x18\x04 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\t\x12\x10\n\x08\x66rom_seq\x18\x03 \x01(\x04\"p\n\x10OpenFetchRequest\x12#\n\x06layout\x18\x01 \x01(\x0b\x32\x13.kvmesh.v1.KvLayout\x12\x12\n\nlayout_key\x18\x02 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x06\x12\r\n\x05ttl_s\x18\x04 \x01(\x01\"\xa1\x01\n\x11OpenFetchResponse\x12\x1a\n\x12\x64\x61ta_plane_address\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\x0c\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x06\x12\x18\n\x0bparent_hash\x18\x04 \x01(\x06H\x00\x88\x01\x01\x12\x12\n\nlayout_key\x18\x05 \x01(\t\x12\r\n\x05ttl_s\x18\x06 \x01(\x01\x42\x0e\n\x0c_parent_hash\"\x8e\x01\n\x14\x46\x65tchFromPeerRequest\x12#\n\x06layout\x18\x01 \x01(\x0b\x32\x13.kvmesh.v1.KvLayout\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x06\x12\x1b\n\x11peer_kvmanager_id\x18\x03 \x01(\tH\x00\x12\x16\n\x0cpeer_address\x18\x04 \x01(\tH\x00\x42\x06\n\x04peer\"\x8b\x01\n\x15\x46\x65tchFromPeerResponse\x12\x0f\n\x07\x66\x65tched\x18\x01 \x01(\r\x12\x14\n\x0c\x61lready_held\x18\x02 \x01(\r\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\x12\x14\n\x0cpeer_missing\x18\x05 \x01(\r\x12\x15\n\rprefix_blocks\x18\x06 \x01(\r2\xa1\x05\n\tKvManager\x12\x44\n\x07GetInfo\x12\x1f.kvmesh.v1.KvManagerInfoRequest\x1a\x18.kvmesh.v1.KvManagerInfo\x12=\n\x06Lookup\x12\x18.kvmesh.v1.LookupRequest\x1a\x19.kvmesh.v1.LookupResponse\x12H\n\tPutBlocks\x12\x1b.kvmesh.v1.PutBlocksRequest\x1a\x1c.kvmesh.v1.PutBlocksResponse(\x01\x12H\n\tGetBlocks\x12\x1b.kvmesh.v1.GetBlocksRequest\x1a\x1c.kvmesh.v1.GetBlocksResponse0\x01\x12M\n\rWatchKvEvents\x12!.kvmesh.v1.WatchTierEventsRequest\x1a\x17.kvmesh.v1.KvEventBatch0\x01\x12\x46\n\tOpenFetch\x12\x1b.kvmesh.v1.OpenFetchRequest\x1a\x1c.kvmesh.v1.OpenFetchResponse\x12R\n\rFetchFromPeer\x12\x1f.kvmesh.v1.FetchFromPeerRequest\x1a .kvmesh.v1.FetchFromPeerResponse\x12H\n\tAttachShm\x12\x1b.kvmesh.v1.AttachShmRequest\x1a\x1c.kvmesh.v1.AttachShmResponse0\x01\x12\x46\n\tDetachShm\x12\x1b.kvmesh.v1.DetachShmRequest\x1a\x1c.kvmesh.v1.DetachShmResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,26 +44,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LOOKUPREQUEST']._serialized_end=593
   _globals['_LOOKUPRESPONSE']._serialized_start=595
   _globals['_LOOKUPRESPONSE']._serialized_end=645
-  _globals['_KVBLOCK']._serialized_start=647
-  _globals['_KVBLOCK']._serialized_end=732
-  _globals['_PUTBLOCKSREQUEST']._serialized_start=734
-  _globals['_PUTBLOCKSREQUEST']._serialized_end=825
-  _globals['_PUTBLOCKSRESPONSE']._serialized_start=827
-  _globals['_PUTBLOCKSRESPONSE']._serialized_end=862
-  _globals['_GETBLOCKSREQUEST']._serialized_start=864
-  _globals['_GETBLOCKSREQUEST']._serialized_end=941
-  _globals['_GETBLOCKSRESPONSE']._serialized_start=943
-  _globals['_GETBLOCKSRESPONSE']._serialized_end=1064
-  _globals['_WATCHTIEREVENTSREQUEST']._serialized_start=1066
-  _globals['_WATCHTIEREVENTSREQUEST']._serialized_end=1180
-  _globals['_OPENFETCHREQUEST']._serialized_start=1182
-  _globals['_OPENFETCHREQUEST']._serialized_end=1294
-  _globals['_OPENFETCHRESPONSE']._serialized_start=1297
-  _globals['_OPENFETCHRESPONSE']._serialized_end=1458
-  _globals['_FETCHFROMPEERREQUEST']._serialized_start=1461
-  _globals['_FETCHFROMPEERREQUEST']._serialized_end=1603
-  _globals['_FETCHFROMPEERRESPONSE']._serialized_start=1606
-  _globals['_FETCHFROMPEERRESPONSE']._serialized_end=1745
-  _globals['_KVMANAGER']._serialized_start=1748
-  _globals['_KVMANAGER']._serialized_end=2275
+  _globals['_KVBLOCK']._serialized_start=648
+  _globals['_KVBLOCK']._serialized_end=783
+  _globals['_SHMREGION']._serialized_start=785
+  _globals['_SHMREGION']._serialized_end=844
+  _globals['_ATTACHSHMREQUEST']._serialized_start=846
+  _globals['_ATTACHSHMREQUEST']._serialized_end=913
+  _globals['_ATTACHSHMRESPONSE']._serialized_start=915
+  _globals['_ATTACHSHMRESPONSE']._serialized_end=950
+  _globals['_DETACHSHMREQUEST']._serialized_start=952
+  _globals['_DETACHSHMREQUEST']._serialized_end=986
+  _globals['_DETACHSHMRESPONSE']._serialized_start=988
+  _globals['_DETACHSHMRESPONSE']._serialized_end=1025
+  _globals['_PUTBLOCKSREQUEST']._serialized_start=1027
+  _globals['_PUTBLOCKSREQUEST']._serialized_end=1118
+  _globals['_PUTBLOCKSRESPONSE']._serialized_start=1120
+  _globals['_PUTBLOCKSRESPONSE']._serialized_end=1155
+  _globals['_GETBLOCKSREQUEST']._serialized_start=1157
+  _globals['_GETBLOCKSREQUEST']._serialized_end=1269
+  _globals['_GETBLOCKSRESPONSE']._serialized_start=1272
+  _globals['_GETBLOCKSRESPONSE']._serialized_end=1463
+  _globals['_WATCHTIEREVENTSREQUEST']._serialized_start=1465
+  _globals['_WATCHTIEREVENTSREQUEST']._serialized_end=1579
+  _globals['_OPENFETCHREQUEST']._serialized_start=1581
+  _globals['_OPENFETCHREQUEST']._serialized_end=1693
+  _globals['_OPENFETCHRESPONSE']._serialized_start=1696
+  _globals['_OPENFETCHRESPONSE']._serialized_end=1857
+  _globals['_FETCHFROMPEERREQUEST']._serialized_start=1860
+  _globals['_FETCHFROMPEERREQUEST']._serialized_end=2002
+  _globals['_FETCHFROMPEERRESPONSE']._serialized_start=2005
+  _globals['_FETCHFROMPEERRESPONSE']._serialized_end=2144
+  _globals['_KVMANAGER']._serialized_start=2147
+  _globals['_KVMANAGER']._serialized_end=2820
 # @@protoc_insertion_point(module_scope)

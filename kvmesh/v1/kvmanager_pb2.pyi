@@ -76,14 +76,54 @@ class LookupResponse(_message.Message):
     def __init__(self, tiers: _Optional[_Iterable[_Union[_worker_pb2.KvTier, str]]] = ...) -> None: ...
 
 class KvBlock(_message.Message):
-    __slots__ = ("block_hash", "parent_hash", "data")
+    __slots__ = ("block_hash", "parent_hash", "data", "shm")
     BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
     PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
     block_hash: int
     parent_hash: int
     data: bytes
-    def __init__(self, block_hash: _Optional[int] = ..., parent_hash: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+    shm: ShmRegion
+    def __init__(self, block_hash: _Optional[int] = ..., parent_hash: _Optional[int] = ..., data: _Optional[bytes] = ..., shm: _Optional[_Union[ShmRegion, _Mapping]] = ...) -> None: ...
+
+class ShmRegion(_message.Message):
+    __slots__ = ("shm_id", "offset", "length")
+    SHM_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    shm_id: int
+    offset: int
+    length: int
+    def __init__(self, shm_id: _Optional[int] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+
+class AttachShmRequest(_message.Message):
+    __slots__ = ("name", "size_bytes", "token")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    size_bytes: int
+    token: bytes
+    def __init__(self, name: _Optional[str] = ..., size_bytes: _Optional[int] = ..., token: _Optional[bytes] = ...) -> None: ...
+
+class AttachShmResponse(_message.Message):
+    __slots__ = ("shm_id",)
+    SHM_ID_FIELD_NUMBER: _ClassVar[int]
+    shm_id: int
+    def __init__(self, shm_id: _Optional[int] = ...) -> None: ...
+
+class DetachShmRequest(_message.Message):
+    __slots__ = ("shm_id",)
+    SHM_ID_FIELD_NUMBER: _ClassVar[int]
+    shm_id: int
+    def __init__(self, shm_id: _Optional[int] = ...) -> None: ...
+
+class DetachShmResponse(_message.Message):
+    __slots__ = ("detached",)
+    DETACHED_FIELD_NUMBER: _ClassVar[int]
+    detached: bool
+    def __init__(self, detached: bool = ...) -> None: ...
 
 class PutBlocksRequest(_message.Message):
     __slots__ = ("layout", "blocks")
@@ -100,22 +140,28 @@ class PutBlocksResponse(_message.Message):
     def __init__(self, stored: _Optional[int] = ...) -> None: ...
 
 class GetBlocksRequest(_message.Message):
-    __slots__ = ("layout", "block_hashes")
+    __slots__ = ("layout", "block_hashes", "shm")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
     layout: KvLayout
     block_hashes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, layout: _Optional[_Union[KvLayout, _Mapping]] = ..., block_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+    shm: ShmRegion
+    def __init__(self, layout: _Optional[_Union[KvLayout, _Mapping]] = ..., block_hashes: _Optional[_Iterable[int]] = ..., shm: _Optional[_Union[ShmRegion, _Mapping]] = ...) -> None: ...
 
 class GetBlocksResponse(_message.Message):
-    __slots__ = ("block", "tier", "missing")
+    __slots__ = ("block", "tier", "missing", "blocks", "tiers")
     BLOCK_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     MISSING_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
     block: KvBlock
     tier: _worker_pb2.KvTier
     missing: int
-    def __init__(self, block: _Optional[_Union[KvBlock, _Mapping]] = ..., tier: _Optional[_Union[_worker_pb2.KvTier, str]] = ..., missing: _Optional[int] = ...) -> None: ...
+    blocks: _containers.RepeatedCompositeFieldContainer[KvBlock]
+    tiers: _containers.RepeatedScalarFieldContainer[_worker_pb2.KvTier]
+    def __init__(self, block: _Optional[_Union[KvBlock, _Mapping]] = ..., tier: _Optional[_Union[_worker_pb2.KvTier, str]] = ..., missing: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[KvBlock, _Mapping]]] = ..., tiers: _Optional[_Iterable[_Union[_worker_pb2.KvTier, str]]] = ...) -> None: ...
 
 class WatchTierEventsRequest(_message.Message):
     __slots__ = ("layout", "layout_key", "epoch", "from_seq")

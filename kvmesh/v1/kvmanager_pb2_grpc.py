@@ -70,6 +70,16 @@ class KvManagerStub(object):
                 request_serializer=kvmesh_dot_v1_dot_kvmanager__pb2.FetchFromPeerRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_kvmanager__pb2.FetchFromPeerResponse.FromString,
                 _registered_method=True)
+        self.AttachShm = channel.unary_stream(
+                '/kvmesh.v1.KvManager/AttachShm',
+                request_serializer=kvmesh_dot_v1_dot_kvmanager__pb2.AttachShmRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_kvmanager__pb2.AttachShmResponse.FromString,
+                _registered_method=True)
+        self.DetachShm = channel.unary_unary(
+                '/kvmesh.v1.KvManager/DetachShm',
+                request_serializer=kvmesh_dot_v1_dot_kvmanager__pb2.DetachShmRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_kvmanager__pb2.DetachShmResponse.FromString,
+                _registered_method=True)
 
 
 class KvManagerServicer(object):
@@ -93,6 +103,8 @@ class KvManagerServicer(object):
         """Stores blocks. The first message names the layout; each message carries whole blocks.
         A block of another layout or of the wrong size is refused with INVALID_ARGUMENT; when the
         tiers are full of pinned blocks the call ends RESOURCE_EXHAUSTED (what was stored stays).
+        A block's bytes come inline (`data`) or from an attached shared-memory segment (`shm`): the
+        kvmanager copies them out before it answers, so the caller may reuse the region then.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -100,7 +112,8 @@ class KvManagerServicer(object):
 
     def GetBlocks(self, request, context):
         """Reads blocks in order (promoting disk hits to CPU), one message per block; a block not held
-        (or found corrupt) ends the stream after the blocks before it, with `missing` set.
+        (or found corrupt) ends the stream after the blocks before it, with `missing` set. With
+        `shm` set, the bytes are written into the caller's segment and the messages carry regions.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -135,6 +148,29 @@ class KvManagerServicer(object):
         passes) with a message saying what happened and how many blocks were fetched: those stay
         (whole and verified); nothing partial is ever stored. Trailing metadata
         `kvmesh-peer-fetched` carries that count on every outcome. Recompute the rest.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AttachShm(self, request, context):
+        """Same node: maps the caller's shared-memory segment (a file named `kvmesh-...` in the
+        kvmanager's shm directory, /dev/shm, exactly `size_bytes` long), so PutBlocks and GetBlocks
+        can move block bytes through it instead of inside messages (docs/kvmanager.md#shared-memory).
+        The first message carries the segment's id; the stream then stays open for as long as the
+        segment is attached: the kvmanager detaches (unmaps) it when the caller cancels the call or
+        goes away, on DetachShm (the stream then ends OK) and on shutdown. Once mapped, the kvmanager
+        unlinks the name. The first 4 KiB of a segment are its header (the token), not for blocks.
+        NOT_FOUND: no such segment here (another node: send bytes inline);
+        INVALID_ARGUMENT: a bad name, not a regular file, or another size; RESOURCE_EXHAUSTED: too
+        many segments attached; UNAVAILABLE: shared memory is off or the kvmanager is shutting down.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DetachShm(self, request, context):
+        """Detaches a segment at once (no later call may use its id; its AttachShm stream ends).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -177,6 +213,16 @@ def add_KvManagerServicer_to_server(servicer, server):
                     servicer.FetchFromPeer,
                     request_deserializer=kvmesh_dot_v1_dot_kvmanager__pb2.FetchFromPeerRequest.FromString,
                     response_serializer=kvmesh_dot_v1_dot_kvmanager__pb2.FetchFromPeerResponse.SerializeToString,
+            ),
+            'AttachShm': grpc.unary_stream_rpc_method_handler(
+                    servicer.AttachShm,
+                    request_deserializer=kvmesh_dot_v1_dot_kvmanager__pb2.AttachShmRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_kvmanager__pb2.AttachShmResponse.SerializeToString,
+            ),
+            'DetachShm': grpc.unary_unary_rpc_method_handler(
+                    servicer.DetachShm,
+                    request_deserializer=kvmesh_dot_v1_dot_kvmanager__pb2.DetachShmRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_kvmanager__pb2.DetachShmResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -368,6 +414,60 @@ class KvManager(object):
             '/kvmesh.v1.KvManager/FetchFromPeer',
             kvmesh_dot_v1_dot_kvmanager__pb2.FetchFromPeerRequest.SerializeToString,
             kvmesh_dot_v1_dot_kvmanager__pb2.FetchFromPeerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AttachShm(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvmesh.v1.KvManager/AttachShm',
+            kvmesh_dot_v1_dot_kvmanager__pb2.AttachShmRequest.SerializeToString,
+            kvmesh_dot_v1_dot_kvmanager__pb2.AttachShmResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DetachShm(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.KvManager/DetachShm',
+            kvmesh_dot_v1_dot_kvmanager__pb2.DetachShmRequest.SerializeToString,
+            kvmesh_dot_v1_dot_kvmanager__pb2.DetachShmResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -7,8 +7,9 @@ from dataclasses import dataclass, field
 from kvmesh.telemetry import Exporter
 
 from .core.config import PeerConfig, StoreConfig
+from .shm import ShmConfig
 
-__all__ = ["KvManagerConfig", "PeerConfig", "StoreConfig"]
+__all__ = ["KvManagerConfig", "PeerConfig", "ShmConfig", "StoreConfig"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +24,7 @@ class KvManagerConfig:
     etcd_ttl_s: float = 10.0  # lease TTL of the etcd record
     store: StoreConfig = field(default_factory=StoreConfig)  # tier budgets and the disk dir
     peer: PeerConfig = field(default_factory=PeerConfig)  # data plane and peer fetch
+    shm: ShmConfig = field(default_factory=ShmConfig)  # same-node shared memory for block bytes
     max_message_bytes: int = 64 * 1024 * 1024  # largest gRPC message (a PutBlocks batch)
     event_buffer_batches: int = 4096  # event batches kept per layout for resuming subscribers
     event_queue_batches: int = 1024  # a subscriber further behind than this is cut off

@@ -44,12 +44,13 @@ from kvmesh.telemetry import (
 from kvmesh.units import parse_bytes
 from kvmesh.v1 import kvmanager_pb2, kvmanager_pb2_grpc
 
-from .config import KvManagerConfig, PeerConfig
+from .config import KvManagerConfig, PeerConfig, ShmConfig
 from .core.config import StoreConfig
 from .dataplane_server import BlockSource, DataPlaneConfig, DataPlaneServer
 from .metrics import KvManagerMetrics
 from .peer import PeerDirectory, PeerService, StoreBlockSource
 from .servicer import KvManagerServicer, LayoutHubs
+from .shm import ShmRegistry
 from .store import TieredStore
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,7 @@ class RunningKvManager:
     metrics_server: MetricsServer | None
     peers: PeerService
     data_plane: DataPlaneServer | None
+    shm: ShmRegistry
     _directory: PeerDirectory
     _server: grpc.aio.Server
     _health: health.aio.HealthServicer
@@ -95,6 +97,7 @@ class RunningKvManager:
             except Exception as exc:  # etcd down: the lease expires on its own
                 log.warning("could not revoke the etcd lease of %s: %s", self.kvmanager_id, exc)
         self.hubs.close()  # ends the event streams, so the server's grace is not spent on them
+        self.shm.close()  # ends the AttachShm streams (their clients send bytes inline from now)
         # Calls in flight (peer fetches included) and the peer streams this node serves get the
         # grace to finish; new data plane connections are refused from now on.
         grace = self._config.drain_grace_s
@@ -102,6 +105,7 @@ class RunningKvManager:
         if self.data_plane is not None:
             closing.append(self.data_plane.close(grace_s=grace))
         await asyncio.gather(*closing)
+        self.shm.close()
         await self._directory.close()
         for t in self._tasks:
             t.cancel()
@@ -188,8 +192,9 @@ async def start_kvmanager(
         kvmanager_id, config.etcd_endpoints, config.cluster, client_interceptors()
     )
     peers = PeerService(kvmanager_id, address, store, data_plane, directory, config.peer)
+    shm = ShmRegistry(config.shm)
     servicer = KvManagerServicer(
-        store, hubs, info, config.max_message_bytes, peers, config.peer.fetch_timeout_s
+        store, hubs, info, config.max_message_bytes, peers, config.peer.fetch_timeout_s, shm
     )
     kvmanager_pb2_grpc.add_KvManagerServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
@@ -245,11 +250,13 @@ async def start_kvmanager(
             metrics_server.close()
         raise
     log.info(
-        "kvmanager %s for node %s serving on %s (data plane %s): cpu %d bytes, disk %s",
+        "kvmanager %s for node %s serving on %s (data plane %s, shared memory %s): cpu %d bytes,"
+        " disk %s",
         kvmanager_id,
         node,
         address,
         data_plane_address or "off",
+        config.shm.dir or "off",
         config.store.cpu_bytes,
         f"{config.store.disk_bytes} bytes in {config.store.disk_dir}"
         if config.store.has_disk
@@ -267,6 +274,7 @@ async def start_kvmanager(
         metrics_server=metrics_server,
         peers=peers,
         data_plane=data_plane,
+        shm=shm,
         _directory=directory,
         _server=server,
         _health=health_servicer,
@@ -344,6 +352,17 @@ def parse_args(argv: list[str] | None) -> KvManagerConfig:
         default=pc.fetch_timeout_s,
         help="deadline of a FetchFromPeer call that sets none (default %(default)s)",
     )
+    p.add_argument(
+        "--shm-dir",
+        default=str(d.shm.dir or ""),
+        help="where same-node clients' shared-memory segments are; empty: off (default %(default)s)",
+    )
+    p.add_argument(
+        "--shm-max-segments",
+        type=int,
+        default=d.shm.max_segments,
+        help="shared-memory segments attached at once (default %(default)s)",
+    )
     p.add_argument("--max-message-bytes", type=parse_bytes, default=d.max_message_bytes)
     p.add_argument("--drain-grace-s", type=float, default=d.drain_grace_s)
     p.add_argument("--metrics-host", default=d.metrics_host)
@@ -375,6 +394,7 @@ def parse_args(argv: list[str] | None) -> KvManagerConfig:
             stall_timeout_s=a.peer_stall_timeout_s,
             fetch_timeout_s=a.peer_fetch_timeout_s,
         )
+        shm = ShmConfig(dir=Path(a.shm_dir) if a.shm_dir else None, max_segments=a.shm_max_segments)
     except KvmeshError as exc:
         p.error(str(exc))
     return KvManagerConfig(
@@ -387,6 +407,7 @@ def parse_args(argv: list[str] | None) -> KvManagerConfig:
         etcd_endpoints=tuple(e.strip() for e in a.etcd.split(",") if e.strip()),
         store=store,
         peer=peer,
+        shm=shm,
         max_message_bytes=a.max_message_bytes,
         drain_grace_s=a.drain_grace_s,
         metrics_host=a.metrics_host,

@@ -1,5 +1,5 @@
 """kvmesh.v1.KvManager over gRPC: converts messages to core values, calls the store, streams
-the per-layout tier events."""
+the per-layout tier events, and moves same-node block bytes through attached shared memory."""
 
 from __future__ import annotations
 
@@ -19,9 +19,11 @@ from kvmesh.kv_wire import TIER_PB
 from kvmesh.v1 import kvmanager_pb2, kvmanager_pb2_grpc, worker_pb2
 
 from .convert import layout_from_pb
+from .core.errors import BadBlock
 from .core.layout import KvLayout, check_layout_key
 from .core.plan import LayoutEvent
 from .peer import FetchProgress, PeerRef, PeerService
+from .shm import ALIGN, ShmRegistry
 from .store import TieredStore
 
 log = logging.getLogger(__name__)
@@ -66,8 +68,10 @@ class KvManagerServicer(kvmanager_pb2_grpc.KvManagerServicer):
         max_message_bytes: int,
         peers: PeerService,
         fetch_timeout_s: float,
+        shm: ShmRegistry,
     ) -> None:
         self._peers = peers
+        self._shm = shm
         self._fetch_timeout_s = fetch_timeout_s
         self._store = store
         self._hubs = hubs
@@ -115,14 +119,30 @@ class KvManagerServicer(kvmanager_pb2_grpc.KvManagerServicer):
                     raise errors.InvalidArgument(
                         "the first PutBlocksRequest must name the layout (set layout)"
                     )
-                for b in msg.blocks:
-                    parent = b.parent_hash if b.HasField("parent_hash") else None
-                    await self._store.put(layout, b.block_hash, b.data, parent)
+                # Every shared-memory region of the message is copied out before the first
+                # await: once a call is cancelled or over, its regions are never read again.
+                blocks = [(b.block_hash, self._payload(layout, b), _parent(b)) for b in msg.blocks]
+                for h, data, parent in blocks:
+                    await self._store.put(layout, h, data, parent)
                     stored += 1
         except Exception as exc:
             log.info("PutBlocks ended after %d blocks: %s", stored, exc)
             await abort_with(context, exc, "PutBlocks")
         return kvmanager_pb2.PutBlocksResponse(stored=stored)
+
+    def _payload(self, layout: KvLayout, block: kvmanager_pb2.KvBlock) -> bytes:
+        """A PutBlocks block's bytes: inline, or copied out of its shared-memory region."""
+        if block.WhichOneof("payload") != "shm":
+            return block.data
+        r = block.shm
+        if r.length != layout.block_bytes:
+            raise BadBlock(
+                f"block {block.block_hash:#x}: a shm region of {r.length} bytes for a block of"
+                f" {layout.block_bytes} ({layout.describe()})"
+            )
+        data = self._shm.get(r.shm_id).read(r.offset, r.length)
+        self._shm.stats.bytes_in += len(data)
+        return data
 
     async def GetBlocks(
         self, request: kvmanager_pb2.GetBlocksRequest, context: grpc.aio.ServicerContext
@@ -130,8 +150,12 @@ class KvManagerServicer(kvmanager_pb2_grpc.KvManagerServicer):
         try:
             self._check_serving()
             layout = layout_from_pb(request.layout)
+            if request.HasField("shm"):
+                async for msg in self._get_into_shm(layout, request, context):
+                    yield msg
+                return
             for h in request.block_hashes:
-                tier = (self._store.lookup(layout, [h]) or [None])[0]
+                tier = next(iter(self._store.lookup(layout, [h])), None)
                 data = await self._store.get(layout, h)
                 if data is None:
                     yield kvmanager_pb2.GetBlocksResponse(missing=h)
@@ -142,6 +166,69 @@ class KvManagerServicer(kvmanager_pb2_grpc.KvManagerServicer):
                 )
         except Exception as exc:
             await abort_with(context, exc, "GetBlocks")
+
+    async def _get_into_shm(
+        self,
+        layout: KvLayout,
+        request: kvmanager_pb2.GetBlocksRequest,
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[kvmanager_pb2.GetBlocksResponse]:
+        """GetBlocks into the caller's segment: each block is copied to the next aligned offset
+        of the region (inline once the region is full); the regions go back in runs."""
+        region = request.shm
+        self._shm.get(region.shm_id).check(region.offset, region.length)
+        cursor, end = region.offset, region.offset + region.length
+        msg = kvmanager_pb2.GetBlocksResponse()
+        inline = 0
+        for h in request.block_hashes:
+            tier = next(iter(self._store.lookup(layout, [h])), None)
+            data = await self._store.get(layout, h)
+            if data is None:
+                msg.missing = h
+                break
+            if context.done():
+                return  # cancelled or past its deadline: the caller may reuse the region now
+            start = -(-cursor // ALIGN) * ALIGN
+            block = msg.blocks.add(block_hash=h)
+            if start + len(data) <= end:
+                # Looked up again after the await: a segment detached meanwhile is NOT_FOUND.
+                self._shm.get(region.shm_id).write(start, data)
+                self._shm.stats.bytes_out += len(data)
+                block.shm.shm_id = region.shm_id
+                block.shm.offset = start
+                block.shm.length = len(data)
+                cursor = start + len(data)
+            else:
+                block.data = data
+                inline += len(data)
+            msg.tiers.append(TIER_PB[tier if tier is not None else Tier.CPU])
+            if inline >= _INLINE_RUN_BYTES:
+                yield msg
+                msg, inline = kvmanager_pb2.GetBlocksResponse(), 0
+        if msg.blocks or msg.HasField("missing"):
+            yield msg
+
+    async def AttachShm(
+        self, request: kvmanager_pb2.AttachShmRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[kvmanager_pb2.AttachShmResponse]:
+        try:
+            self._check_serving()
+            seg = self._shm.attach(request.name, request.size_bytes, request.token)
+        except Exception as exc:
+            await abort_with(context, exc, "AttachShm")
+            return
+        try:
+            yield kvmanager_pb2.AttachShmResponse(shm_id=seg.id)
+            # The stream is the lease: it lasts until DetachShm or shutdown (then it ends OK), or
+            # until the caller cancels it or its connection goes (then this task is cancelled).
+            await seg.detached.wait()
+        finally:
+            self._shm.detach(seg.id)
+
+    async def DetachShm(
+        self, request: kvmanager_pb2.DetachShmRequest, context: grpc.aio.ServicerContext
+    ) -> kvmanager_pb2.DetachShmResponse:
+        return kvmanager_pb2.DetachShmResponse(detached=self._shm.detach(request.shm_id))
 
     async def WatchKvEvents(
         self, request: kvmanager_pb2.WatchTierEventsRequest, context: grpc.aio.ServicerContext
@@ -223,6 +310,11 @@ class KvManagerServicer(kvmanager_pb2_grpc.KvManagerServicer):
         )
 
 
+def _parent(block: kvmanager_pb2.KvBlock) -> int | None:
+    return block.parent_hash if block.HasField("parent_hash") else None
+
+
+_INLINE_RUN_BYTES = 16 << 20  # GetBlocks into shm: inline bytes (region full) per message
 FETCHED_KEY = "kvmesh-peer-fetched"  # trailing metadata of FetchFromPeer: blocks stored
 
 

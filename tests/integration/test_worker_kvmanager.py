@@ -1,10 +1,12 @@
 """A real vLLM worker (the tiny model) saving its KV blocks to a real kvmanager daemon and a
 fresh engine loading them back: the second engine serves the same prompts from the kvmanager
-(cached prompt tokens reported, greedy output identical to the first engine's), the kvmanager's
+(cached prompt tokens reported, greedy output identical to the first engine's), the bytes move
+through the engine's shared-memory segment (detached when the engine stops), the kvmanager's
 tier events show the blocks, and a kvmanager that is gone degrades to recompute, not to errors."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -97,6 +99,14 @@ async def run_all(address: str) -> list[tuple[list[int], int]]:
     return out
 
 
+async def detached(kvm: RunningKvManager) -> None:
+    for _ in range(500):
+        if kvm.shm.stats.attached == 0:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"{kvm.shm.stats.attached} shared-memory segments still attached")
+
+
 async def test_a_fresh_engine_loads_prefixes_from_the_kvmanager(tiny_model, kvm, monkeypatch):
     for key, value in VLLM_ENVIRONMENT.items():
         monkeypatch.setenv(key, os.environ.get(key, value))
@@ -116,6 +126,10 @@ async def test_a_fresh_engine_loads_prefixes_from_the_kvmanager(tiny_model, kvm,
         hashes = block_hashes(p, HashConfig(block_size=BLOCK))
         assert len(kvm.store.lookup(layout, hashes)) == len(hashes), "prompt blocks saved"
     assert kvm.store.usage(Tier.CPU).blocks > hub_blocks_before
+    # Same node: the engine's connector attached a segment and saved through it; stopping the
+    # engine detached it.
+    assert kvm.shm.stats.attaches >= 1 and kvm.shm.stats.bytes_in > 0
+    await detached(kvm)
     # The kvmanager's tier events for this layout carry them (what routers subscribe to).
     log = kvm.hubs.hub(layout.key).log
     assert log.held(Tier.CPU) + log.held(Tier.DISK) >= sum(len(p) // BLOCK for p in PROMPTS)
@@ -126,6 +140,8 @@ async def test_a_fresh_engine_loads_prefixes_from_the_kvmanager(tiny_model, kvm,
         second = await run_all(worker2.address)
     finally:
         await worker2.stop()
+    assert kvm.shm.stats.bytes_out > 0, "loads came through shared memory"
+    await detached(kvm)
     for (tokens1, cached1), (tokens2, cached2), p in zip(first, second, PROMPTS, strict=True):
         assert tokens2 == tokens1, "identical greedy output from loaded KV"
         assert cached1 == 0

@@ -6,8 +6,12 @@ thread (lookup, save): a synchronous gRPC channel, which is thread-safe. Every c
 deadline, and a kvmanager that is down, slow or refuses answers "nothing" (0 blocks, no bytes):
 the engine recomputes, it never waits long and never fails a request for it.
 
-Bytes travel inside the gRPC messages for now; same-node shared memory is the next step for the
-bulk path (docs/connector.md).
+Same node, the bytes move through shared memory (docs/connector.md#shared-memory): a background
+thread creates a segment in /dev/shm and attaches it to the kvmanager (``AttachShm``, whose
+stream is the lease). Saves copy blocks into the segment's save area and send only regions;
+loads name the load area and get the blocks back as views of it, valid until the next ``load``.
+Until the segment is attached, or when it cannot be (another node, shared memory off), the bytes
+travel inside the messages.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ import logging
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 
@@ -24,12 +30,26 @@ from services.kvmanager.core.layout import KvLayout
 
 from .client import BlockBytes, StoreConfig
 from .layout import parse_layout_key
+from .shm import SHM_DIR, ShmSegment
 
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # the kvmanager's default max_message_bytes
 _PUT_BATCH_BYTES = 16 * 1024 * 1024  # payload per PutBlocksRequest
 _WARN_EVERY_S = 30.0
+SHM_BYTES = 256 * 1024 * 1024  # default segment size: half for saves, half for loads
+_SHM_RETRY_S = 30.0  # after a refused AttachShm (another node, shm off), try again this late
+_SHM_REATTACH_S = 1.0  # after a lease that ended (kvmanager restart, detach), attach again
+_DETACH_TIMEOUT_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class _Link:
+    """An attached segment: valid while it is ``KvManagerBlockClient._link``."""
+
+    segment: ShmSegment
+    shm_id: int
+    lease: grpc.Future  # the AttachShm call: cancelling it detaches
 
 
 def kv_layout(layout_key: str) -> KvLayout:
@@ -63,7 +83,8 @@ def _layout_pb(layout: KvLayout) -> kvmanager_pb2.KvLayout:
 
 
 class KvManagerBlockClient:
-    """A ``KvBlockClient`` over a kvmanager at ``address`` (host:port)."""
+    """A ``KvBlockClient`` over a kvmanager at ``address`` (host:port). ``shm_bytes`` > 0: move
+    bytes through a shared-memory segment of that size when the kvmanager can attach it."""
 
     def __init__(
         self,
@@ -71,6 +92,8 @@ class KvManagerBlockClient:
         lookup_timeout_s: float = 0.5,
         load_timeout_s: float = 10.0,
         save_timeout_s: float = 30.0,
+        shm_bytes: int = SHM_BYTES,
+        shm_dir: Path = SHM_DIR,
     ) -> None:
         self.address = address
         self._lookup_timeout_s = lookup_timeout_s
@@ -87,6 +110,17 @@ class KvManagerBlockClient:
         self._layouts: dict[str, kvmanager_pb2.KvLayout] = {}
         self._lock = threading.Lock()
         self._last_warning = 0.0
+        # Shared memory: the attached segment (None: bytes go inline), the lock of each of its
+        # areas (held while a call uses it), and the thread that attaches and holds the lease.
+        self._shm_bytes = shm_bytes
+        self._shm_dir = shm_dir
+        self._link: _Link | None = None
+        self._attached = threading.Event()
+        self._save_area = threading.Lock()
+        self._load_area = threading.Lock()
+        self._closing = threading.Event()
+        self._lease: grpc.Future | None = None  # the AttachShm call in progress, if any
+        self._shm_thread: threading.Thread | None = None  # started by the first save or load
 
     @classmethod
     def from_config(cls, config: StoreConfig) -> KvManagerBlockClient:
@@ -95,6 +129,18 @@ class KvManagerBlockClient:
         if not config.store_path:
             raise ValueError("the kvmanager client needs store_path = the kvmanager's host:port")
         return cls(config.store_path)
+
+    def wait_shm(self, timeout_s: float) -> bool:
+        """Starts attaching a shared-memory segment if that has not started, and waits until
+        one is attached; False if none is after ``timeout_s``."""
+        self._start_shm()
+        return self._attached.wait(timeout_s) and self._link is not None
+
+    @property
+    def shm_id(self) -> int | None:
+        """The id of the attached segment (None: bytes go inline)."""
+        link = self._link
+        return link.shm_id if link is not None else None
 
     # ---- KvBlockClient -------------------------------------------------------------------
     def lookup(self, layout_key: str, block_hashes: Sequence[int]) -> int:
@@ -113,13 +159,80 @@ class KvManagerBlockClient:
         return len(resp.tiers)
 
     def load(self, layout_key: str, block_hashes: Sequence[int]) -> list[BlockBytes] | None:
-        out: list[BlockBytes] = []
+        """Blocks loaded through shared memory are views of this client's segment: valid until
+        the next ``load`` call (use or copy them before)."""
         if not block_hashes:
-            return out
+            return []
+        layout = self._layout(layout_key)
+        link = self._link
+        if link is None:
+            self._start_shm()
+        if link is not None and self._load_area.acquire(blocking=False):
+            try:
+                if self._link is link:  # still attached: the segment stays mapped meanwhile
+                    return self._load_shm(link, layout, block_hashes)
+            finally:
+                self._load_area.release()
+        return self._load_inline(layout, block_hashes)
+
+    def save(
+        self,
+        layout_key: str,
+        block_hashes: Sequence[int],
+        parent_hash: int | None,
+        blocks: Sequence[BlockBytes],
+    ) -> None:
+        if not block_hashes:
+            return
+        layout = self._layout(layout_key)
+        link = self._link
+        if link is None:
+            self._start_shm()
+        if link is not None and self._save_area.acquire(blocking=False):
+            try:
+                if self._link is link:
+                    done = self._save_shm(link, layout, block_hashes, parent_hash, blocks)
+                    if done is None:
+                        return  # failed: those blocks are a later miss
+                    if done:
+                        parent_hash = block_hashes[done - 1]
+                        block_hashes, blocks = block_hashes[done:], blocks[done:]
+                    if not block_hashes:
+                        return
+            finally:
+                self._save_area.release()
+        self._save_inline(layout, block_hashes, parent_hash, blocks)
+
+    def discard(self, layout_key: str, block_hashes: Sequence[int]) -> None:
+        # The kvmanager checks every block's size against its layout on PutBlocks and every disk
+        # file's checksum on read, so it never hands out a block of the wrong size; nothing to drop.
+        log.warning(
+            "kvmanager %s served %d unusable blocks of layout %s: layouts disagree on block size",
+            self.address,
+            len(block_hashes),
+            layout_key,
+        )
+
+    def close(self) -> None:
+        with self._lock:
+            self._closing.set()
+        link = self._link
+        if link is not None:
+            self._detach(link)
+        lease = self._lease
+        if lease is not None:
+            lease.cancel()
+        if self._shm_thread is not None:
+            self._shm_thread.join(5.0)
+        self._channel.close()
+
+    # ---- the bytes inline ------------------------------------------------------------------
+    def _load_inline(
+        self, layout: kvmanager_pb2.KvLayout, block_hashes: Sequence[int]
+    ) -> list[BlockBytes]:
+        out: list[BlockBytes] = []
         call = self._stub.GetBlocks(
-            kvmanager_pb2.GetBlocksRequest(
-                layout=self._layout(layout_key), block_hashes=block_hashes
-            ),
+            kvmanager_pb2.GetBlocksRequest(layout=layout, block_hashes=block_hashes),
             timeout=self._load_timeout_s,
         )
         try:
@@ -133,16 +246,13 @@ class KvManagerBlockClient:
             call.cancel()
         return out
 
-    def save(
+    def _save_inline(
         self,
-        layout_key: str,
+        layout: kvmanager_pb2.KvLayout,
         block_hashes: Sequence[int],
         parent_hash: int | None,
         blocks: Sequence[BlockBytes],
     ) -> None:
-        if not block_hashes:
-            return
-        layout = self._layout(layout_key)
         try:
             self._stub.PutBlocks(
                 _batches(layout, block_hashes, parent_hash, blocks), timeout=self._save_timeout_s
@@ -150,18 +260,173 @@ class KvManagerBlockClient:
         except grpc.RpcError as exc:
             self._warn("save", exc)
 
-    def discard(self, layout_key: str, block_hashes: Sequence[int]) -> None:
-        # The kvmanager checks every block's size against its layout on PutBlocks and every disk
-        # file's checksum on read, so it never hands out a block of the wrong size; nothing to drop.
-        log.warning(
-            "kvmanager %s served %d unusable blocks of layout %s: layouts disagree on block size",
-            self.address,
-            len(block_hashes),
-            layout_key,
+    # ---- the bytes through shared memory ---------------------------------------------------
+    def _load_shm(
+        self, link: _Link, layout: kvmanager_pb2.KvLayout, block_hashes: Sequence[int]
+    ) -> list[BlockBytes]:
+        """GetBlocks into the load area (the caller holds it); blocks that do not fit come
+        inline. A call that does not end cleanly gives the segment up (``_detach``): the
+        kvmanager might still be writing into the area, which the next load would read."""
+        start, length = link.segment.load_area
+        region = kvmanager_pb2.ShmRegion(shm_id=link.shm_id, offset=start, length=length)
+        call = self._stub.GetBlocks(
+            kvmanager_pb2.GetBlocksRequest(layout=layout, block_hashes=block_hashes, shm=region),
+            timeout=self._load_timeout_s,
         )
+        buf = link.segment.buf
+        out: list[BlockBytes] = []
+        clean = True
+        try:
+            for msg in call:
+                for b in msg.blocks:
+                    if len(out) >= len(block_hashes) or b.block_hash != block_hashes[len(out)]:
+                        clean = False
+                        break
+                    if b.WhichOneof("payload") != "shm":
+                        out.append(b.data)
+                        continue
+                    r = b.shm
+                    if r.shm_id != link.shm_id or not (
+                        start <= r.offset and r.offset + r.length <= start + length
+                    ):
+                        clean = False
+                        break
+                    out.append(buf[r.offset : r.offset + r.length])
+                if not clean:
+                    log.warning("kvmanager %s answered GetBlocks out of order", self.address)
+                    del out[:]
+                    break
+        except grpc.RpcError as exc:
+            clean = False
+            self._warn("load", exc)
+        finally:
+            call.cancel()
+        if not clean:
+            self._detach(link)
+        return out
 
-    def close(self) -> None:
-        self._channel.close()
+    def _save_shm(
+        self,
+        link: _Link,
+        layout: kvmanager_pb2.KvLayout,
+        block_hashes: Sequence[int],
+        parent_hash: int | None,
+        blocks: Sequence[BlockBytes],
+    ) -> int | None:
+        """PutBlocks through the save area (the caller holds it): fills it with blocks, sends
+        their regions, and once stored fills it again. Returns how many leading blocks are
+        done (the rest do not fit the area: send them inline), or None when a call failed."""
+        start, length = link.segment.save_area
+        buf = link.segment.buf
+        done = 0
+        parent = parent_hash
+        while done < len(block_hashes):
+            msg = kvmanager_pb2.PutBlocksRequest(layout=layout)
+            cursor = start
+            n = done
+            while n < len(block_hashes):
+                data = memoryview(blocks[n]).cast("B")
+                if cursor + data.nbytes > start + length:
+                    break
+                buf[cursor : cursor + data.nbytes] = data
+                b = msg.blocks.add(block_hash=block_hashes[n])
+                b.shm.shm_id, b.shm.offset, b.shm.length = link.shm_id, cursor, data.nbytes
+                if parent is not None:
+                    b.parent_hash = parent
+                parent = block_hashes[n]
+                cursor += -(-data.nbytes // 64) * 64
+                n += 1
+            if n == done:
+                return done  # a block larger than the area
+            try:
+                self._stub.PutBlocks(iter((msg,)), timeout=self._save_timeout_s)
+            except grpc.RpcError as exc:
+                self._warn("save", exc)
+                # It may still be reading the area: never write it again.
+                self._detach(link)
+                return None
+            done = n
+        return done
+
+    def _start_shm(self) -> None:
+        """Starts the shared-memory thread once (a client that only looks up, as the scheduler's
+        does, never makes a segment); until it has attached one, bytes go inline."""
+        if self._shm_thread is not None or self._shm_bytes <= 0:
+            return
+        with self._lock:
+            if self._shm_thread is None and not self._closing.is_set():
+                self._shm_thread = threading.Thread(
+                    target=self._run_shm, name="kvmesh-kv-shm", daemon=True
+                )
+                self._shm_thread.start()
+
+    def _run_shm(self) -> None:
+        """The shared-memory thread: attach a segment, hold the lease until it ends, again."""
+        while not self._closing.is_set():
+            attached = self._attach_and_hold()
+            self._closing.wait(_SHM_REATTACH_S if attached else _SHM_RETRY_S)
+
+    def _attach_and_hold(self) -> bool:
+        """Creates a segment and attaches it; blocks while attached. False: it was refused."""
+        try:
+            segment = ShmSegment(self._shm_bytes, self._shm_dir)
+        except OSError as exc:
+            log.info("no shared memory for kvmanager %s (%s): bytes go inline", self.address, exc)
+            return False
+        attached = False
+        try:
+            call = self._stub.AttachShm(
+                kvmanager_pb2.AttachShmRequest(
+                    name=segment.name, size_bytes=segment.size, token=segment.token
+                )
+            )  # no deadline: the call lasts as long as the attachment (close cancels it)
+            self._lease = call
+            if self._closing.is_set():
+                call.cancel()
+            first = next(call, None)
+            segment.unlink()  # the kvmanager did already, once it had mapped it
+            if first is None or self._closing.is_set():
+                return False
+            attached = True
+            self._link = _Link(segment, first.shm_id, call)
+            self._attached.set()
+            log.info(
+                "kvmanager %s attached shared memory %s (%d bytes)",
+                self.address,
+                segment.name,
+                segment.size,
+            )
+            for _ in call:  # the lease: ends on detach, cancel, or the kvmanager going away
+                pass
+        except grpc.RpcError as exc:
+            if not attached and not self._closing.is_set():
+                code = exc.code() if isinstance(exc, grpc.Call) else None
+                log.info(
+                    "kvmanager %s cannot attach shared memory (%s: %s): bytes go inline",
+                    self.address,
+                    code.name if code is not None else "error",
+                    exc.details() if isinstance(exc, grpc.Call) else exc,
+                )
+        finally:
+            self._link = None
+            self._attached.clear()
+            self._lease = None
+            with self._save_area, self._load_area:  # no call is using the segment any more
+                segment.close()
+        return attached
+
+    def _detach(self, link: _Link) -> None:
+        """Stops using ``link``: the kvmanager unmaps it (DetachShm answers once it has), the
+        lease ends, and the thread attaches a fresh segment."""
+        if self._link is link:
+            self._link = None
+        try:
+            self._stub.DetachShm(
+                kvmanager_pb2.DetachShmRequest(shm_id=link.shm_id), timeout=_DETACH_TIMEOUT_S
+            )
+        except grpc.RpcError as exc:
+            log.info("kvmanager %s DetachShm failed: %s", self.address, exc)
+        link.lease.cancel()
 
     # ---- internals -----------------------------------------------------------------------
     def _layout(self, layout_key: str) -> kvmanager_pb2.KvLayout:
