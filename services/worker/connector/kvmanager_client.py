@@ -26,6 +26,7 @@ from pathlib import Path
 import grpc
 
 from kvmesh.v1 import kvmanager_pb2, kvmanager_pb2_grpc
+from services.kvmanager.convert import layout_to_pb
 from services.kvmanager.core.layout import KvLayout
 
 from .client import BlockBytes, StoreConfig
@@ -65,20 +66,6 @@ def kv_layout(layout_key: str) -> KvLayout:
         tp_rank=b.tp_rank,
         tp_size=b.tp_size,
         device=b.device,
-    )
-
-
-def _layout_pb(layout: KvLayout) -> kvmanager_pb2.KvLayout:
-    return kvmanager_pb2.KvLayout(
-        model=layout.model,
-        block_size=layout.block_size,
-        num_layers=layout.num_layers,
-        num_kv_heads=layout.num_kv_heads,
-        head_size=layout.head_size,
-        dtype=layout.dtype,
-        tp_rank=layout.tp_rank,
-        tp_size=layout.tp_size,
-        device=layout.device,
     )
 
 
@@ -432,7 +419,7 @@ class KvManagerBlockClient:
     def _layout(self, layout_key: str) -> kvmanager_pb2.KvLayout:
         pb = self._layouts.get(layout_key)
         if pb is None:
-            pb = _layout_pb(kv_layout(layout_key))
+            pb = layout_to_pb(kv_layout(layout_key))
             with self._lock:
                 self._layouts[layout_key] = pb
         return pb
