@@ -125,13 +125,27 @@ async def test_rejects_duplicates_and_oversized_requests(engine):
         await anext(engine.generate(gen("d2", [1] * 8200, 10)))  # over 256 blocks of 32
 
 
-async def test_load_listeners_and_concurrent_requests(engine):
-    calls = []
-    engine.add_load_listener(lambda: calls.append(engine.load()))
-    outs = await asyncio.gather(*(collect(engine, gen(f"p{i}", [i + 1] * 64, 4)) for i in range(5)))
-    assert all(o[-1].completion_tokens == 4 for o in outs)
-    assert max(c.running_requests + c.waiting_requests for c in calls) == 5  # all at once
-    assert calls[-1].running_requests == 0
+async def test_load_listeners_and_concurrent_requests():
+    # A frozen clock: all five arrive before simulated time moves, however busy the machine.
+    now = [0.0]
+    engine = SimulatedEngine(FAST, clock=lambda: now[0])
+    try:
+        calls = []
+        engine.add_load_listener(lambda: calls.append(engine.load()))
+        tasks = [
+            asyncio.ensure_future(collect(engine, gen(f"p{i}", [i + 1] * 64, 4))) for i in range(5)
+        ]
+        for _ in range(100):
+            if calls and calls[-1].running_requests + calls[-1].waiting_requests == 5:
+                break
+            await asyncio.sleep(0)
+        assert max(c.running_requests + c.waiting_requests for c in calls) == 5  # all at once
+        now[0] += 1000.0  # then let them all run to the end
+        outs = await asyncio.wait_for(asyncio.gather(*tasks), timeout=10.0)
+        assert all(o[-1].completion_tokens == 4 for o in outs)
+        assert calls[-1].running_requests == 0
+    finally:
+        await engine.close()
 
 
 async def test_simulated_timing_follows_the_speedup():
