@@ -20,14 +20,24 @@ KV_TIER_CPU: KvTier
 KV_TIER_DISK: KvTier
 
 class WorkerGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "kv_source")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    KV_SOURCE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+    kv_source: KvSource
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv_source: _Optional[_Union[KvSource, _Mapping]] = ...) -> None: ...
+
+class KvSource(_message.Message):
+    __slots__ = ("kvmanager_id", "blocks")
+    KVMANAGER_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    kvmanager_id: str
+    blocks: int
+    def __init__(self, kvmanager_id: _Optional[str] = ..., blocks: _Optional[int] = ...) -> None: ...
 
 class WorkerGenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "finished")

@@ -18,6 +18,8 @@ class RouterConfig:
     etcd_ttl_s: float = 10.0  # lease TTL of the router's own etcd record
     policy: str = "precise-sticky"  # scheduler profile name or a profile YAML file
     index_max_blocks: int = 4_000_000  # KV index bound in distinct blocks (~80 B each)
+    peer_hints: bool = True  # name another node's kvmanager holding more of the prompt (peers.py)
+    peer_hint_min_blocks: int = 4  # ... only when it holds at least this many more blocks
     hash_algo: str = "sha256"  # block hash algorithm; must match the workers' vLLM setting
     hash_seed: str | None = None  # root-hash seed (workers' PYTHONHASHSEED); None: vLLM default
     tokenizer_overrides: dict[str, str] = field(default_factory=dict)  # model -> tokenizer path

@@ -25,6 +25,7 @@ from kvmesh.v1 import router_pb2, router_pb2_grpc
 from .config import RouterConfig
 from .core.index import KvIndex
 from .core.index_types import IndexConfig
+from .core.peers import PeerHintConfig, PeerHints
 from .core.routing import POLICIES, make_policy
 from .core.workers import Change, WorkerSet
 from .hashing import PromptHasher
@@ -95,7 +96,8 @@ async def start_router(config: RouterConfig) -> RunningRouter:
     tier_sync = TierSync(config.cluster, index, lambda: (v.record for v in workers.all()))
     policy = make_policy(config.policy, index=index)
     metrics = RouterMetrics()
-    servicer = RouterServicer(config, workers, pool, policy, tokenizers, hasher, metrics)
+    peers = PeerHints(index, PeerHintConfig(config.peer_hints, config.peer_hint_min_blocks))
+    servicer = RouterServicer(config, workers, pool, policy, tokenizers, hasher, metrics, peers)
     server = grpc.aio.server(
         interceptors=server_interceptors(),
         options=[
@@ -234,6 +236,19 @@ def parse_args(argv: list[str] | None) -> RouterConfig:
         help="KV index bound in distinct blocks, ~80 B each (default %(default)s)",
     )
     p.add_argument(
+        "--no-peer-hints",
+        dest="peer_hints",
+        action="store_false",
+        help="never name another node's kvmanager for a worker to fetch a prefix from",
+    )
+    p.add_argument(
+        "--peer-hint-min-blocks",
+        type=int,
+        default=d.peer_hint_min_blocks,
+        help="name a peer kvmanager only when it holds at least this many more prompt blocks "
+        "than the chosen worker (default %(default)s)",
+    )
+    p.add_argument(
         "--hash-algo", default=d.hash_algo, help="block hash algorithm, as the workers' vLLM"
     )
     p.add_argument(
@@ -264,6 +279,8 @@ def parse_args(argv: list[str] | None) -> RouterConfig:
     p.add_argument("--otlp-endpoint", default=d.otlp_endpoint)
     p.add_argument("--log-level", default=d.log_level)
     a = p.parse_args(argv)
+    if a.peer_hint_min_blocks < 1:
+        p.error(f"--peer-hint-min-blocks is {a.peer_hint_min_blocks}; use 1 or more")
     overrides = {}
     for item in a.tokenizer:
         model, sep, path = item.partition("=")
@@ -279,6 +296,8 @@ def parse_args(argv: list[str] | None) -> RouterConfig:
         etcd_endpoints=tuple(e.strip() for e in a.etcd.split(",") if e.strip()),
         policy=a.policy,
         index_max_blocks=a.index_max_blocks,
+        peer_hints=a.peer_hints,
+        peer_hint_min_blocks=a.peer_hint_min_blocks,
         hash_algo=a.hash_algo,
         hash_seed=a.hash_seed,
         tokenizer_overrides=overrides,

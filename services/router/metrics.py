@@ -118,6 +118,19 @@ class RouterMetrics:
             ["model"],
             registry=r,
         )
+        self.peer_hints = Counter(
+            "kvmesh_router_peer_hints",
+            "Requests sent to a worker naming another node's kvmanager that holds a longer prefix "
+            "of the prompt (the worker's kvmanager may fetch it instead of recomputing).",
+            ["model"],
+            registry=r,
+        )
+        self.peer_hint_blocks = Counter(
+            "kvmesh_router_peer_hint_blocks",
+            "Prompt blocks the hinted peers held beyond what the chosen workers held.",
+            ["model"],
+            registry=r,
+        )
         self.cached_tokens = Counter(
             "kvmesh_router_cached_prompt_tokens",
             "Prompt tokens the workers reported served from cache (usage.cached_prompt_tokens).",

@@ -7,7 +7,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 
@@ -20,8 +20,9 @@ from kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2
 
 from .config import RouterConfig
 from .core import validation
+from .core.peers import PeerHints
 from .core.routing import RoutingPolicy
-from .core.types import ChatMessage, RouteRequest
+from .core.types import ChatMessage, PeerHint, RouteDecision, RouteRequest
 from .core.workers import ModelSummary, WorkerSet
 from .hashing import PromptHasher
 from .metrics import RouterMetrics
@@ -47,8 +48,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         tokenizers: Tokenizers,
         hasher: PromptHasher,
         metrics: RouterMetrics | None = None,
+        peers: PeerHints | None = None,
     ) -> None:
         self._config = config
+        self._peers = peers  # None: no peer hints
         self._hasher = hasher
         self._workers = workers
         self._pool = pool
@@ -171,7 +174,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 raise errors.Unavailable(f"{last_failure}; no other serving worker to try")
             with _tracer.start_as_current_span("route") as span:
                 started = time.perf_counter()
-                decision = self._policy.pick(route, candidates)
+                decision = self._with_peer(route, self._policy.pick(route, candidates))
                 metrics.decided(decision, time.perf_counter() - started)
                 span.set_attributes(decision.attributes())
             stub = self._pool.stub(decision.worker_id)
@@ -179,8 +182,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 tried.add(decision.worker_id)
                 continue
             explanation = decision.explanation
+            peer = decision.peer
             log.info(
-                "request %s -> worker %s (%s: %s) predicted_cached_blocks=%d of %d (gpu %d)",
+                "request %s -> worker %s (%s: %s) predicted_cached_blocks=%d of %d (gpu %d)%s",
                 route.request_id,
                 decision.worker_id,
                 decision.policy,
@@ -188,12 +192,16 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 explanation.cached_blocks if explanation is not None else -1,
                 len(route.block_hashes),
                 explanation.cached_gpu_blocks if explanation is not None else -1,
+                f" peer={peer.kvmanager_id} peer_blocks={peer.blocks}" if peer else "",
             )
             metrics.routed(
                 model,
                 route.prompt_tokens,
                 explanation.cached_tokens if explanation is not None else 0,
             )
+            if peer is not None:
+                metrics.peer_hints.labels(model).inc()
+                metrics.peer_hint_blocks.labels(model).inc(peer.gain_blocks)
             sent_any = False
             last_token_s = 0.0
             self._active[route.request_id] = _Active(decision.worker_id)
@@ -204,6 +212,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     request_id=route.request_id,
                     prompt_token_ids=route.prompt_token_ids,
                     sampling=sampling,
+                    kv_source=kv_source_pb(peer),
                 ),
                 timeout=max(deadline - time.monotonic(), 0.001),
             )
@@ -265,6 +274,18 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 self._policy.on_finished(route, decision.worker_id)
                 self._active.pop(route.request_id, None)
 
+    def _with_peer(self, route: RouteRequest, decision: RouteDecision) -> RouteDecision:
+        """The decision with a peer hint, when another node's kvmanager holds more of the
+        prompt. Index trouble only costs the hint: the worker recomputes."""
+        if self._peers is None or not route.block_hashes:
+            return decision
+        try:
+            peer = self._peers.hint(route.block_hashes, decision.worker_id)
+        except Exception:
+            log.warning("peer hint for %s failed; sending none", route.request_id, exc_info=True)
+            return decision
+        return decision if peer is None else replace(decision, peer=peer)
+
     # ---- Abort, ListModels ----------------------------------------------------------------
     async def Abort(
         self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext
@@ -306,6 +327,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     @property
     def in_flight(self) -> int:
         return len(self._active)
+
+
+def kv_source_pb(peer: PeerHint | None) -> worker_pb2.KvSource | None:
+    if peer is None:
+        return None
+    return worker_pb2.KvSource(kvmanager_id=peer.kvmanager_id, blocks=peer.blocks)
 
 
 def trace_first_token(ttft_s: float) -> None:

@@ -26,10 +26,20 @@ class FinishReason(StrEnum):
 
 
 @dataclass(frozen=True, slots=True)
+class KvSource:
+    """A peer kvmanager the router says holds ``blocks`` leading blocks of the prompt (more than
+    this worker's node): the KV connector may have its own kvmanager fetch them from it."""
+
+    kvmanager_id: str
+    blocks: int  # contiguous prefix of the prompt, in full blocks
+
+
+@dataclass(frozen=True, slots=True)
 class GenerateRequest:
     request_id: str
     prompt_token_ids: tuple[int, ...] = field(repr=False)
     sampling: Sampling
+    kv_source: KvSource | None = None  # the router's peer hint, if any
 
 
 @dataclass(frozen=True, slots=True)

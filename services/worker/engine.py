@@ -46,6 +46,7 @@ from vllm.v1.metrics.stats import IterationStats, MultiModalCacheStats, Schedule
 from kvmesh import errors
 
 from .config import EngineConfig
+from .connector.plan import PeerSource
 from .core import (
     EngineInfo,
     EngineLoad,
@@ -114,14 +115,19 @@ def build_engine_args(
     return AsyncEngineArgs(**kwargs, **extra)
 
 
-def sampling_params(s: Sampling) -> SamplingParams:
+def sampling_params(
+    s: Sampling, kv_transfer_params: Mapping[str, Any] | None = None
+) -> SamplingParams:
     """vLLM sampling parameters for ``s``, streaming deltas. Raises ``InvalidArgument`` for
-    values vLLM refuses."""
+    values vLLM refuses. ``kv_transfer_params`` reach the KV connector as the request's
+    ``kv_transfer_params`` (only give them to an engine with a connector)."""
     kwargs: dict[str, Any] = {
         "max_tokens": s.max_tokens,
         "ignore_eos": s.ignore_eos,
         "output_kind": RequestOutputKind.DELTA,
     }
+    if kv_transfer_params:
+        kwargs["extra_args"] = {"kv_transfer_params": dict(kv_transfer_params)}
     if s.temperature is not None:
         kwargs["temperature"] = s.temperature
     if s.top_p is not None:
@@ -311,7 +317,7 @@ class VllmEngine:
             raise errors.InvalidArgument(
                 f"request_id {rid!r} is already running on this worker; use a unique id"
             )
-        params = sampling_params(request.sampling)
+        params = sampling_params(request.sampling, self._kv_transfer_params(request))
         arrived = time.monotonic()
         prompt_tokens = len(request.prompt_token_ids)
         try:
@@ -371,6 +377,13 @@ class VllmEngine:
                         return
         finally:
             self._running.discard(rid)
+
+    def _kv_transfer_params(self, request: GenerateRequest) -> dict[str, Any] | None:
+        """The router's peer hint, for the KV connector (engines without one get nothing)."""
+        source = request.kv_source
+        if source is None or not self._info.connector_layout:
+            return None
+        return PeerSource(source.kvmanager_id, source.blocks).to_params()
 
     async def close(self) -> None:
         running = list(self._running)

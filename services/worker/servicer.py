@@ -18,7 +18,7 @@ from kvmesh.sampling import sampling_from_pb
 from kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 from . import validation
-from .core import Engine, EngineLoad, FinishReason, GenerateRequest, OutputDelta
+from .core import Engine, EngineLoad, FinishReason, GenerateRequest, KvSource, OutputDelta
 
 log = logging.getLogger(__name__)
 
@@ -35,10 +35,14 @@ FINISH_PB = {
 
 
 def request_from_pb(r: worker_pb2.WorkerGenerateRequest) -> GenerateRequest:
+    source = None
+    if r.HasField("kv_source"):
+        source = KvSource(r.kv_source.kvmanager_id, r.kv_source.blocks)
     return GenerateRequest(
         request_id=r.request_id,
         prompt_token_ids=tuple(r.prompt_token_ids),
         sampling=sampling_from_pb(r.sampling),
+        kv_source=source,
     )
 
 

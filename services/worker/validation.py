@@ -6,9 +6,10 @@ from __future__ import annotations
 from kvmesh.errors import InvalidArgument
 from kvmesh.sampling import check_prompt, check_sampling
 
-from .core import EngineInfo, GenerateRequest
+from .core import EngineInfo, GenerateRequest, KvSource
 
 MAX_REQUEST_ID_CHARS = 256
+MAX_KVMANAGER_ID_CHARS = 256
 
 
 def check_request(request: GenerateRequest, info: EngineInfo) -> None:
@@ -18,6 +19,23 @@ def check_request(request: GenerateRequest, info: EngineInfo) -> None:
     check_prompt(
         request.prompt_token_ids, request.sampling.max_tokens, info.vocab_size, info.max_model_len
     )
+    if request.kv_source is not None:
+        check_kv_source(request.kv_source, len(request.prompt_token_ids), info.block_size)
+
+
+def check_kv_source(source: KvSource, prompt_tokens: int, block_size: int) -> None:
+    """A peer hint names a kvmanager and at most the prompt's full blocks."""
+    if not source.kvmanager_id or len(source.kvmanager_id) > MAX_KVMANAGER_ID_CHARS:
+        raise InvalidArgument(
+            f"kv_source.kvmanager_id has {len(source.kvmanager_id)} characters; set the peer "
+            f"kvmanager's id (1 to {MAX_KVMANAGER_ID_CHARS} characters) or leave kv_source unset"
+        )
+    full = prompt_tokens // block_size if block_size > 0 else 0
+    if not 0 < source.blocks <= full:
+        raise InvalidArgument(
+            f"kv_source.blocks is {source.blocks}; the prompt has {full} full blocks of "
+            f"{block_size} tokens, so use 1 to {full} (or leave kv_source unset)"
+        )
 
 
 def check_request_id(request_id: str) -> None:

@@ -47,32 +47,45 @@ PLAN_CASES = [
     pytest.param(
         [worker("a", "n1"), worker("b", "n1"), worker("c", "n2")],
         {"a": "k1", "b": "k1", "c": "k2"},
+        {L1},
         id="one-store-per-node",
     ),
     pytest.param(
         [worker("a", "n1"), worker("b", "n1", L2)],
         {"a": "k1", "b": "k1"},
+        {L1, L2},
         id="two-layouts-two-stores",
     ),
-    pytest.param([worker("a", "n3")], {}, id="node-without-kvmanager"),
-    pytest.param([worker("a", "n1", "")], {}, id="no-layout"),
-    pytest.param([worker("a", "n1", "not-a-key")], {}, id="malformed-layout"),
-    pytest.param([worker("a", "n1", state=WorkerState.DRAINING)], {}, id="draining"),
+    # k1 and k2 are followed anyway: a worker on n3 has no kvmanager to fetch into today, but
+    # every kvmanager's blocks of a layout in use are peers to the workers of other nodes.
+    pytest.param([worker("a", "n3")], {}, {L1}, id="node-without-kvmanager"),
+    pytest.param([worker("a", "n1", "")], {}, set(), id="no-layout"),
+    pytest.param([worker("a", "n1", "not-a-key")], {}, set(), id="malformed-layout"),
+    pytest.param([worker("a", "n1", state=WorkerState.DRAINING)], {}, set(), id="draining"),
 ]
 
 
-@pytest.mark.parametrize(("workers", "want"), PLAN_CASES)
-def test_plan_links_serving_workers_to_their_node_store(workers, want):
+@pytest.mark.parametrize(("workers", "want", "layouts"), PLAN_CASES)
+def test_plan_links_serving_workers_to_their_node_store(workers, want, layouts):
     plan = plan_tiers(workers, kvms(("k1", "n1"), ("k2", "n2")))
-    layouts = {w.worker_id: w.kv_layout for w in workers}
-    assert plan.links == {WorkerId(w): store_id(k, layouts[WorkerId(w)]) for w, k in want.items()}
-    assert set(plan.streams) == set(plan.links.values())
+    by_worker = {w.worker_id: w.kv_layout for w in workers}
+    assert plan.links == {WorkerId(w): store_id(k, by_worker[WorkerId(w)]) for w, k in want.items()}
+    # Every kvmanager, for every layout in use on any node (peers of other nodes' workers).
+    assert set(plan.streams) == {store_id(k, lay) for k in ("k1", "k2") for lay in layouts}
+    assert set(plan.links.values()) <= set(plan.streams)
     for sid, s in plan.streams.items():
         assert (s.store, f"{s.kvmanager_id}/{s.layout_key}", s.address) == (
             sid,
             sid,
             f"{s.kvmanager_id}:1",
         )
+
+
+def test_a_kvmanager_without_workers_of_the_layout_is_still_followed():
+    """Node n2's workers left: its kvmanager's blocks stay a peer for n1's workers."""
+    plan = plan_tiers([worker("a", "n1")], kvms(("k1", "n1"), ("k2", "n2")))
+    assert set(plan.streams) == {store_id("k1", L1), store_id("k2", L1)}
+    assert plan.links == {WorkerId("a"): store_id("k1", L1)}
 
 
 def test_two_kvmanagers_on_one_node_the_smallest_id_serves_it():

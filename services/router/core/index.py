@@ -59,9 +59,11 @@ from .index_types import (
     IndexStats,
     PrefixMatch,
     StoreId,
+    StoreMatch,
     ViewState,
     WorkerKvView,
     store_id,
+    store_parts,
 )
 
 __all__ = [
@@ -72,9 +74,11 @@ __all__ = [
     "KvIndex",
     "PrefixMatch",
     "StoreId",
+    "StoreMatch",
     "ViewState",
     "WorkerKvView",
     "store_id",
+    "store_parts",
 ]
 
 _GPU, _CPU, _DISK = 0, 1, 2
@@ -317,6 +321,35 @@ class KvIndex:
                 )
         out.sort(key=lambda p: (-p.blocks, p.worker_id))
         return {p.worker_id: p for p in out}
+
+    def match_stores(
+        self, hashes: Sequence[BlockHash], stores: Iterable[StoreId] | None = None
+    ) -> dict[StoreId, StoreMatch]:
+        """Per node store, the contiguous prefix of ``hashes`` it holds itself (any tier; its
+        workers' gpu blocks do not count): what a peer fetch from its kvmanager could supply.
+
+        ``stores``: only these (unknown ids and worker ids are ignored); None: every store.
+        Stores matching zero blocks are omitted; longest first, ties by store id. One walk for
+        all stores, O(longest match): a miss costs one lookup."""
+        by_id = self._workers
+        if stores is None:
+            active = self._store_any
+        else:
+            active = 0
+            for sid in stores:
+                s = by_id.get(sid)
+                if s is not None and s.store:
+                    active |= s.any_bit
+        if not active or not hashes:
+            return {}
+        owner = self._owner
+        out = [
+            StoreMatch(StoreId(s.worker_id), length, s.state is ViewState.EXACT)
+            for length, mask in self._walk(hashes, active)
+            for s in (owner[pos >> 2] for pos in _bits(mask))
+        ]
+        out.sort(key=lambda m: (-m.blocks, m.store))
+        return {m.store: m for m in out}
 
     def _walk(self, hashes: Sequence[BlockHash], active: int) -> list[tuple[int, int]]:
         """(prefix length, any-bits of the workers whose prefix ends there), lengths ascending."""

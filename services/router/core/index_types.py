@@ -22,6 +22,12 @@ def store_id(kvmanager_id: str, layout_key: str) -> StoreId:
     return StoreId(f"{kvmanager_id}/{layout_key}")
 
 
+def store_parts(store: StoreId) -> tuple[str, str]:
+    """(kvmanager id, layout key) of a store id (the inverse of ``store_id``)."""
+    kvmanager_id, _, layout_key = store.rpartition("/")
+    return kvmanager_id, layout_key
+
+
 @dataclass(frozen=True, slots=True)
 class IndexConfig:
     max_blocks: int = 4_000_000  # distinct block hashes kept (~80 B each: docs/index.md)
@@ -96,6 +102,16 @@ class PrefixMatch:
 
     def on(self, tier: Tier) -> int:
         return _pick(tier, self.gpu_blocks, self.cpu_blocks, self.disk_blocks)
+
+
+@dataclass(frozen=True, slots=True)
+class StoreMatch:
+    """How much of a prompt's block chain one node store (a kvmanager's blocks of one layout)
+    holds itself: the contiguous prefix from the first block, on any of its tiers."""
+
+    store: StoreId
+    blocks: int
+    exact: bool  # the store's view is EXACT (False: a hint)
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,10 +3,11 @@ the kvmanagers' etcd records in and carries the plan out (tier event streams, in
 
 Each node runs one kvmanager (``/kvmesh/<cluster>/kvmanagers/<id>``, ``KvManagerRecord.node``).
 A worker publishes its ``node`` and ``kv_layout``, the key of the KV layout of the blocks it saves
-to that node's kvmanager. For every kvmanager and every layout used by a serving worker of its
-node, the router follows that kvmanager's tier event stream of that layout (a *store* in the
-index) and links the workers to it; a block means nothing across layouts, so each layout is its
-own store, and a worker on a node without a kvmanager (or without a layout) has no lower tiers.
+to that node's kvmanager. For every kvmanager and every layout used by a serving worker (on any
+node: other nodes' workers may fetch from it, ``peers.py``), the router follows that kvmanager's
+tier event stream of that layout (a *store* in the index), and links each worker to its node's
+store; a block means nothing across layouts, so each layout is its own store, and a worker on a
+node without a kvmanager (or without a layout) has no lower tiers.
 """
 
 from __future__ import annotations
@@ -126,23 +127,29 @@ class TierChanges:
 
 
 def plan_tiers(workers: Iterable[WorkerRecord], kvmanagers: KvManagerSet) -> TierPlan:
-    """The plan for the serving workers (a draining worker is not routed to: no lower tiers)."""
+    """The plan for the serving workers (a draining worker is not routed to: no lower tiers).
+
+    Every kvmanager is followed for every layout some serving worker uses, on any node: a
+    kvmanager whose node has no worker of that layout (any more) still holds blocks a worker
+    elsewhere may fetch from it (peer hints, ``peers.py``). Workers link to their node's store."""
     by_node = kvmanagers.by_node()
-    streams: dict[StoreId, TierStream] = {}
+    layouts: set[str] = set()
     links: dict[WorkerId, StoreId] = {}
     for rec in workers:
         if rec.state is not WorkerState.SERVING or not rec.kv_layout:
             continue
-        kvm = by_node.get(rec.node)
-        if kvm is None:
-            continue
         if not _LAYOUT_KEY.fullmatch(rec.kv_layout):
             log.debug("worker %s: kv_layout %r is not a layout key", rec.worker_id, rec.kv_layout)
             continue
-        sid = store_id(kvm.kvmanager_id, rec.kv_layout)
-        if sid not in streams:
-            streams[sid] = TierStream(sid, kvm.kvmanager_id, rec.kv_layout, kvm.address)
-        links[rec.worker_id] = sid
+        layouts.add(rec.kv_layout)
+        kvm = by_node.get(rec.node)
+        if kvm is not None:
+            links[rec.worker_id] = store_id(kvm.kvmanager_id, rec.kv_layout)
+    streams: dict[StoreId, TierStream] = {}
+    for kvm in by_node.values():
+        for layout in sorted(layouts):
+            sid = store_id(kvm.kvmanager_id, layout)
+            streams[sid] = TierStream(sid, kvm.kvmanager_id, layout, kvm.address)
     return TierPlan(streams, links)
 
 

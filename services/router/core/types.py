@@ -117,6 +117,22 @@ class Explanation:
 
 
 @dataclass(frozen=True, slots=True)
+class PeerHint:
+    """Another node's kvmanager holds a longer prefix of the request than the chosen worker
+    (its engine and its node's kvmanager): the worker's connector may have its own kvmanager
+    fetch the difference from that peer (KvManager.FetchFromPeer) instead of recomputing it."""
+
+    kvmanager_id: str  # the peer kvmanager (its etcd id)
+    blocks: int  # the contiguous prefix of the request the peer holds, in blocks
+    local_blocks: int  # what the chosen worker holds (own gpu + its node store), in blocks
+    exact: bool = True  # the index's view of the peer's store is EXACT (False: a hint)
+
+    @property
+    def gain_blocks(self) -> int:
+        return self.blocks - self.local_blocks
+
+
+@dataclass(frozen=True, slots=True)
 class RouteDecision:
     worker_id: WorkerId
     policy: str
@@ -124,9 +140,14 @@ class RouteDecision:
     # profiles; a short free text for the legacy policies.
     reason: str
     explanation: Explanation | None = field(default=None, repr=False, compare=False)
+    # Set after the pick (core/peers.py) when a peer kvmanager can supply more of the prefix.
+    peer: PeerHint | None = field(default=None, compare=False)
 
     def details(self, full: bool = False) -> str:
         head = f"worker={self.worker_id} policy={self.policy} reason={self.reason}"
+        if self.peer is not None:
+            p = self.peer
+            head += f" peer={p.kvmanager_id} peer_blocks={p.blocks} local_blocks={p.local_blocks}"
         if self.explanation is None:
             return head
         return f"{head}\n{self.explanation.details(full)}"
@@ -149,4 +170,7 @@ class RouteDecision:
                 out["total_blocks"] = e.total_blocks
             if e.runner_up is not None:
                 out["runner_up"] = e.runner_up
+        if self.peer is not None:
+            out["peer_kvmanager"] = self.peer.kvmanager_id
+            out["peer_blocks"] = self.peer.blocks
         return out

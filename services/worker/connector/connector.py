@@ -38,6 +38,7 @@ from . import plan as plans
 from .client import KvBlockClient, StoreConfig, make_client
 from .kv_copy import KvLayer, kv_layers, read_blocks, write_blocks
 from .layout import BlockLayout
+from .peer_prefetch import PeerFetchConfig, PeerPrefetcher, make_prefetcher
 from .saver import BlockSaver, SaveJob
 
 if TYPE_CHECKING:
@@ -82,6 +83,10 @@ STAT_NAMES = (
     "save_bytes",
     "save_skipped_blocks",  # not saved: the saver's queue was full
     "save_deduped_blocks",  # not copied: handed to the store before
+    "peer_fetches",  # requests whose router hint made the local kvmanager fetch from a peer
+    "peer_fetch_blocks",  # blocks those fetches stored in the local kvmanager
+    "peer_fetch_failures",  # fetches that ended in an error (the rest is recomputed)
+    "peer_fetch_timeouts",  # requests scheduled before their fetch finished (peer_fetch.timeout_s)
 )
 
 
@@ -197,7 +202,9 @@ class KvmeshConnector(KVConnectorBase_V1):
                 f"{CONNECTOR_NAME} needs kv_load_failure_policy='recompute' (a block that fails "
                 f"to load is recomputed); got {tc.kv_load_failure_policy!r}"
             )
-        self.config = StoreConfig.from_extra(tc.kv_connector_extra_config)
+        extra = dict(tc.kv_connector_extra_config or {})
+        peer_fetch = PeerFetchConfig.from_extra(extra.pop("peer_fetch", None))
+        self.config = StoreConfig.from_extra(extra)
         self._do_load = self.config.load and tc.is_kv_consumer
         self._do_save = self.config.save and tc.is_kv_producer
         spec, self._layer_names = _attention_spec(kv_cache_config)
@@ -212,6 +219,9 @@ class KvmeshConnector(KVConnectorBase_V1):
         ]
         self._plans: dict[str, tuple[Request, plans.RequestPlan]] = {}
         self._pending_loads: dict[str, BlockTransfer] = {}
+        self._prefetch: PeerPrefetcher | None = None  # the router's peer hints (peer_prefetch.py)
+        if role == KVConnectorRole.SCHEDULER and self._do_load:
+            self._prefetch = make_prefetcher(peer_fetch, self.config, self._counters.add)
         # worker side
         self._layout_key = ""
         self._layers: list[KvLayer] = []
@@ -274,15 +284,38 @@ class KvmeshConnector(KVConnectorBase_V1):
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         p = self._plan(request)
+        prefetch = self._prefetch
+        if prefetch is not None and prefetch.pending(request.request_id):
+            return None, False  # its peer fetch is under way: vLLM asks again (bounded)
         store_blocks = 0
         if p.keys and (self._do_load or self._do_save):
             store_blocks = self._lookup(p.keys)
+            if prefetch is not None and self._fetch_from_peer(
+                request, p, store_blocks, num_computed_tokens
+            ):
+                if prefetch.pending(request.request_id):
+                    return None, False
+                store_blocks = self._lookup(p.keys)
             self._counters.add("lookups", 1)
             self._counters.add("lookup_hit_blocks", store_blocks)
         plans.after_lookup(p, num_computed_tokens, store_blocks)
         if not self._do_load:
             return 0, False
         return plans.loadable_tokens(p, request.num_tokens, self._block_size), False
+
+    def _fetch_from_peer(
+        self, request: Request, p: plans.RequestPlan, store_blocks: int, computed: int
+    ) -> bool:
+        """Starts the local kvmanager fetching from the router's peer what the request could
+        load beyond the store's and the engine's own prefix (once per request)."""
+        peer = plans.PeerSource.from_params(getattr(request, "kv_transfer_params", None))
+        if peer is None or self._prefetch is None:
+            return False
+        numbers = plans.peer_fetch_range(
+            peer, len(p.keys), store_blocks, computed, request.num_tokens, self._block_size
+        )
+        keys = p.keys[numbers.start : numbers.stop]
+        return self._prefetch.start(request.request_id, peer, self._layout_keys, keys)
 
     def _lookup(self, keys: list[int]) -> int:
         try:
@@ -350,6 +383,8 @@ class KvmeshConnector(KVConnectorBase_V1):
         # Saves were copied out during the steps that computed the blocks: nothing pending.
         self._plans.pop(request.request_id, None)
         self._pending_loads.pop(request.request_id, None)
+        if self._prefetch is not None:
+            self._prefetch.forget(request.request_id)
         return False, None
 
     # ==== worker side =============================================================================
@@ -533,6 +568,9 @@ class KvmeshConnector(KVConnectorBase_V1):
         return ()
 
     def shutdown(self) -> None:
+        if self._prefetch is not None:
+            self._prefetch.close()
+            self._prefetch = None
         if self._saver is not None:
             self._saver.close(SAVER_CLOSE_TIMEOUT_S)
             self._saver = None

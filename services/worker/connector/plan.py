@@ -7,7 +7,57 @@ start of the prompt; block ``i`` has key ``keys[i]`` (its 64-bit block hash).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
+
+KV_SOURCE_PARAM = "kvmesh_kv_source"
+"""The key of the router's peer hint in a request's ``kv_transfer_params`` (vLLM hands those to
+the connector as ``Request.kv_transfer_params``; the worker puts them in
+``SamplingParams.extra_args["kv_transfer_params"]``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PeerSource:
+    """A peer kvmanager holding ``blocks`` leading blocks of the request (the router's hint)."""
+
+    kvmanager_id: str
+    blocks: int
+
+    def to_params(self) -> dict[str, Any]:
+        """The request's ``kv_transfer_params`` carrying this hint (plain types: it is pickled
+        to the engine core)."""
+        return {KV_SOURCE_PARAM: {"kvmanager_id": self.kvmanager_id, "blocks": self.blocks}}
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, Any] | None) -> PeerSource | None:
+        """The hint in a request's ``kv_transfer_params``; None when absent or malformed (a
+        hint is only ever an optimisation)."""
+        raw = params.get(KV_SOURCE_PARAM) if isinstance(params, Mapping) else None
+        if not isinstance(raw, Mapping):
+            return None
+        kid, blocks = raw.get("kvmanager_id"), raw.get("blocks")
+        if not isinstance(kid, str) or not kid or not isinstance(blocks, int) or blocks <= 0:
+            return None
+        return cls(kid, blocks)
+
+
+def peer_fetch_range(
+    peer: PeerSource,
+    keys_known: int,
+    store_blocks: int,
+    computed_tokens: int,
+    num_tokens: int,
+    block_size: int,
+) -> range:
+    """Block numbers worth fetching from ``peer`` into the local store: from the end of the
+    store's leading run to the end of the peer's, within the blocks the request could load
+    (whole known blocks, never its last token). Empty when the store or the engine's own cache
+    already reach as far."""
+    limit = min(peer.blocks, max(0, num_tokens - 1) // block_size, keys_known)
+    if limit <= max(store_blocks, computed_tokens // block_size):
+        return range(0)
+    return range(store_blocks, limit)
 
 
 @dataclass(slots=True)

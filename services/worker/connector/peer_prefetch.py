@@ -1,0 +1,275 @@
+"""Peer prefetch: the router named a peer kvmanager that holds more of a request's prefix than
+this node's kvmanager (``plan.PeerSource``, from the request's ``kv_transfer_params``), so before
+the request is scheduled the connector asks the LOCAL kvmanager to fetch the missing blocks from
+that peer (``KvManager.FetchFromPeer``: the kvmanager resolves the peer in etcd and pulls the
+blocks over the data plane into its CPU tier), then looks up again and loads what arrived.
+
+Runs in vLLM's engine-core process, on the scheduler side. The gRPC call runs on a small thread
+pool of its own (with its own channel), never on the scheduler's thread: while a fetch is in
+flight, ``pending`` waits at most ``poll_s`` for it and the connector answers "ask again later"
+(``get_num_new_matched_tokens`` -> None), so the engine keeps stepping its other requests. A
+request waits at most ``timeout_s`` for its fetch; then it is scheduled with whatever arrived
+(the kvmanager stores each verified block as it arrives). Anything that goes wrong (unknown
+peer, peer down, deadline, no kvmanager) is a miss: the engine recomputes, nothing fails.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import grpc
+
+from kvmesh.v1 import kvmanager_pb2, kvmanager_pb2_grpc
+
+from .client import StoreConfig
+from .layout import parse_layout_key
+from .plan import PeerSource
+
+log = logging.getLogger(__name__)
+
+FETCHED_KEY = "kvmesh-peer-fetched"  # FetchFromPeer's trailing metadata: blocks stored
+_WARN_EVERY_S = 30.0
+
+CountFn = Callable[[str, int], None]
+
+
+@dataclass(frozen=True, slots=True)
+class PeerFetchConfig:
+    """``kv_connector_extra_config["peer_fetch"]`` of ``KvmeshConnector``. Unknown keys are
+    errors."""
+
+    enabled: bool = True
+    """Fetch a peer's blocks when a request carries the router's hint."""
+    kvmanager: str = ""
+    """host:port of the node's kvmanager that fetches; empty: the connector's store when it is
+    the kvmanager (``store="kvmanager"``). No kvmanager: no prefetch."""
+    timeout_s: float = 2.0
+    """The longest a request waits for its peer fetch before it is scheduled with what arrived
+    (also the FetchFromPeer deadline), seconds."""
+    poll_s: float = 0.005
+    """How long one scheduler pass waits for a fetch in flight before it moves on, seconds
+    (bounds how often an otherwise idle engine re-asks)."""
+    max_concurrent: int = 4
+    """Fetches in flight at once; more wait for a thread, within their own timeout."""
+
+    def __post_init__(self) -> None:
+        if not self.timeout_s > 0 or not self.poll_s >= 0:
+            raise ValueError(
+                f"peer_fetch timeout_s ({self.timeout_s}) must be > 0 and poll_s "
+                f"({self.poll_s}) >= 0, in seconds"
+            )
+        if self.max_concurrent < 1:
+            raise ValueError(f"peer_fetch max_concurrent is {self.max_concurrent}; use 1 or more")
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any] | None) -> PeerFetchConfig:
+        extra = dict(extra or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown peer_fetch keys for KvmeshConnector: {unknown}; known: {sorted(known)}"
+            )
+        return cls(**extra)
+
+    def address(self, store: StoreConfig) -> str:
+        """The fetching kvmanager's host:port ("" : none)."""
+        if self.kvmanager:
+            return self.kvmanager
+        return store.store_path if store.store == "kvmanager" else ""
+
+
+@dataclass(frozen=True, slots=True)
+class FetchOutcome:
+    fetched: int  # blocks the local kvmanager stored from the peer (also on failure)
+    error: str = ""  # "" : OK; else the gRPC status name (NOT_FOUND, UNAVAILABLE, ...)
+
+
+FetchFn = Callable[[str, Sequence[int], PeerSource, float], FetchOutcome]
+"""(connector layout key, block hashes, peer, timeout_s) -> outcome; must not raise."""
+
+
+@dataclass(slots=True)
+class _Fetch:
+    future: Future[FetchOutcome] | None  # None: settled (a request fetches once)
+    deadline: float
+
+
+class PeerPrefetcher:
+    """Per request, at most one peer fetch, tracked from the scheduler's thread. ``fetch`` does
+    the call on the pool's threads (default: ``KvManagerFetcher`` at ``address``); ``count``
+    gets the connector's counters, always on the scheduler's thread."""
+
+    def __init__(
+        self,
+        config: PeerFetchConfig,
+        fetch: FetchFn,
+        count: CountFn | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        close: Callable[[], None] | None = None,
+    ) -> None:
+        self._cfg = config
+        self._fetch = fetch
+        self._count = count or (lambda _name, _n: None)
+        self._clock = clock
+        self._close = close
+        self._pool = ThreadPoolExecutor(config.max_concurrent, thread_name_prefix="kvmesh-peer")
+        self._fetches: dict[str, _Fetch] = {}
+
+    def start(
+        self, req_id: str, peer: PeerSource, layout_keys: Sequence[str], keys: Sequence[int]
+    ) -> bool:
+        """Starts fetching ``keys`` from ``peer`` into the local kvmanager (every layout key: one
+        per TP rank). False when the request fetched before or there is nothing to fetch."""
+        if not keys or req_id in self._fetches:
+            return False
+        timeout = self._cfg.timeout_s
+        deadline = self._clock() + timeout
+        keys = list(keys)
+        self._fetches[req_id] = _Fetch(
+            self._pool.submit(self._run, list(layout_keys), keys, peer, deadline), deadline
+        )
+        self._count("peer_fetches", 1)
+        log.debug(
+            "request %s: fetching %d blocks from kvmanager %s", req_id, len(keys), peer.kvmanager_id
+        )
+        return True
+
+    def _run(
+        self, layout_keys: list[str], keys: list[int], peer: PeerSource, deadline: float
+    ) -> FetchOutcome:
+        fetched: int | None = None
+        error = ""
+        for key in layout_keys:  # TP ranks: the request loads the least any rank holds
+            left = deadline - self._clock()
+            if left <= 0:
+                return FetchOutcome(0, "DEADLINE_EXCEEDED")
+            got = self._fetch(key, keys, peer, left)
+            fetched = got.fetched if fetched is None else min(fetched, got.fetched)
+            error = error or got.error
+        return FetchOutcome(fetched or 0, error)
+
+    def pending(self, req_id: str) -> bool:
+        """True while the request's fetch is in flight and within its time, after waiting at
+        most ``poll_s`` for it; settles it (counters, log) otherwise."""
+        f = self._fetches.get(req_id)
+        if f is None or f.future is None:
+            return False
+        left = f.deadline - self._clock()
+        try:
+            outcome = f.future.result(timeout=max(0.0, min(self._cfg.poll_s, left)))
+        except FutureTimeout:
+            if left > self._cfg.poll_s:
+                return True
+            f.future = None  # its time is up: schedule with what arrived; the call ends alone
+            self._count("peer_fetch_timeouts", 1)
+            log.info("request %s: peer fetch still running after its time; not waiting", req_id)
+            return False
+        except Exception:  # the fetch function must not raise; a last resort
+            log.warning("peer fetch for request %s failed", req_id, exc_info=True)
+            outcome = FetchOutcome(0, "INTERNAL")
+        f.future = None
+        self._count("peer_fetch_blocks", outcome.fetched)
+        if outcome.error:
+            self._count("peer_fetch_failures", 1)
+        log.debug("request %s: peer fetch %s", req_id, outcome)
+        return False
+
+    def forget(self, req_id: str) -> None:
+        """The request finished: drop its state (a fetch in flight ends on its own deadline)."""
+        self._fetches.pop(req_id, None)
+
+    def __len__(self) -> int:
+        return len(self._fetches)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._fetches.clear()
+        if self._close is not None:
+            self._close()
+
+
+class KvManagerFetcher:
+    """``FetchFn`` over the node's kvmanager at ``address``: one synchronous gRPC channel of its
+    own (thread-safe), a deadline on every call, and never an exception."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._channel = grpc.insecure_channel(address)
+        self._stub = kvmanager_pb2_grpc.KvManagerStub(self._channel)
+        self._layouts: dict[str, kvmanager_pb2.KvLayout] = {}
+        self._lock = threading.Lock()
+        self._last_warning = 0.0
+
+    def __call__(
+        self, layout_key: str, keys: Sequence[int], peer: PeerSource, timeout_s: float
+    ) -> FetchOutcome:
+        try:
+            request = kvmanager_pb2.FetchFromPeerRequest(
+                layout=self._layout(layout_key),
+                block_hashes=keys,
+                peer_kvmanager_id=peer.kvmanager_id,
+            )
+            resp = self._stub.FetchFromPeer(request, timeout=timeout_s)
+        except grpc.RpcError as exc:
+            code = exc.code() if isinstance(exc, grpc.Call) else None
+            name = code.name if code is not None else "UNKNOWN"
+            self._warn(peer, name, exc)
+            return FetchOutcome(_fetched(exc), name)
+        except Exception:
+            log.warning("peer fetch from kvmanager %s failed", peer.kvmanager_id, exc_info=True)
+            return FetchOutcome(0, "INTERNAL")
+        return FetchOutcome(resp.fetched)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def _layout(self, layout_key: str) -> kvmanager_pb2.KvLayout:
+        pb = self._layouts.get(layout_key)
+        if pb is None:
+            pb = kvmanager_pb2.KvLayout(**asdict(parse_layout_key(layout_key)))
+            with self._lock:
+                self._layouts[layout_key] = pb
+        return pb
+
+    def _warn(self, peer: PeerSource, code: str, exc: grpc.RpcError) -> None:
+        now = time.monotonic()
+        if now - self._last_warning >= _WARN_EVERY_S:  # not a line per request
+            self._last_warning = now
+            details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
+            log.warning(
+                "kvmanager %s could not fetch from peer %s (%s: %s); recomputing instead",
+                self.address,
+                peer.kvmanager_id,
+                code,
+                details,
+            )
+
+
+def _fetched(exc: grpc.RpcError) -> int:
+    """Blocks stored before a failed FetchFromPeer ended (its trailing metadata)."""
+    try:
+        for key, value in (exc.trailing_metadata() or ()) if isinstance(exc, grpc.Call) else ():
+            if key == FETCHED_KEY:
+                return int(value)
+    except (ValueError, TypeError):
+        pass
+    return 0
+
+
+def make_prefetcher(
+    config: PeerFetchConfig, store: StoreConfig, count: CountFn | None = None
+) -> PeerPrefetcher | None:
+    """The prefetcher ``config`` asks for, or None (off, or no kvmanager to fetch into)."""
+    address = config.address(store)
+    if not config.enabled or not address:
+        return None
+    fetcher = KvManagerFetcher(address)
+    return PeerPrefetcher(config, fetcher, count, close=fetcher.close)
