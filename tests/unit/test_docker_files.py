@@ -604,3 +604,19 @@ def test_workers_use_the_nodes_kvmanager(compose) -> None:
         assert compose["services"][name]["depends_on"]["kvmanager"]["condition"] == (
             "service_healthy"
         )
+
+
+def test_workers_share_the_kvmanagers_shared_memory(compose) -> None:
+    kvm = compose["services"]["kvmanager"]
+    assert kvm["ipc"] == "shareable"
+    assert parse_size(kvm["shm_size"]) >= 2 * (1 << 30), "room for two workers' segments"
+    for name in ("worker-0", "worker-1"):
+        service = compose["services"][name]
+        assert service["ipc"] == "service:kvmanager"
+        assert "shm_size" not in service, "ignored under ipc: service:..."
+
+
+def parse_size(text: str) -> int:
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    text = str(text).strip().lower().removesuffix("b")
+    return int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
