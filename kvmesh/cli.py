@@ -55,7 +55,23 @@ def _add_mesh_flags(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument(
         "--served-model-name", default="", help="name clients use (default: model dir name)"
     )
-    p.add_argument("--workers", type=int, default=2, help="number of workers (default %(default)s)")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="number of workers doing both prefill and decode (default 2, or 0 with "
+        "--prefill/--decode)",
+    )
+    p.add_argument(
+        "--prefill",
+        type=int,
+        default=0,
+        help="prefill workers (--role prefill): long prompts are prefilled there and their KV "
+        "handed to a decode worker through the kvmanager (default 0)",
+    )
+    p.add_argument(
+        "--decode", type=int, default=0, help="decode workers (--role decode) (default 0)"
+    )
     p.add_argument(
         "--port",
         type=int,
@@ -88,6 +104,30 @@ def _add_mesh_flags(p: argparse.ArgumentParser, default_port: int) -> None:
     )
 
 
+def _both_workers(a: argparse.Namespace) -> int:
+    """Workers of role both; checks the P/D counts (exits with a message when they make no
+    mesh)."""
+    if a.prefill < 0 or a.decode < 0 or (a.workers is not None and a.workers < 0):
+        sys.exit("kvmesh: --workers, --prefill and --decode must be >= 0")
+    workers = a.workers if a.workers is not None else (0 if a.prefill or a.decode else 2)
+    if a.prefill and not (a.decode or workers):
+        sys.exit("kvmesh: --prefill needs a worker to decode on: add --decode N (or --workers N)")
+    if a.prefill and a.kvmanager_cpu_bytes <= 0:
+        sys.exit(
+            "kvmesh: --prefill hands KV over through the kvmanager; keep --kvmanager-cpu-bytes > 0"
+        )
+    if workers + a.prefill + a.decode <= 0:
+        sys.exit("kvmesh: no worker to start; use --workers N or --prefill N --decode M")
+    return workers
+
+
+def _describe_workers(spec) -> str:  # type: ignore[no-untyped-def]
+    if not (spec.prefill_workers or spec.decode_workers):
+        return f"{spec.workers} workers"
+    both = f" + {spec.workers} both" if spec.workers else ""
+    return f"{spec.prefill_workers} prefill + {spec.decode_workers} decode workers{both}"
+
+
 def _mesh_spec(a: argparse.Namespace):  # type: ignore[no-untyped-def]
     from kvmesh.launcher import MeshSpec
 
@@ -95,7 +135,9 @@ def _mesh_spec(a: argparse.Namespace):  # type: ignore[no-untyped-def]
         model_path=resolve_model(a.model),
         # A built-in model is served under its short name (tiny, smollm2).
         served_model_name=a.served_model_name or (a.model if a.model in MODEL_NAMES else ""),
-        workers=a.workers,
+        workers=_both_workers(a),
+        prefill_workers=a.prefill,
+        decode_workers=a.decode,
         router_port=a.port,
         etcd_endpoints=tuple(e for e in a.etcd.split(",") if e),
         cluster=a.cluster,
@@ -113,7 +155,7 @@ def cmd_up(a: argparse.Namespace) -> int:
     t0 = time.monotonic()
     spec = _mesh_spec(a)
     print(
-        f"kvmesh up: model {spec.model_path}, {spec.workers} workers, logs in {a.log_dir or 'a temp dir'}",
+        f"kvmesh up: model {spec.model_path}, {_describe_workers(spec)}, logs in {a.log_dir or 'a temp dir'}",
         flush=True,
     )
     mesh = Mesh(spec)
@@ -162,7 +204,7 @@ def cmd_demo(a: argparse.Namespace) -> int:
     t0 = time.monotonic()
     spec = _mesh_spec(a)
     print(
-        f"demo: starting etcd, {spec.workers} vLLM workers ({spec.served_model_name or spec.model_path.name}) and a router ...",
+        f"demo: starting etcd, a kvmanager, {spec.workers} vLLM workers ({spec.served_model_name or spec.model_path.name}) and a router ...",
         flush=True,
     )
     with Mesh(spec) as mesh:

@@ -35,7 +35,11 @@ KVMANAGER_READY = "KVMESH_KVMANAGER_READY"
 class MeshSpec:
     model_path: Path
     served_model_name: str = ""  # default: the model directory's name
-    workers: int = 2
+    workers: int = 2  # workers of role both
+    # Prefill/decode disaggregation (docs/disaggregation.md): workers started with --role
+    # prefill / --role decode, named prefill-<i> / decode-<i>; they need the kvmanager.
+    prefill_workers: int = 0
+    decode_workers: int = 0
     router_host: str = "127.0.0.1"
     router_port: int = 0  # 0: the OS picks
     etcd_endpoints: tuple[str, ...] = ()  # empty: start a local etcd child
@@ -104,8 +108,8 @@ class Mesh:
             if self.spec.kvmanager_cpu_bytes > 0:
                 self.kvmanager = self.start_kvmanager()
                 self._wait_ready(self.kvmanager, 60.0)
-            for i in range(self.spec.workers):
-                self.workers.append(self.start_worker(f"worker-{i}"))
+            for name, role in self.worker_roles():
+                self.workers.append(self.start_worker(name, self._role_args(role)))
             for w in self.workers:
                 self._wait_ready(w, self.spec.start_timeout_s)
             self.router = self.start_router()
@@ -113,6 +117,19 @@ class Mesh:
         except BaseException:
             self.stop()
             raise
+
+    def worker_roles(self) -> list[tuple[str, str]]:
+        """(name, role) of every worker the spec asks for, in start order."""
+        spec = self.spec
+        return [
+            *((f"worker-{i}", "both") for i in range(spec.workers)),
+            *((f"prefill-{i}", "prefill") for i in range(spec.prefill_workers)),
+            *((f"decode-{i}", "decode") for i in range(spec.decode_workers)),
+        ]
+
+    @staticmethod
+    def _role_args(role: str) -> list[str]:
+        return [] if role == "both" else ["--role", role]
 
     def start_worker(self, name: str, extra_args: Sequence[str] = ()) -> Child:
         spec = self.spec
@@ -175,7 +192,8 @@ class Mesh:
         """Stops worker ``i`` (SIGTERM, drain) and starts a fresh engine under the same id."""
         old = self.workers[i]
         stop_child(old, grace_s=30.0)
-        self.workers[i] = self.start_worker(old.name)
+        role = dict(self.worker_roles()).get(old.name, "both")
+        self.workers[i] = self.start_worker(old.name, self._role_args(role))
         self._wait_ready(self.workers[i], self.spec.start_timeout_s)
 
     def wait_ready(self, child: Child, timeout_s: float | None = None) -> None:

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from kvmesh.telemetry import Exporter
 
+from .core.disagg import DisaggConfig
+
 
 @dataclass(frozen=True, slots=True)
 class RouterConfig:
@@ -20,6 +22,8 @@ class RouterConfig:
     index_max_blocks: int = 4_000_000  # KV index bound in distinct blocks (~80 B each)
     peer_hints: bool = True  # name another node's kvmanager holding more of the prompt (peers.py)
     peer_hint_min_blocks: int = 4  # ... only when it holds at least this many more blocks
+    # prefill/decode disaggregation (core/disagg.py; docs/disaggregation.md)
+    disagg: DisaggConfig = field(default_factory=DisaggConfig)
     hash_algo: str = "sha256"  # block hash algorithm; must match the workers' vLLM setting
     hash_seed: str | None = None  # root-hash seed (workers' PYTHONHASHSEED); None: vLLM default
     tokenizer_overrides: dict[str, str] = field(default_factory=dict)  # model -> tokenizer path

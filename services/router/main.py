@@ -15,7 +15,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvmesh import __version__
+from kvmesh import __version__, errors
 from kvmesh.discovery.etcd import PrefixWatcher, Registrar
 from kvmesh.discovery.keys import RouterRecord, kvmanagers_prefix, router_key, workers_prefix
 from kvmesh.metrics import MetricsServer, serve_metrics
@@ -23,6 +23,7 @@ from kvmesh.telemetry import Exporter, server_interceptors, setup_logging, setup
 from kvmesh.v1 import router_pb2, router_pb2_grpc
 
 from .config import RouterConfig
+from .core.disagg import DisaggConfig, DisaggHandler
 from .core.index import KvIndex
 from .core.index_types import IndexConfig
 from .core.peers import PeerHintConfig, PeerHints
@@ -97,7 +98,12 @@ async def start_router(config: RouterConfig) -> RunningRouter:
     policy = make_policy(config.policy, index=index)
     metrics = RouterMetrics()
     peers = PeerHints(index, PeerHintConfig(config.peer_hints, config.peer_hint_min_blocks))
-    servicer = RouterServicer(config, workers, pool, policy, tokenizers, hasher, metrics, peers)
+    disagg = DisaggHandler(
+        config.disagg, policy, can_hand_off=lambda wid: index.linked(wid) is not None
+    )
+    servicer = RouterServicer(
+        config, workers, pool, policy, tokenizers, hasher, metrics, peers, disagg, index.linked
+    )
     server = grpc.aio.server(
         interceptors=server_interceptors(),
         options=[
@@ -249,6 +255,26 @@ def parse_args(argv: list[str] | None) -> RouterConfig:
         "than the chosen worker (default %(default)s)",
     )
     p.add_argument(
+        "--no-disagg",
+        dest="disagg",
+        action="store_false",
+        help="never split a request into a prefill and a decode worker (prefill workers idle)",
+    )
+    p.add_argument(
+        "--disagg-threshold-tokens",
+        type=int,
+        default=d.disagg.threshold_tokens,
+        help="disaggregate when the decode worker would prefill at least this many prompt "
+        "tokens itself (default %(default)s)",
+    )
+    p.add_argument(
+        "--disagg-prefill-timeout-s",
+        type=float,
+        default=d.disagg.prefill_timeout_s,
+        help="deadline of the prefill call; then the decode worker recomputes (default "
+        "%(default)s)",
+    )
+    p.add_argument(
         "--hash-algo", default=d.hash_algo, help="block hash algorithm, as the workers' vLLM"
     )
     p.add_argument(
@@ -281,6 +307,10 @@ def parse_args(argv: list[str] | None) -> RouterConfig:
     a = p.parse_args(argv)
     if a.peer_hint_min_blocks < 1:
         p.error(f"--peer-hint-min-blocks is {a.peer_hint_min_blocks}; use 1 or more")
+    try:
+        disagg = DisaggConfig(a.disagg, a.disagg_threshold_tokens, a.disagg_prefill_timeout_s)
+    except errors.InvalidArgument as exc:
+        p.error(str(exc))
     overrides = {}
     for item in a.tokenizer:
         model, sep, path = item.partition("=")
@@ -298,6 +328,7 @@ def parse_args(argv: list[str] | None) -> RouterConfig:
         index_max_blocks=a.index_max_blocks,
         peer_hints=a.peer_hints,
         peer_hint_min_blocks=a.peer_hint_min_blocks,
+        disagg=disagg,
         hash_algo=a.hash_algo,
         hash_seed=a.hash_seed,
         tokenizer_overrides=overrides,

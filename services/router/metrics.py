@@ -109,6 +109,29 @@ class RouterMetrics:
             "Requests sent to another worker after one was unavailable before the first token.",
             registry=r,
         )
+        self.disagg_decisions = Counter(
+            "kvmesh_router_disagg_decisions",
+            "Prefill/decode decisions by model and reason: 'disaggregated', or why the request "
+            "was served on one worker (below-threshold, no-prefill-workers, "
+            "no-prefill-candidate, disabled).",
+            ["model", "reason"],
+            registry=r,
+        )
+        self.disagg_fallbacks = Counter(
+            "kvmesh_router_disagg_fallbacks",
+            "Disaggregated requests served aggregated after all (the decode worker recomputed), "
+            "by why: prefill-unavailable, prefill-timeout, prefill-failed, prefill-gone, "
+            "no-kvmanager.",
+            ["model", "reason"],
+            registry=r,
+        )
+        self.prefill_seconds = Histogram(
+            "kvmesh_router_prefill_seconds",
+            "Duration of the prefill call of a disaggregated request (success or not).",
+            ["model"],
+            buckets=TTFT_BUCKETS_S,
+            registry=r,
+        )
         self.prompt_tokens = Counter(
             "kvmesh_router_prompt_tokens", "Prompt tokens routed.", ["model"], registry=r
         )

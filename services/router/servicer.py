@@ -6,7 +6,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 
 import grpc
@@ -20,10 +20,13 @@ from kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2
 
 from .config import RouterConfig
 from .core import validation
+from .core.disagg import DisaggHandler
+from .core.index_types import StoreId
 from .core.peers import PeerHints
 from .core.routing import RoutingPolicy
 from .core.types import ChatMessage, PeerHint, RouteDecision, RouteRequest
 from .core.workers import ModelSummary, WorkerSet
+from .disagg import Fallback, handoff_source, run_prefill
 from .hashing import PromptHasher
 from .metrics import RouterMetrics
 from .pool import WorkerPool
@@ -49,8 +52,15 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         hasher: PromptHasher,
         metrics: RouterMetrics | None = None,
         peers: PeerHints | None = None,
+        disagg: DisaggHandler | None = None,
+        linked: Callable[[WorkerId], StoreId | None] | None = None,
     ) -> None:
         self._config = config
+        # The worker -> node store link (the KV index's); None: no worker can hand KV over.
+        self._linked: Callable[[WorkerId], StoreId | None] = linked or (lambda _w: None)
+        self._disagg = disagg or DisaggHandler(
+            config.disagg, policy, can_hand_off=lambda w: self._linked(w) is not None
+        )
         self._peers = peers  # None: no peer hints
         self._hasher = hasher
         self._workers = workers
@@ -166,6 +176,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         last_failure = ""
         metrics = self.metrics
         model = route.model
+        handoff: worker_pb2.KvSource | None = None  # set once a prefill worker computed the KV
+        first = True
         while True:
             candidates = [
                 v for v in self._workers.candidates(route.model) if v.record.worker_id not in tried
@@ -174,9 +186,22 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 raise errors.Unavailable(f"{last_failure}; no other serving worker to try")
             with _tracer.start_as_current_span("route") as span:
                 started = time.perf_counter()
-                decision = self._with_peer(route, self._policy.pick(route, candidates))
+                prefill: RouteDecision | None = None
+                if first:  # the P/D decision, once; a retry only picks another decode worker
+                    first = False
+                    dd = self._disagg.decide(route, candidates)
+                    decision, prefill = dd.decode, dd.prefill
+                    metrics.disagg_decisions.labels(model, dd.reason.value).inc()
+                    span.set_attribute("disagg", dd.reason.value)
+                    span.set_attribute("uncached_tokens", dd.uncached_tokens)
+                else:
+                    decision = self._disagg.pick_decode(route, candidates)
+                if handoff is None and prefill is None:
+                    decision = self._with_peer(route, decision)
                 metrics.decided(decision, time.perf_counter() - started)
                 span.set_attributes(decision.attributes())
+            if prefill is not None:
+                handoff = await self._prefill(route, prefill, sampling, deadline)
             stub = self._pool.stub(decision.worker_id)
             if stub is None:  # left between pick and call
                 tried.add(decision.worker_id)
@@ -212,7 +237,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     request_id=route.request_id,
                     prompt_token_ids=route.prompt_token_ids,
                     sampling=sampling,
-                    kv_source=kv_source_pb(peer),
+                    kv_source=handoff if handoff is not None else kv_source_pb(peer),
                 ),
                 timeout=max(deadline - time.monotonic(), 0.001),
             )
@@ -273,6 +298,60 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 self._workers.finished(decision.worker_id)
                 self._policy.on_finished(route, decision.worker_id)
                 self._active.pop(route.request_id, None)
+
+    async def _prefill(
+        self,
+        route: RouteRequest,
+        decision: RouteDecision,
+        sampling: common_pb2.SamplingParams,
+        deadline: float,
+    ) -> worker_pb2.KvSource | None:
+        """The prefill half of a disaggregated request; returns the decode call's ``kv_source``,
+        or None when the request falls back to aggregated serving (counted, logged)."""
+        wid = decision.worker_id
+        stub = self._pool.stub(wid)
+        source = handoff_source(route, wid, self._linked)
+        if stub is None or source is None:
+            fallback = Fallback.PREFILL_GONE if stub is None else Fallback.NO_KVMANAGER
+            self.metrics.disagg_fallbacks.labels(route.model, fallback.value).inc()
+            return None
+        self._active[route.request_id] = _Active(wid)
+        self._workers.started(wid)
+        self._policy.on_routed(route, decision)
+        try:
+            left = deadline - time.monotonic()
+            with _tracer.start_as_current_span("prefill") as span:
+                span.set_attribute("worker_id", wid)
+                result = await run_prefill(
+                    stub, route, sampling, min(left, self._disagg.config.prefill_timeout_s)
+                )
+                span.set_attribute("ok", result.fallback is None)
+        finally:
+            self._workers.finished(wid)
+            self._policy.on_finished(route, wid)
+            self._active.pop(route.request_id, None)
+        self.metrics.prefill_seconds.labels(route.model).observe(result.seconds)
+        if result.fallback is not None:
+            log.warning(
+                "prefill of %s on worker %s failed (%s: %s); serving it aggregated",
+                route.request_id,
+                wid,
+                result.fallback.value,
+                result.detail,
+            )
+            self.metrics.disagg_fallbacks.labels(route.model, result.fallback.value).inc()
+            return None
+        log.info(
+            "request %s prefilled on worker %s in %.3fs (cached %d); the decode worker loads "
+            "%d blocks via kvmanager %s",
+            route.request_id,
+            wid,
+            result.seconds,
+            result.cached_tokens,
+            source.blocks,
+            source.kvmanager_id,
+        )
+        return source
 
     def _with_peer(self, route: RouteRequest, decision: RouteDecision) -> RouteDecision:
         """The decision with a peer hint, when another node's kvmanager holds more of the

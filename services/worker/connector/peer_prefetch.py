@@ -4,6 +4,14 @@ the request is scheduled the connector asks the LOCAL kvmanager to fetch the mis
 that peer (``KvManager.FetchFromPeer``: the kvmanager resolves the peer in etcd and pulls the
 blocks over the data plane into its CPU tier), then looks up again and loads what arrived.
 
+**Prefill/decode hand-off.** A disaggregated request's hint names the kvmanager of the prefill
+worker's node, which the prefill worker's connector saves to asynchronously (its saver thread):
+the decode worker may ask before the blocks land. So a hint is read as "these blocks exist or
+are about to": when it names this node's own kvmanager, the fetch waits until the local
+kvmanager holds them (``Lookup`` every ``handoff_poll_s``); when it names a peer that grants
+fewer than asked, the fetch asks again. Both for at most ``handoff_wait_s`` (within
+``timeout_s``); then the request goes ahead with what arrived and recomputes the rest.
+
 Runs in vLLM's engine-core process, on the scheduler side. The gRPC call runs on a small thread
 pool of its own (with its own channel), never on the scheduler's thread: while a fetch is in
 flight, ``pending`` waits at most ``poll_s`` for it and the connector answers "ask again later"
@@ -58,12 +66,22 @@ class PeerFetchConfig:
     (bounds how often an otherwise idle engine re-asks)."""
     max_concurrent: int = 4
     """Fetches in flight at once; more wait for a thread, within their own timeout."""
+    handoff_wait_s: float = 1.0
+    """How long a fetch waits for hinted blocks that are not there yet (a prefill worker's saves
+    still in flight), seconds; 0: never wait (bounded by ``timeout_s``)."""
+    handoff_poll_s: float = 0.01
+    """How often it looks again meanwhile, seconds."""
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0 or not self.poll_s >= 0:
             raise ValueError(
                 f"peer_fetch timeout_s ({self.timeout_s}) must be > 0 and poll_s "
                 f"({self.poll_s}) >= 0, in seconds"
+            )
+        if not self.handoff_wait_s >= 0 or not self.handoff_poll_s > 0:
+            raise ValueError(
+                f"peer_fetch handoff_wait_s ({self.handoff_wait_s}) must be >= 0 and "
+                f"handoff_poll_s ({self.handoff_poll_s}) > 0, in seconds"
             )
         if self.max_concurrent < 1:
             raise ValueError(f"peer_fetch max_concurrent is {self.max_concurrent}; use 1 or more")
@@ -200,33 +218,78 @@ class KvManagerFetcher:
     """``FetchFn`` over the node's kvmanager at ``address``: one synchronous gRPC channel of its
     own (thread-safe), a deadline on every call, and never an exception."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(
+        self,
+        address: str,
+        handoff_wait_s: float = 0.0,
+        handoff_poll_s: float = 0.01,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.address = address
         self._channel = grpc.insecure_channel(address)
         self._stub = kvmanager_pb2_grpc.KvManagerStub(self._channel)
         self._layouts: dict[str, kvmanager_pb2.KvLayout] = {}
         self._lock = threading.Lock()
         self._last_warning = 0.0
+        self._wait_s = handoff_wait_s
+        self._poll_s = handoff_poll_s
+        self._clock = clock
+        self._own_id = ""  # this node's kvmanager id (GetInfo), once known
 
     def __call__(
         self, layout_key: str, keys: Sequence[int], peer: PeerSource, timeout_s: float
     ) -> FetchOutcome:
+        """Fetches ``keys`` into the local kvmanager; waits up to ``handoff_wait_s`` for blocks
+        not there yet (on the peer, or locally when the hint names this node's kvmanager)."""
+        start = self._clock()
+        end = start + timeout_s
+        wait_end = min(end, start + self._wait_s)
+        fetched = 0
         try:
-            request = kvmanager_pb2.FetchFromPeerRequest(
-                layout=self._layout(layout_key),
-                block_hashes=keys,
-                peer_kvmanager_id=peer.kvmanager_id,
-            )
-            resp = self._stub.FetchFromPeer(request, timeout=timeout_s)
+            layout = self._layout(layout_key)
+            local = peer.kvmanager_id == self._local_id(timeout_s)
+            while True:
+                left = end - self._clock()
+                if left <= 0:
+                    return FetchOutcome(fetched, "DEADLINE_EXCEEDED")
+                if local:  # the prefill worker shares this kvmanager: its saves land here
+                    resp = self._stub.Lookup(
+                        kvmanager_pb2.LookupRequest(layout=layout, block_hashes=keys),
+                        timeout=left,
+                    )
+                    done = len(resp.tiers) >= len(keys)
+                else:
+                    got = self._stub.FetchFromPeer(
+                        kvmanager_pb2.FetchFromPeerRequest(
+                            layout=layout, block_hashes=keys, peer_kvmanager_id=peer.kvmanager_id
+                        ),
+                        timeout=left,
+                    )
+                    fetched += got.fetched
+                    done = got.fetched + got.already_held >= len(keys)
+                if done or self._clock() + self._poll_s > wait_end:
+                    return FetchOutcome(fetched)
+                time.sleep(self._poll_s)
         except grpc.RpcError as exc:
             code = exc.code() if isinstance(exc, grpc.Call) else None
             name = code.name if code is not None else "UNKNOWN"
             self._warn(peer, name, exc)
-            return FetchOutcome(_fetched(exc), name)
+            return FetchOutcome(fetched + _fetched(exc), name)
         except Exception:
             log.warning("peer fetch from kvmanager %s failed", peer.kvmanager_id, exc_info=True)
-            return FetchOutcome(0, "INTERNAL")
-        return FetchOutcome(resp.fetched)
+            return FetchOutcome(fetched, "INTERNAL")
+
+    def _local_id(self, timeout_s: float) -> str:
+        """This node's kvmanager id (asked once; "" while it cannot be asked)."""
+        if not self._own_id:
+            try:
+                info = self._stub.GetInfo(
+                    kvmanager_pb2.KvManagerInfoRequest(), timeout=min(timeout_s, 1.0)
+                )
+                self._own_id = info.kvmanager_id
+            except grpc.RpcError:
+                return ""
+        return self._own_id
 
     def close(self) -> None:
         self._channel.close()
@@ -271,5 +334,5 @@ def make_prefetcher(
     address = config.address(store)
     if not config.enabled or not address:
         return None
-    fetcher = KvManagerFetcher(address)
+    fetcher = KvManagerFetcher(address, config.handoff_wait_s, config.handoff_poll_s)
     return PeerPrefetcher(config, fetcher, count, close=fetcher.close)

@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from kvmesh import errors
-from kvmesh.kv.events import BlockHash, KvEvent
+from kvmesh.kv.events import BlockHash, BlockStored, KvEvent
 
 from ..core import (
     EngineInfo,
@@ -37,6 +37,7 @@ from ..core import (
     OutputDelta,
     Timing,
 )
+from .handoff import SimKvStores
 from .model import SimRequest, SimResult, SimulatedWorker, SimWorkerConfig
 
 log = logging.getLogger(__name__)
@@ -108,7 +109,12 @@ class SimulatedEngine:
         *,
         hasher: Hasher | None = None,
         clock: Callable[[], float] = time.monotonic,
+        kv_stores: SimKvStores | None = None,
+        kvmanager_id: str = "",
     ) -> None:
+        """``kv_stores`` and ``kvmanager_id``: the simulated node kvmanagers and this engine's
+        own (see ``handoff.py``): computed prompt blocks are saved there, and a request's
+        ``kv_source`` is loaded from there. None: no hand-off (``kv_source`` is ignored)."""
         cfg = config or SimEngineConfig()
         if cfg.speedup <= 0:
             raise ValueError("speedup must be > 0")
@@ -129,6 +135,9 @@ class SimulatedEngine:
             vocab_size=cfg.vocab_size,
         )
         self._hasher = hasher or simple_block_hashes(wcfg.block_size)
+        self._kv_stores = kv_stores
+        self._kvmanager_id = kvmanager_id
+        self.handoffs: list[tuple[str, int, float]] = []  # (request id, blocks loaded, waited s)
         self._clock = clock
         self._t0 = clock()
         self._worker = SimulatedWorker(wcfg, kv_sink=self._on_kv, token_sink=self._on_tokens)
@@ -193,7 +202,14 @@ class SimulatedEngine:
                 f"the hasher gave {len(hashes)} block hashes for {len(prompt)} tokens; it must "
                 f"hash full blocks of {self._info.block_size} tokens (the engine's block size)"
             )
-        stream = self._new_stream(request, tuple(hashes))
+        external = 0
+        source = request.kv_source
+        if source is not None and self._kv_stores is not None:
+            external, waited = await self._kv_stores.load(
+                source.kvmanager_id, self._kvmanager_id, hashes, source.blocks
+            )
+            self.handoffs.append((rid, external, waited))
+        stream = self._new_stream(request, tuple(hashes), external)
         if rid in self._streams:  # another call with this id won the race while we hashed
             raise errors.InvalidArgument(
                 f"request_id {rid!r} is already running on this worker; use a unique id"
@@ -225,7 +241,9 @@ class SimulatedEngine:
             self._task = None
 
     # ---- internals -------------------------------------------------------------------------
-    def _new_stream(self, request: GenerateRequest, hashes: tuple[BlockHash, ...]) -> _Stream:
+    def _new_stream(
+        self, request: GenerateRequest, hashes: tuple[BlockHash, ...], external: int = 0
+    ) -> _Stream:
         s = request.sampling
         info = self._info
         n_prompt = len(request.prompt_token_ids)
@@ -247,7 +265,7 @@ class SimulatedEngine:
             if hit is not None:
                 output = output[: hit + 1]
                 stop_reason = str(output[hit])
-        sim = SimRequest(request.request_id, hashes, n_prompt, len(output))
+        sim = SimRequest(request.request_id, hashes, n_prompt, len(output), external)
         if self._worker.blocks_needed(sim) > self._worker.config.capacity_blocks:
             raise errors.InvalidArgument(
                 f"prompt ({n_prompt} tokens) + output ({len(output)} tokens) exceeds the "
@@ -321,6 +339,11 @@ class SimulatedEngine:
             stream.queue.put_nowait(count)
 
     def _on_kv(self, events: Sequence[KvEvent]) -> None:
+        stores = self._kv_stores
+        if stores is not None and self._kvmanager_id:  # the connector's saves
+            for e in events:
+                if isinstance(e, BlockStored):
+                    stores.put(self._kvmanager_id, e.block_hashes)
         sink = self._kv_sink
         if sink is not None:
             try:

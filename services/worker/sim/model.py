@@ -63,6 +63,9 @@ class SimWorkerConfig:
     decode_s_per_context_token: float = 4e-8  # KV read per context token per decode step, s
     prefill_s_per_token: float = 5e-5  # linear (MLP/projection) cost per prefilled token, s
     attention_s_per_token_pair: float = 1e-9  # per (query, earlier key) pair in prefill, s
+    # Loading a handed-over block (SimRequest.external_blocks) into the KV cache, per token, s:
+    # charged to the step that admits the request (2e-6: ~64 GB/s for 128 KiB per token).
+    load_s_per_token: float = 2e-6
     coalesce_decode_steps: bool = True  # one event for a run of identical decode steps
 
     def __post_init__(self) -> None:
@@ -76,6 +79,7 @@ class SimWorkerConfig:
             self.decode_s_per_context_token,
             self.prefill_s_per_token,
             self.attention_s_per_token_pair,
+            self.load_s_per_token,
         )
         if min(times) < 0:
             raise ValueError("timing parameters must be >= 0")
@@ -87,6 +91,10 @@ class SimRequest:
     block_hashes: tuple[BlockHash, ...] = field(repr=False)  # the prompt's full blocks, chained
     prompt_tokens: int
     output_tokens: int  # tokens to generate (>= 1)
+    # Leading prompt blocks whose KV is loaded from outside the engine at admission (a KV
+    # hand-off from a prefill worker through the node kvmanager), as vLLM's KV connector would:
+    # they count as cached, cost ``load_s_per_token``, and are not prefilled.
+    external_blocks: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +141,7 @@ class _Run:
         "first_token_s",
         "generated",
         "hit_blocks",
+        "loaded",
         "n_full",
         "private",
         "req",
@@ -146,6 +155,7 @@ class _Run:
         self.first_token_s: float | None = None
         self.n_full = min(len(req.block_hashes), req.prompt_tokens // block_size)
         self.hit_blocks = 0
+        self.loaded = 0  # tokens loaded from outside at admission, not yet charged to a step
         self.computed = 0  # prompt tokens whose KV exists
         self.stored = 0  # leading prompt blocks this request references in the cache
         self.private = 0  # blocks it holds outside the cache (uncomputed, partial, output)
@@ -246,8 +256,9 @@ class SimulatedWorker:
             )
         run = _Run(request, self.now, cfg.block_size)
         limit = min(run.n_full, (request.prompt_tokens - 1) // cfg.block_size)
-        run.backlog = request.prompt_tokens - cfg.block_size * self.prefix_hit_blocks(
-            request.block_hashes, limit
+        run.backlog = request.prompt_tokens - cfg.block_size * max(
+            self.prefix_hit_blocks(request.block_hashes, limit),
+            min(request.external_blocks, limit),
         )
         self._runs[request.request_id] = run
         self._waiting.append(run)
@@ -435,7 +446,10 @@ class SimulatedWorker:
                 count = min(run.req.output_tokens - run.generated for run in decoding)
                 growth = cfg.decode_s_per_context_token * len(decoding)
         pair_s = cfg.attention_s_per_token_pair
-        for _run, a, b in chunks:
+        for run, a, b in chunks:
+            if run.loaded:
+                duration += cfg.load_s_per_token * run.loaded
+                run.loaded = 0
             duration += cfg.prefill_s_per_token * (b - a)
             if pair_s:
                 duration += pair_s * ((b * (b + 1) - a * (a + 1)) // 2)
@@ -480,9 +494,15 @@ class SimulatedWorker:
         run.private = need
         run.hit_blocks = run.stored = hit
         run.computed = hit * bs
+        ext = min(req.external_blocks, run.n_full, (req.prompt_tokens - 1) // bs)
+        if ext > hit:  # handed-over blocks: loaded now, cached from the admitting step on
+            run.loaded = (ext - hit) * bs
+            run.hit_blocks = ext
+            run.computed = ext * bs
+            self._store(run, ext)
         run.admitted_s = self.now
         self._queried_tokens += req.prompt_tokens
-        self._hit_tokens += hit * bs
+        self._hit_tokens += run.hit_blocks * bs
         return True
 
     def _store(self, run: _Run, upto: int) -> None:

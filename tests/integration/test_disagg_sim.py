@@ -1,0 +1,241 @@
+"""Prefill/decode disaggregation on simulated engines (services/worker/sim: a simulator, not an
+engine, with a simulated KV hand-off, sim/handoff.py) behind the real worker gRPC service, a
+real etcd, a real kvmanager (it gives the router the workers' node store: the hand-off target)
+and a real router: the threshold, the role of each stage, the hand-off (the decode worker
+reports the handed-over blocks as cached, even when the saves land late), and each failure path:
+prefill worker unavailable or hanging -> aggregated; decode worker unavailable before its first
+token -> another decode worker; after tokens -> UNAVAILABLE."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+import urllib.request
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvmesh import errors
+from kvmesh.client import RouterClient, make_request
+from kvmesh.discovery.keys import Role, WorkerId
+from kvmesh.kv.hashing import HashConfig, block_hashes
+from kvmesh.v1 import kvmanager_pb2
+from services.kvmanager.config import KvManagerConfig
+from services.kvmanager.main import start_kvmanager
+from services.kvmanager.servicer import layout_from_pb
+from services.router.config import RouterConfig
+from services.router.core.disagg import DisaggConfig
+from services.router.main import start_router
+from services.worker.config import WorkerConfig
+from services.worker.core import GenerateRequest, KvSource, OutputDelta
+from services.worker.server import start_worker
+from services.worker.sim.engine import SimEngineConfig, SimulatedEngine
+from services.worker.sim.handoff import HandoffConfig, SimKvStores
+from services.worker.sim.model import SimWorkerConfig
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+BLOCK = 32
+KEY = layout_from_pb(
+    kvmanager_pb2.KvLayout(
+        model="sim", block_size=BLOCK, num_layers=2, num_kv_heads=2, head_size=32, dtype="float32"
+    )
+).key
+KVM = "kvm-1"
+THRESHOLD = 256
+LONG = list(range(1, 20 * BLOCK + 8))  # 647 tokens: 20 full blocks, all loadable
+SHORT = list(range(1, 101))  # 100 tokens < THRESHOLD
+
+
+class SimWorker(SimulatedEngine):
+    """The simulator with a switchable failure: ``fail`` = "unavailable" (refuses every
+    request), "hang" (never answers) or "after-tokens" (dies after its first tokens)."""
+
+    def __init__(self, stores: SimKvStores) -> None:
+        super().__init__(
+            SimEngineConfig(
+                worker=SimWorkerConfig(capacity_blocks=1024, block_size=BLOCK),
+                model="sim",
+                max_model_len=4096,
+                vocab_size=1000,
+                speedup=20.0,
+            ),
+            hasher=functools.partial(block_hashes, cfg=HashConfig(block_size=BLOCK)),
+            kv_stores=stores,
+            kvmanager_id=KVM,
+        )
+        self.seen: list[GenerateRequest] = []
+        self.fail = ""
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[OutputDelta]:
+        self.seen.append(request)
+        if self.fail == "unavailable":
+            raise errors.Unavailable("simulated worker failure")
+        if self.fail == "hang":
+            await asyncio.sleep(3600)
+        n = 0
+        async for delta in super().generate(request):
+            yield delta
+            n += len(delta.token_ids)
+            if self.fail == "after-tokens" and n >= 2:
+                raise errors.Unavailable("simulated worker died mid-stream")
+
+
+@pytest.fixture
+async def mesh(etcd, request):
+    cluster = f"disagg{abs(hash(request.node.name)) % 10**6}"
+    endpoints = tuple(etcd.endpoints)
+    stores = SimKvStores(HandoffConfig(save_delay_s=0.3, wait_s=2.0))
+    kvm = await start_kvmanager(
+        KvManagerConfig(
+            kvmanager_id=KVM,
+            node="n1",
+            cluster=cluster,
+            etcd_endpoints=endpoints,
+            drain_grace_s=1.0,
+            metrics_port=-1,
+        )
+    )
+    engines: dict[str, SimWorker] = {}
+    workers = []
+    for wid, role in (("p0", Role.PREFILL), ("d0", Role.DECODE), ("d1", Role.DECODE)):
+        engines[wid] = SimWorker(stores)
+        workers.append(
+            await start_worker(
+                WorkerConfig(
+                    worker_id=wid,
+                    role=role,
+                    node="n1",
+                    kv_layout=KEY,
+                    cluster=cluster,
+                    etcd_endpoints=endpoints,
+                    drain_grace_s=1.0,
+                ),
+                engines[wid],
+            )
+        )
+    router = await start_router(
+        RouterConfig(
+            cluster=cluster,
+            etcd_endpoints=endpoints,
+            policy="precise-prefix",
+            disagg=DisaggConfig(threshold_tokens=THRESHOLD, prefill_timeout_s=1.5),
+            drain_grace_s=1.0,
+            metrics_refresh_s=0.1,
+        )
+    )
+    try:
+        await until(lambda: all(router.index.linked(WorkerId(w)) for w in engines))
+        async with RouterClient(router.address) as client:
+            await client.wait_for_models()
+            yield router, client, engines
+    finally:
+        await router.stop()
+        for w in workers:
+            await w.stop()
+        await kvm.stop()
+        stores.close()
+
+
+async def until(predicate: Callable[[], object], timeout_s: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.02)
+
+
+def counter(router, name: str, **labels: str) -> float:
+    assert router.metrics_server is not None
+    with urllib.request.urlopen(router.metrics_server.url, timeout=5) as resp:
+        text = resp.read().decode()
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    )
+
+
+async def metric(router, name: str, **labels: str) -> float:
+    return await asyncio.to_thread(counter, router, name, **labels)
+
+
+async def test_long_prompt_is_prefilled_apart_and_handed_over(mesh):
+    router, client, engines = mesh
+    done = await client.complete(make_request(LONG, max_tokens=6), timeout_s=30)
+    assert done.usage is not None
+    decode = done.usage.worker_id
+    assert decode in ("d0", "d1")
+    assert len(done.token_ids) == 6
+    # the prefill worker computed the prompt and one token, nobody saw it
+    (pre,) = engines["p0"].seen
+    assert pre.sampling.max_tokens == 1 and pre.prompt_token_ids == tuple(LONG)
+    # the decode worker got the whole request, naming the prefill node's kvmanager, and loaded
+    # all 20 blocks though the saves landed 0.3 s after the prefill's first token
+    seen = engines[decode].seen[-1]
+    assert seen.kv_source == KvSource(KVM, 20)
+    assert seen.sampling.max_tokens == 6
+    assert done.usage.cached_prompt_tokens == 20 * BLOCK
+    ((_rid, loaded, waited),) = engines[decode].handoffs
+    assert loaded == 20 and waited > 0.05
+    assert await metric(router, "kvmesh_router_disagg_decisions_total", reason="disaggregated") == 1
+
+
+async def test_short_prompt_is_served_on_one_decode_worker(mesh):
+    router, client, engines = mesh
+    done = await client.complete(make_request(SHORT, max_tokens=3), timeout_s=30)
+    assert done.usage is not None and done.usage.worker_id in ("d0", "d1")
+    assert engines["p0"].seen == []
+    assert engines[done.usage.worker_id].seen[-1].kv_source is None
+    assert (
+        await metric(router, "kvmesh_router_disagg_decisions_total", reason="below-threshold") == 1
+    )
+
+
+@pytest.mark.parametrize(
+    ("failure", "reason"),
+    [("unavailable", "prefill-unavailable"), ("hang", "prefill-timeout")],
+    ids=["prefill-unavailable", "prefill-hangs"],
+)
+async def test_prefill_failure_is_served_aggregated(mesh, failure, reason):
+    router, client, engines = mesh
+    engines["p0"].fail = failure
+    started = time.monotonic()
+    done = await client.complete(make_request(LONG, max_tokens=4), timeout_s=30)
+    assert time.monotonic() - started < 10
+    assert done.usage is not None and done.usage.worker_id in ("d0", "d1")
+    assert len(done.token_ids) == 4
+    assert len(engines["p0"].seen) == 1
+    seen = engines[done.usage.worker_id].seen[-1]
+    assert seen.kv_source is None  # recomputed: nothing was handed over
+    assert done.usage.cached_prompt_tokens == 0
+    assert await metric(router, "kvmesh_router_disagg_fallbacks_total", reason=reason) == 1
+
+
+async def test_decode_unavailable_before_first_token_goes_to_another(mesh):
+    router, client, engines = mesh
+    engines["d0"].fail = "unavailable"
+    for i in range(20):  # the two idle decode workers tie; d0 is picked at random
+        prompt = [999 - i, *LONG[1:]]  # a new prefix each time
+        done = await client.complete(make_request(prompt, max_tokens=3), timeout_s=30)
+        assert done.usage is not None and done.usage.worker_id == "d1"
+        assert len(done.token_ids) == 3
+        if engines["d0"].seen:
+            break
+    assert engines["d0"].seen, "d0 was never picked"
+    # d0 got the hand-off and failed; d1 got the same hand-off and loaded it
+    assert engines["d0"].seen[-1].kv_source == engines["d1"].seen[-1].kv_source
+    assert done.usage.cached_prompt_tokens == 20 * BLOCK
+    assert await metric(router, "kvmesh_router_retries_total") >= 1
+
+
+async def test_decode_failure_after_tokens_is_unavailable(mesh):
+    _router, client, engines = mesh
+    for e in (engines["d0"], engines["d1"]):
+        e.fail = "after-tokens"
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await client.complete(make_request(LONG, max_tokens=8), timeout_s=30)
+    assert info.value.code() is grpc.StatusCode.UNAVAILABLE
