@@ -79,6 +79,12 @@ def _add_mesh_flags(p: argparse.ArgumentParser, default_port: int) -> None:
         help="router gRPC port (default %(default)s; 0 = any free port)",
     )
     p.add_argument(
+        "--http-port",
+        type=int,
+        default=8000 if default_port else 0,
+        help="router's OpenAI-compatible HTTP port (default %(default)s; 0 = any free port)",
+    )
+    p.add_argument(
         "--etcd", default="", help="etcd endpoints host:port,...; empty starts a local etcd"
     )
     p.add_argument("--cluster", default="default", help="etcd cluster name")
@@ -139,6 +145,7 @@ def _mesh_spec(a: argparse.Namespace):  # type: ignore[no-untyped-def]
         prefill_workers=a.prefill,
         decode_workers=a.decode,
         router_port=a.port,
+        router_http_port=a.http_port,
         etcd_endpoints=tuple(e for e in a.etcd.split(",") if e),
         cluster=a.cluster,
         max_model_len=a.max_model_len,
@@ -171,6 +178,7 @@ def cmd_up(a: argparse.Namespace) -> int:
     print(
         f"kvmesh up: ready in {time.monotonic() - t0:.1f} s\n"
         f'  router  {mesh.router_address}   (try: kvmesh generate --router {mesh.router_address} "Hello")\n'
+        f"  openai  {mesh.http_base_url}   (OpenAI-compatible: base_url for any OpenAI client)\n"
         f"  etcd    {','.join(mesh.etcd_endpoints)}\n"
         f"  workers {', '.join(w.ready.get('address', '?') for w in mesh.workers)}\n"
         f"  logs    {mesh.log_dir}\n"

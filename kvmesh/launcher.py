@@ -42,6 +42,7 @@ class MeshSpec:
     decode_workers: int = 0
     router_host: str = "127.0.0.1"
     router_port: int = 0  # 0: the OS picks
+    router_http_port: int = 0  # the router's OpenAI-compatible HTTP port; 0: the OS picks
     etcd_endpoints: tuple[str, ...] = ()  # empty: start a local etcd child
     cluster: str = "default"
     max_model_len: int = 4096
@@ -100,6 +101,12 @@ class Mesh:
         assert self.router is not None
         return self.router.ready["address"]
 
+    @property
+    def http_base_url(self) -> str:
+        """The router's OpenAI-compatible base URL (``http://host:port/v1``)."""
+        assert self.router is not None
+        return self.router.ready["http"]
+
     def start(self) -> None:
         try:
             if not self.spec.etcd_endpoints:
@@ -153,6 +160,8 @@ class Mesh:
         args = [
             "--host", spec.router_host,
             "--port", str(spec.router_port),
+            "--http-host", spec.router_host,
+            "--http-port", str(spec.router_http_port),
             "--cluster", spec.cluster,
             "--etcd", ",".join(self.etcd_endpoints),
             *spec.router_args,

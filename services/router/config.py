@@ -34,6 +34,11 @@ class RouterConfig:
     load_interval_s: float = 0.25  # WatchLoad push interval asked of workers
     worker_call_timeout_s: float = 5.0  # deadline of unary calls to workers (Abort)
     drain_grace_s: float = 10.0  # on SIGTERM, time given to in-flight streams
+    # OpenAI-compatible HTTP front door (docs/openai.md)
+    http_host: str = "127.0.0.1"  # address of /v1/chat/completions, /v1/completions, /v1/models
+    http_port: int = 0  # its port; 0 lets the OS pick (printed at start), -1 turns it off
+    api_keys: tuple[str, ...] = ()  # accepted API keys (Bearer); empty: any key or none
+    http_max_body_bytes: int = 8 * 1024 * 1024  # larger request bodies: HTTP 413
     metrics_host: str = "127.0.0.1"  # address of the Prometheus /metrics endpoint
     metrics_port: int = 0  # its port; 0 lets the OS pick (printed at start), -1 turns it off
     metrics_refresh_s: float = 2.0  # how often the KV stream gauges are refreshed

@@ -30,6 +30,7 @@ from .core.peers import PeerHintConfig, PeerHints
 from .core.routing import POLICIES, make_policy
 from .core.workers import Change, WorkerSet
 from .hashing import PromptHasher
+from .http import OpenAIServer
 from .kvsync import KvEventSync
 from .metrics import RouterMetrics
 from .pool import WorkerPool
@@ -63,6 +64,7 @@ class RunningRouter:
     metrics: RouterMetrics
     metrics_server: MetricsServer | None
     _metrics_task: asyncio.Task[None]
+    http: OpenAIServer | None  # the OpenAI-compatible front door; None: off
 
     async def stop(self) -> None:
         """Health NOT_SERVING -> refuse new work -> let streams finish (bounded) -> leave etcd."""
@@ -70,6 +72,8 @@ class RunningRouter:
         self.servicer.draining = True
         await self._registrar.close(revoke=True)
         await self._server.stop(grace=self._config.drain_grace_s)
+        if self.http is not None:
+            await self.http.close()
         await self.watcher.close()
         await self.kvmanager_watcher.close()
         await self.kv_sync.close()
@@ -172,6 +176,23 @@ async def start_router(config: RouterConfig) -> RunningRouter:
         _refresh_metrics(metrics, kv_sync, tier_sync, index, config.metrics_refresh_s),
         name="metrics",
     )
+    http = None
+    if config.http_port >= 0:
+        # The front door speaks to this router's own gRPC API on loopback.
+        dial = (
+            "127.0.0.1"
+            if config.host in ("0.0.0.0", "::", "[::]", "", "localhost")
+            else config.host
+        )
+        http = OpenAIServer(
+            f"{dial}:{port}",
+            config.http_host,
+            config.http_port,
+            api_keys=config.api_keys or None,
+            max_body_bytes=config.http_max_body_bytes,
+            request_timeout_s=config.default_timeout_s,
+        )
+        await http.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("router %s serving on %s with %d workers known", router_id, address, len(workers))
@@ -193,6 +214,7 @@ async def start_router(config: RouterConfig) -> RunningRouter:
         metrics=metrics,
         metrics_server=metrics_server,
         _metrics_task=metrics_task,
+        http=http,
     )
 
 
@@ -292,6 +314,22 @@ def parse_args(argv: list[str] | None) -> RouterConfig:
     p.add_argument("--default-timeout-s", type=float, default=d.default_timeout_s)
     p.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes)
     p.add_argument("--drain-grace-s", type=float, default=d.drain_grace_s)
+    p.add_argument(
+        "--http-host", default=d.http_host, help="address of the OpenAI-compatible HTTP API"
+    )
+    p.add_argument(
+        "--http-port",
+        type=int,
+        default=d.http_port,
+        help="OpenAI-compatible HTTP port (/v1/chat/completions ...); 0 = OS picks, -1 = off",
+    )
+    p.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        help="accepted API key for the HTTP API (repeatable; default: any key or none)",
+    )
+    p.add_argument("--http-max-body-bytes", type=int, default=d.http_max_body_bytes)
     p.add_argument("--metrics-host", default=d.metrics_host, help="address of /metrics")
     p.add_argument(
         "--metrics-port",
@@ -335,6 +373,10 @@ def parse_args(argv: list[str] | None) -> RouterConfig:
         default_timeout_s=a.default_timeout_s,
         max_request_bytes=a.max_request_bytes,
         drain_grace_s=a.drain_grace_s,
+        http_host=a.http_host,
+        http_port=a.http_port,
+        api_keys=tuple(a.api_key),
+        http_max_body_bytes=a.http_max_body_bytes,
         metrics_host=a.metrics_host,
         metrics_port=a.metrics_port,
         trace_exporter=Exporter(a.trace_exporter),
@@ -346,7 +388,8 @@ def parse_args(argv: list[str] | None) -> RouterConfig:
 async def serve(config: RouterConfig) -> None:
     router = await start_router(config)
     metrics = f" metrics={router.metrics_server.url}" if router.metrics_server else ""
-    print(f"{READY_LINE} address={router.address}{metrics}", flush=True)
+    http = f" http={router.http.base_url}" if router.http is not None else ""
+    print(f"{READY_LINE} address={router.address}{metrics}{http}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

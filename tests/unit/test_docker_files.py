@@ -407,16 +407,21 @@ def test_router_and_workers_are_reachable_as_they_advertise(compose, name) -> No
         assert config.worker_id == name
 
 
-def test_the_router_port_is_published(compose) -> None:
+def test_the_router_ports_are_published(compose) -> None:
     _, config = parse_service(compose, "router")
-    (mapping,) = compose["services"]["router"]["ports"]
-    bind, host_port, container_port = mapping.split(":")
-    assert int(container_port) == config.port == int(host_port)
-    assert bind == "127.0.0.1", "loopback unless KVMESH_ROUTER_BIND says otherwise"
+    grpc_map, http_map = compose["services"]["router"]["ports"]
+    for mapping, port in ((grpc_map, config.port), (http_map, config.http_port)):
+        bind, host_port, container_port = mapping.split(":")
+        assert int(container_port) == port == int(host_port)
+        assert bind == "127.0.0.1", "loopback unless KVMESH_ROUTER_BIND says otherwise"
+    assert config.http_host == "0.0.0.0", "the OpenAI-compatible API listens in the container"
     opened = interpolate(
         yaml.safe_load(COMPOSE_FILE.read_text()), {"KVMESH_ROUTER_BIND": "0.0.0.0"}
     )
-    assert opened["services"]["router"]["ports"] == [f"0.0.0.0:{host_port}:{container_port}"]
+    assert opened["services"]["router"]["ports"] == [
+        f"0.0.0.0:{config.port}:{config.port}",
+        f"0.0.0.0:{config.http_port}:{config.http_port}",
+    ]
 
 
 def test_workers_are_distinct(compose) -> None:

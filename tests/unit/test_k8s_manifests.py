@@ -445,8 +445,10 @@ def test_service_ports_reach_named_container_ports(rendered, name) -> None:
     _, config = parsed(objects, "Deployment", "router")
     assert {p["name"]: p["port"] for p in router["spec"]["ports"]} == {
         "grpc": config.port,
+        "http": config.http_port,
         "metrics": config.metrics_port,
     }
+    assert config.http_host == "0.0.0.0", "the OpenAI-compatible API is reachable in the pod"
 
 
 @pytest.mark.parametrize("name", KUSTOMIZATIONS)

@@ -1,0 +1,300 @@
+"""The aiohttp edge of the OpenAI front door: routes, body limits, SSE framing, disconnects.
+Translation lives in ``translate``, the router call in ``backend``."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from typing import Any
+
+from aiohttp import web
+
+from kvmesh import errors
+from kvmesh.v1 import router_pb2
+
+from . import translate
+from .backend import GrpcRouterBackend, RouterBackend
+from .errors import BadRequest, MethodNotAllowed, PayloadTooLarge, UnknownRoute, error_body
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+Parser = Callable[[object, translate.Extensions, str, int], translate.ParsedRequest]
+
+
+def _json_response(
+    status: int, body: dict[str, Any], headers: Mapping[str, str] | None = None
+) -> web.Response:
+    return web.Response(
+        status=status,
+        body=json.dumps(body, ensure_ascii=False).encode(),
+        content_type="application/json",
+        headers=headers,
+    )
+
+
+def error_response(exc: BaseException, request_id: str = "") -> web.Response:
+    status, body = error_body(exc, request_id)
+    if status >= 500:
+        log.warning("request %s failed: %s: %s", request_id, type(exc).__name__, exc)
+    return _json_response(status, body, {"x-request-id": request_id} if request_id else None)
+
+
+def sse(payload: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
+
+
+class OpenAIServer:
+    """OpenAI-compatible HTTP (``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``)
+    in front of the router's gRPC API at ``router_address``, served on ``host:port`` (0: a free
+    port, see ``port`` after ``start``). Runs on the caller's asyncio loop.
+
+    ``api_keys``: None accepts any key (or none); otherwise the accepted keys, as key -> tenant
+    or just keys (tenant derived from the key). ``default_max_tokens`` applies when a request
+    sets neither max_tokens nor max_completion_tokens. ``backend`` replaces the gRPC channel
+    (an in-process router, a fake in tests)."""
+
+    def __init__(
+        self,
+        router_address: str = "",
+        host: str = "127.0.0.1",
+        port: int = 8000,
+        *,
+        api_keys: Mapping[str, str] | Iterable[str] | None = None,
+        max_body_bytes: int = 8 << 20,
+        request_timeout_s: float = 600.0,
+        models_timeout_s: float = 10.0,
+        default_max_tokens: int = 512,
+        backend: RouterBackend | None = None,
+    ) -> None:
+        if backend is None and not router_address:
+            raise ValueError("OpenAIServer needs router_address or backend")
+        self.router_address = router_address
+        self.host = host
+        self._port = port
+        if api_keys is None or isinstance(api_keys, Mapping):
+            self._api_keys = dict(api_keys) if api_keys is not None else None
+        else:
+            self._api_keys = {k: translate.tenant_of_key(k) for k in api_keys}
+        self._max_body_bytes = max_body_bytes
+        self._timeout_s = request_timeout_s
+        self._models_timeout_s = models_timeout_s
+        self._default_max_tokens = default_max_tokens
+        self._backend = backend
+        self._own_backend = backend is None
+        self._runner: web.AppRunner | None = None
+        self._created = int(time.time())
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    def app(self) -> web.Application:
+        app = web.Application(
+            client_max_size=self._max_body_bytes, middlewares=[self._errors_middleware]
+        )
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/v1/models/{model}", self._model)
+        app.router.add_get("/health", self._health)
+        return app
+
+    async def start(self) -> None:
+        if self._backend is None:
+            self._backend = GrpcRouterBackend(self.router_address)
+        # handler_cancellation: a client that disconnects cancels its handler, which cancels
+        # the router call (and so the engine request) even before the first byte is written.
+        self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self._port)
+        await site.start()
+        self._port = self._runner.addresses[0][1]  # the bound port, when 0 asked the OS
+        log.info("OpenAI-compatible HTTP on http://%s:%d/v1", self.host, self._port)
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        if self._backend is not None and self._own_backend:
+            await self._backend.close()
+            self._backend = None
+
+    @property
+    def port(self) -> int:
+        return self._port
+
+    @property
+    def base_url(self) -> str:
+        """What an OpenAI client takes as ``base_url``."""
+        return f"http://{self.host}:{self._port}/v1"
+
+    @property
+    def backend(self) -> RouterBackend:
+        if self._backend is None:
+            raise RuntimeError("OpenAIServer is not started")
+        return self._backend
+
+    # ---- errors -------------------------------------------------------------------------------
+    @web.middleware
+    async def _errors_middleware(
+        self, request: web.Request, handler: Handler
+    ) -> web.StreamResponse:
+        """aiohttp's own errors (unknown path, wrong method, body too large, ...) in the OpenAI
+        shape; anything unexpected as a 500 with a request id and the trace in the log."""
+        try:
+            return await handler(request)
+        except web.HTTPRequestEntityTooLarge:
+            return error_response(
+                PayloadTooLarge(f"the request body exceeds {self._max_body_bytes} bytes")
+            )
+        except web.HTTPNotFound:
+            return error_response(UnknownRoute(f"no endpoint {request.method} {request.path}"))
+        except web.HTTPMethodNotAllowed:
+            return error_response(
+                MethodNotAllowed(f"{request.method} is not allowed on {request.path}")
+            )
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            body = error_body(BadRequest(exc.reason))[1]
+            return _json_response(exc.status, body)
+        except Exception as exc:
+            rid = uuid.uuid4().hex
+            log.exception("internal error request_id=%s on %s", rid, request.path)
+            return error_response(exc, rid)
+
+    # ---- endpoints ----------------------------------------------------------------------------
+    async def _health(self, request: web.Request) -> web.Response:
+        return _json_response(200, {"status": "ok"})
+
+    async def _models(self, request: web.Request) -> web.Response:
+        try:
+            translate.extensions_from_headers(request.headers, self._api_keys)
+            resp = await self.backend.list_models(self._models_timeout_s)
+        except errors.KvmeshError as exc:
+            return error_response(exc)
+        return _json_response(200, translate.models_json(resp, self._created))
+
+    async def _model(self, request: web.Request) -> web.Response:
+        name = request.match_info["model"]
+        try:
+            translate.extensions_from_headers(request.headers, self._api_keys)
+            resp = await self.backend.list_models(self._models_timeout_s)
+            found = next((m for m in resp.models if m.name == name), None)
+            if found is None:
+                raise errors.NotFound(f"model {name!r} is not served")
+        except errors.KvmeshError as exc:
+            return error_response(exc)
+        return _json_response(200, translate.model_json(found, self._created))
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, translate.parse_chat, "chatcmpl-")
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, translate.parse_completion, "cmpl-")
+
+    async def _read_json(self, request: web.Request) -> object:
+        if request.content_length is not None and request.content_length > self._max_body_bytes:
+            raise PayloadTooLarge(
+                f"the request body has {request.content_length} bytes; the limit is "
+                f"{self._max_body_bytes}"
+            )
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise PayloadTooLarge(
+                f"the request body exceeds {self._max_body_bytes} bytes"
+            ) from None
+        try:
+            return json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise BadRequest(f"the request body is not valid JSON: {exc}") from None
+
+    async def _generate(
+        self, request: web.Request, parse: Parser, prefix: str
+    ) -> web.StreamResponse:
+        rid = prefix + uuid.uuid4().hex
+        try:
+            ext = translate.extensions_from_headers(request.headers, self._api_keys)
+            body = await self._read_json(request)
+            parsed = parse(body, ext, rid, self._default_max_tokens)
+        except errors.KvmeshError as exc:
+            return error_response(exc, rid)
+        out = translate.ResponseTranslator(parsed, int(time.time()))
+        stream = self.backend.generate(parsed.generate, self._timeout_s)
+        async with contextlib.aclosing(stream):
+            try:
+                # Errors before the first message (unknown model, bad prompt, no worker) get
+                # their own HTTP status, streaming or not.
+                first = await anext(stream)
+            except errors.KvmeshError as exc:
+                return error_response(exc, rid)
+            except StopAsyncIteration:
+                return error_response(
+                    errors.Unavailable("the router ended the stream without an answer"), rid
+                )
+            if parsed.stream:
+                return await self._stream(request, out, first, stream)
+            return await self._collect(out, first, stream)
+
+    async def _collect(
+        self,
+        out: translate.ResponseTranslator,
+        msg: router_pb2.GenerateResponse,
+        stream: AsyncIterator[router_pb2.GenerateResponse],
+    ) -> web.Response:
+        rid = out.request.id
+        try:
+            while True:
+                out.feed(msg)
+                if out.finished:
+                    break
+                msg = await anext(stream)
+        except errors.KvmeshError as exc:
+            return error_response(exc, rid)
+        except StopAsyncIteration:
+            return error_response(errors.Unavailable("the router ended the stream early"), rid)
+        return _json_response(200, out.response(), translate.response_headers(rid, out.usage))
+
+    async def _stream(
+        self,
+        request: web.Request,
+        out: translate.ResponseTranslator,
+        msg: router_pb2.GenerateResponse,
+        stream: AsyncIterator[router_pb2.GenerateResponse],
+    ) -> web.StreamResponse:
+        """Server-sent events: one ``data: {chunk}`` per payload, ``data: [DONE]`` at the end.
+        The worker is known only at the end, so it travels in the last chunk's ``kvmesh``
+        object, not in headers. A client that goes away makes a write (or the handler) fail,
+        which closes ``stream`` and cancels the router call."""
+        rid = out.request.id
+        resp = web.StreamResponse(
+            status=200,
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                "x-request-id": rid,
+            },
+        )
+        await resp.prepare(request)
+        try:
+            while True:
+                for payload in out.feed(msg):
+                    await resp.write(sse(payload))
+                if out.finished:
+                    break
+                msg = await anext(stream)
+        except errors.KvmeshError as exc:
+            # Headers are gone; the OpenAI clients raise on an SSE event holding "error".
+            await resp.write(sse(error_body(exc, rid)[1]))
+        except StopAsyncIteration:
+            body = error_body(errors.Unavailable("the router ended the stream early"))[1]
+            await resp.write(sse(body))
+        except ConnectionResetError:
+            log.info("client of %s went away mid-stream; cancelling", rid)
+            raise
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp

@@ -1,0 +1,525 @@
+"""OpenAI JSON <-> kvmesh.v1 messages. Pure: no sockets, no event loop, no clock (callers pass
+``created``), so every rule is a unit-test row.
+
+Requests: ``parse_chat`` / ``parse_completion`` turn a decoded JSON body plus the kvmesh request
+headers into a ``router_pb2.GenerateRequest``; anything we cannot honour is a ``BadRequest``
+naming the field, never silently dropped (``tools`` and ``tool_choice`` are the exceptions: see
+``IGNORED_FIELDS``). Responses: ``ResponseTranslator`` turns the router's stream into OpenAI
+chunks (streaming) or one response object (non-streaming).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from kvmesh.v1 import common_pb2, router_pb2
+
+from .errors import BadRequest, Unauthorized
+
+SESSION_HEADER = "x-kvmesh-session-id"
+TENANT_HEADER = "x-kvmesh-tenant"
+PRIORITY_HEADER = "x-kvmesh-priority"
+
+# Accepted and not applied: the router's chat input has no tool schemas yet (router.proto
+# reserves ChatInput fields 2-5 for them), and agent frameworks send these on every turn.
+IGNORED_FIELDS = ("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call")
+
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+FINISH_REASONS = {
+    common_pb2.FINISH_REASON_STOP: "stop",
+    common_pb2.FINISH_REASON_LENGTH: "length",
+    common_pb2.FINISH_REASON_ABORT: "abort",
+}
+
+
+class Kind(StrEnum):
+    CHAT = "chat.completion"
+    COMPLETION = "text_completion"
+
+
+@dataclass(frozen=True, slots=True)
+class Extensions:
+    """What the kvmesh request headers (and the API key) say about a request."""
+
+    session_id: str = ""
+    tenant: str = ""
+    priority: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedRequest:
+    kind: Kind
+    id: str  # the OpenAI id ("chatcmpl-..."), also the kvmesh request_id (Router.Abort takes it)
+    model: str
+    stream: bool
+    include_usage: bool
+    generate: router_pb2.GenerateRequest
+
+
+# ---- headers ---------------------------------------------------------------------------------
+def tenant_of_key(key: str) -> str:
+    """A stable tenant name for an API key that names no tenant: never the secret itself."""
+    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+def api_key_of(headers: Mapping[str, str]) -> str:
+    auth = headers.get("authorization", "")
+    scheme, _, key = auth.partition(" ")
+    if scheme.lower() == "bearer":
+        return key.strip()
+    return headers.get("api-key", "").strip()  # Azure-style clients
+
+
+def extensions_from_headers(
+    headers: Mapping[str, str], api_keys: Mapping[str, str] | None = None
+) -> Extensions:
+    """``headers`` with lower-case names (aiohttp's CIMultiDict is case-insensitive anyway).
+    With ``api_keys`` (key -> tenant) the key must be one of them and names the tenant (the
+    tenant header is then ignored: a key cannot claim another tenant's share). Without, the
+    tenant header wins, else the hashed key."""
+    key = api_key_of(headers)
+    if api_keys is not None:
+        if not key:
+            raise Unauthorized(
+                "no API key; send it as 'Authorization: Bearer <key>' (OpenAI clients: api_key=)"
+            )
+        if key not in api_keys:
+            raise Unauthorized("the API key is not valid for this server")
+        tenant = api_keys[key]
+    else:
+        tenant = headers.get(TENANT_HEADER, "").strip() or (tenant_of_key(key) if key else "")
+    raw_priority = headers.get(PRIORITY_HEADER, "").strip()
+    try:
+        priority = int(raw_priority) if raw_priority else 0
+    except ValueError:
+        raise BadRequest(
+            f"header {PRIORITY_HEADER} must be an integer (got {raw_priority!r})", PRIORITY_HEADER
+        ) from None
+    if not -(2**31) <= priority < 2**31:
+        raise BadRequest(f"header {PRIORITY_HEADER} is out of the int32 range", PRIORITY_HEADER)
+    return Extensions(
+        session_id=headers.get(SESSION_HEADER, "").strip(), tenant=tenant, priority=priority
+    )
+
+
+# ---- typed field readers ---------------------------------------------------------------------
+def _get(body: Mapping[str, Any], name: str, types: type | tuple[type, ...], what: str) -> Any:
+    value = body.get(name)
+    if value is None:
+        return None
+    # bool is an int in Python; JSON true is not a number.
+    if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
+        raise BadRequest(f"{name} must be {what} (got {json.dumps(value)})", name)
+    if not isinstance(value, types):
+        raise BadRequest(f"{name} must be {what} (got {json.dumps(value)[:80]})", name)
+    return value
+
+
+def _number(body: Mapping[str, Any], name: str) -> float | None:
+    v = _get(body, name, (int, float), "a number")
+    return None if v is None else float(v)
+
+
+def _int(body: Mapping[str, Any], name: str) -> int | None:
+    v = _get(body, name, int, "an integer")
+    return None if v is None else int(v)
+
+
+def _bool(body: Mapping[str, Any], name: str) -> bool:
+    return bool(_get(body, name, bool, "true or false"))
+
+
+def _reject_unsupported(body: Mapping[str, Any], kind: Kind) -> None:
+    n = _int(body, "n")
+    if n is not None and n != 1:
+        raise BadRequest(f"n must be 1 (got {n}); kvmesh returns one choice per request", "n")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if _number(body, name):
+            raise BadRequest(f"{name} is not supported yet; omit it or send 0", name)
+    if body.get("logit_bias"):
+        raise BadRequest("logit_bias is not supported; omit it", "logit_bias")
+    logprobs = body.get("logprobs")
+    if logprobs not in (None, False, 0):
+        raise BadRequest("logprobs are not supported yet; omit logprobs", "logprobs")
+    if body.get("top_logprobs"):
+        raise BadRequest("top_logprobs is not supported yet; omit it", "top_logprobs")
+    if kind is Kind.CHAT:
+        fmt = body.get("response_format")
+        if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+            raise BadRequest(
+                "response_format other than {'type': 'text'} (JSON mode, json_schema) is not "
+                "supported; omit it",
+                "response_format",
+            )
+    else:
+        best_of = _int(body, "best_of")
+        if best_of is not None and best_of != 1:
+            raise BadRequest(f"best_of must be 1 (got {best_of})", "best_of")
+        if _bool(body, "echo"):
+            raise BadRequest("echo is not supported; omit it", "echo")
+        if body.get("suffix"):
+            raise BadRequest("suffix is not supported; omit it", "suffix")
+
+
+def _sampling(body: Mapping[str, Any], default_max_tokens: int) -> common_pb2.SamplingParams:
+    max_tokens = _int(body, "max_completion_tokens")
+    param = "max_completion_tokens"
+    if max_tokens is None:
+        max_tokens, param = _int(body, "max_tokens"), "max_tokens"
+    if max_tokens is None:
+        max_tokens = default_max_tokens
+    if max_tokens <= 0:
+        raise BadRequest(f"{param} must be > 0 (got {max_tokens})", param)
+    if max_tokens >= 2**32:
+        raise BadRequest(f"{param} is too large (got {max_tokens})", param)
+    stop = body.get("stop")
+    if stop is None:
+        stops: list[str] = []
+    elif isinstance(stop, str):
+        stops = [stop]
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        stops = list(stop)
+    else:
+        raise BadRequest("stop must be a string or a list of strings", "stop")
+    stop_token_ids = body.get("stop_token_ids") or []  # vLLM extension
+    if not isinstance(stop_token_ids, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in stop_token_ids
+    ):
+        raise BadRequest("stop_token_ids must be a list of token ids", "stop_token_ids")
+    sampling = common_pb2.SamplingParams(
+        max_tokens=max_tokens,
+        stop=stops,
+        stop_token_ids=stop_token_ids,
+        ignore_eos=_bool(body, "ignore_eos"),  # vLLM extension
+    )
+    temperature = _number(body, "temperature")
+    if temperature is not None:
+        sampling.temperature = temperature
+    top_p = _number(body, "top_p")
+    if top_p is not None:
+        sampling.top_p = top_p
+    top_k = _int(body, "top_k")  # vLLM extension
+    if top_k is not None:
+        if not -(2**31) <= top_k < 2**31:
+            raise BadRequest(f"top_k is out of range (got {top_k})", "top_k")
+        sampling.top_k = top_k
+    seed = _int(body, "seed")
+    if seed is not None:
+        if not -(2**63) <= seed < 2**63:
+            raise BadRequest(f"seed must fit in 64 bits (got {seed})", "seed")
+        sampling.seed = seed
+    return sampling
+
+
+def _common(
+    body: object, kind: Kind, default_max_tokens: int
+) -> tuple[dict[str, Any], str, bool, bool, common_pb2.SamplingParams]:
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    model = _get(body, "model", str, "a string") or ""
+    stream = _bool(body, "stream")
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise BadRequest("stream_options must be an object", "stream_options")
+    include_usage = bool(options and options.get("include_usage"))
+    if include_usage and not stream:
+        raise BadRequest("stream_options is only allowed with stream: true", "stream_options")
+    _get(body, "user", str, "a string")  # accepted; logs carry the tenant instead
+    _reject_unsupported(body, kind)
+    return body, model, stream, include_usage, _sampling(body, default_max_tokens)
+
+
+def _request(
+    ext: Extensions, request_id: str, model: str, sampling: common_pb2.SamplingParams
+) -> router_pb2.GenerateRequest:
+    return router_pb2.GenerateRequest(
+        request_id=request_id,
+        model=model,
+        sampling=sampling,
+        session_id=ext.session_id,
+        tenant=ext.tenant,
+        priority=ext.priority,
+    )
+
+
+# ---- chat ------------------------------------------------------------------------------------
+def _content_text(content: object, param: str) -> str:
+    """A message's content: a string, null, or a list of parts of which only text is served."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        out = []
+        for j, part in enumerate(content):
+            if isinstance(part, str):
+                out.append(part)
+                continue
+            if not isinstance(part, dict) or part.get("type") not in ("text", "input_text"):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise BadRequest(
+                    f"{param}[{j}] is a {kind!r} part; only text parts are supported",
+                    f"{param}[{j}]",
+                )
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise BadRequest(f"{param}[{j}].text must be a string", f"{param}[{j}].text")
+            out.append(text)
+        return "".join(out)
+    raise BadRequest(f"{param} must be a string, a list of text parts or null", param)
+
+
+def render_tool_calls(calls: object, param: str) -> str:
+    """Assistant tool calls as text, one ``<tool_call>{name} {arguments}</tool_call>`` a line:
+    router.proto's ChatMessage has no structured tool calls yet (fields 5-9 are reserved for
+    them), so the history carries them in the content, the way the built-in models' chat
+    templates render them."""
+    if not isinstance(calls, list):
+        raise BadRequest(f"{param} must be a list", param)
+    lines = []
+    for j, call in enumerate(calls):
+        fn = call.get("function", call) if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise BadRequest(f"{param}[{j}].function.name must be a string", f"{param}[{j}]")
+        args = fn.get("arguments", "")
+        if not isinstance(args, str):
+            args = json.dumps(args)
+        lines.append(f"<tool_call>{fn['name']} {args}</tool_call>")
+    return "\n".join(lines)
+
+
+def chat_messages(messages: object) -> list[router_pb2.ChatMessage]:
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("messages must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        param = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise BadRequest(f"{param} must be an object", param)
+        role = m.get("role")
+        text = _content_text(m.get("content"), f"{param}.content")
+        name = m.get("name") or ""
+        if not isinstance(name, str):
+            raise BadRequest(f"{param}.name must be a string", f"{param}.name")
+        tool_call_id = ""
+        if role in _ROLES:
+            role = _ROLES[role]
+        elif role == "tool":
+            tool_call_id = m.get("tool_call_id") or ""
+            if not isinstance(tool_call_id, str) or not tool_call_id:
+                raise BadRequest(
+                    f"{param} has role 'tool' but no tool_call_id; set the id of the tool call "
+                    "it answers",
+                    f"{param}.tool_call_id",
+                )
+        elif role == "function":  # the legacy function-calling API: the name is the call
+            if not name:
+                raise BadRequest(f"{param} has role 'function' but no name", f"{param}.name")
+            role, tool_call_id = "tool", name
+        else:
+            raise BadRequest(
+                f"{param}.role is {role!r}; use system, developer, user, assistant or tool",
+                f"{param}.role",
+            )
+        if role == "assistant":
+            calls = m.get("tool_calls") or ([m["function_call"]] if m.get("function_call") else [])
+            if calls:
+                rendered = render_tool_calls(calls, f"{param}.tool_calls")
+                text = f"{text}\n{rendered}" if text else rendered
+        out.append(
+            router_pb2.ChatMessage(role=role, content=text, name=name, tool_call_id=tool_call_id)
+        )
+    return out
+
+
+def parse_chat(
+    body: object, ext: Extensions, request_id: str, default_max_tokens: int
+) -> ParsedRequest:
+    data, model, stream, include_usage, sampling = _common(body, Kind.CHAT, default_max_tokens)
+    req = _request(ext, request_id, model, sampling)
+    req.chat.messages.extend(chat_messages(data.get("messages")))
+    return ParsedRequest(Kind.CHAT, request_id, model, stream, include_usage, req)
+
+
+# ---- completions -----------------------------------------------------------------------------
+def _is_ids(x: object) -> bool:
+    return (
+        isinstance(x, list)
+        and bool(x)
+        and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in x)
+    )
+
+
+def parse_completion(
+    body: object, ext: Extensions, request_id: str, default_max_tokens: int
+) -> ParsedRequest:
+    data, model, stream, include_usage, sampling = _common(
+        body, Kind.COMPLETION, default_max_tokens
+    )
+    req = _request(ext, request_id, model, sampling)
+    prompt = data.get("prompt")
+    # One prompt per request: a batch of one is unwrapped, a larger batch is refused.
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise BadRequest("prompt is empty; send a non-empty prompt", "prompt")
+        req.text = prompt
+    elif _is_ids(prompt):
+        req.token_ids.ids.extend(prompt)
+    elif (
+        isinstance(prompt, list)
+        and len(prompt) > 1
+        and all(isinstance(p, str) or _is_ids(p) for p in prompt)
+    ):
+        raise BadRequest(
+            f"prompt is a batch of {len(prompt)}; send one prompt per request", "prompt"
+        )
+    else:
+        raise BadRequest(
+            "prompt must be a string, a list of token ids, or a list holding one of those",
+            "prompt",
+        )
+    return ParsedRequest(Kind.COMPLETION, request_id, model, stream, include_usage, req)
+
+
+# ---- responses -------------------------------------------------------------------------------
+def usage_json(usage: common_pb2.Usage) -> dict[str, Any]:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_prompt_tokens},
+    }
+
+
+def kvmesh_json(request_id: str, usage: common_pb2.Usage) -> dict[str, Any]:
+    """The ``kvmesh`` object of a response: which worker served it and what the cache saved.
+    (Per-tier counts need router.proto's Usage fields 6-15, still reserved.)"""
+    return {
+        "request_id": request_id,
+        "worker_id": usage.worker_id,
+        "cached_tokens": usage.cached_prompt_tokens,
+        "prompt_tokens": usage.prompt_tokens,
+        "time_to_first_token_s": round(usage.time_to_first_token_s, 6),
+    }
+
+
+def response_headers(request_id: str, usage: common_pb2.Usage | None) -> dict[str, str]:
+    headers = {"x-request-id": request_id}
+    if usage is not None:
+        headers["x-kvmesh-worker"] = usage.worker_id
+        headers["x-kvmesh-cached-tokens"] = str(usage.cached_prompt_tokens)
+        headers["x-kvmesh-prompt-tokens"] = str(usage.prompt_tokens)
+    return headers
+
+
+def models_json(resp: router_pb2.ListModelsResponse, created: int) -> dict[str, Any]:
+    return {"object": "list", "data": [model_json(m, created) for m in resp.models]}
+
+
+def model_json(m: router_pb2.ModelInfo, created: int) -> dict[str, Any]:
+    return {
+        "id": m.name,
+        "object": "model",
+        "created": created,
+        "owned_by": "kvmesh",
+        "max_model_len": m.max_model_len,  # vLLM's extension field
+        "kvmesh": {"block_size": m.block_size, "workers": m.workers},
+    }
+
+
+@dataclass(slots=True)
+class ResponseTranslator:
+    """Feeds on the router's ``GenerateResponse`` stream; ``feed`` returns the SSE payloads each
+    message becomes, ``response()`` the non-streaming body once the stream has finished."""
+
+    request: ParsedRequest
+    created: int
+    text: list[str] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | None = None
+    usage: common_pb2.Usage | None = None
+    _started: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return self.usage is not None
+
+    def feed(self, msg: router_pb2.GenerateResponse) -> list[dict[str, Any]]:
+        out = []
+        if self.request.kind is Kind.CHAT and not self._started:
+            out.append(self._chunk({"role": "assistant", "content": ""}, None))
+        self._started = True
+        if msg.text:
+            self.text.append(msg.text)
+            out.append(self._chunk({"content": msg.text}, None, text=msg.text))
+        if msg.HasField("finished"):
+            self.finish_reason = FINISH_REASONS.get(msg.finished.reason, "stop")
+            self.stop_reason = msg.finished.stop_reason or None
+            self.usage = msg.finished.usage
+            last = self._chunk({}, self.finish_reason, text="")
+            last["kvmesh"] = kvmesh_json(self.request.id, self.usage)
+            out.append(last)
+            if self.request.include_usage:
+                tail = self._base()
+                tail["choices"] = []
+                tail["usage"] = usage_json(self.usage)
+                out.append(tail)
+        return out
+
+    def _base(self) -> dict[str, Any]:
+        obj = "chat.completion.chunk" if self.request.kind is Kind.CHAT else "text_completion"
+        body: dict[str, Any] = {
+            "id": self.request.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.request.model,
+        }
+        if self.request.include_usage:
+            body["usage"] = None
+        return body
+
+    def _chunk(
+        self, delta: dict[str, Any], finish_reason: str | None, text: str = ""
+    ) -> dict[str, Any]:
+        body = self._base()
+        if self.request.kind is Kind.CHAT:
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None}
+        choice["finish_reason"] = finish_reason
+        if finish_reason is not None:
+            choice["stop_reason"] = self.stop_reason  # vLLM's extension
+        body["choices"] = [choice]
+        return body
+
+    def response(self) -> dict[str, Any]:
+        if self.usage is None:
+            raise RuntimeError("the stream has not finished")
+        text = "".join(self.text)
+        if self.request.kind is Kind.CHAT:
+            choice: dict[str, Any] = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+            }
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None}
+        choice["finish_reason"] = self.finish_reason
+        choice["stop_reason"] = self.stop_reason
+        return {
+            "id": self.request.id,
+            "object": self.request.kind.value,
+            "created": self.created,
+            "model": self.request.model,
+            "choices": [choice],
+            "usage": usage_json(self.usage),
+            "kvmesh": kvmesh_json(self.request.id, self.usage),
+        }

@@ -1,0 +1,470 @@
+"""The OpenAI translation layer, table-driven: JSON requests -> GenerateRequest, router stream ->
+OpenAI chunks/responses, errors -> HTTP status and the OpenAI error shape."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+import pytest
+from google.protobuf import json_format
+
+from kvmesh import errors
+from kvmesh.grpc_errors import ERROR_OF
+from kvmesh.v1 import common_pb2, router_pb2
+from services.router.http import translate
+from services.router.http.errors import (
+    BadRequest,
+    PayloadTooLarge,
+    Unauthorized,
+    error_body,
+    http_status_for,
+)
+from services.router.http.translate import Extensions, Kind
+
+EXT = Extensions()
+USER = [{"role": "user", "content": "hi"}]
+
+
+def as_dict(req: router_pb2.GenerateRequest) -> dict[str, Any]:
+    return json_format.MessageToDict(req, preserving_proto_field_name=True)
+
+
+# ---- requests --------------------------------------------------------------------------------
+CHAT_OK = [
+    pytest.param(
+        {"model": "tiny", "messages": USER},
+        {
+            "request_id": "rid",
+            "model": "tiny",
+            "chat": {"messages": [{"role": "user", "content": "hi"}]},
+            "sampling": {"max_tokens": 64},
+        },
+        id="minimal",
+    ),
+    pytest.param(
+        {
+            "model": "tiny",
+            "messages": USER,
+            "max_tokens": 5,
+            "temperature": 0,
+            "top_p": 0.5,
+            "seed": 7,
+            "stop": "###",
+            "user": "alice",
+        },
+        {
+            "request_id": "rid",
+            "model": "tiny",
+            "chat": {"messages": [{"role": "user", "content": "hi"}]},
+            "sampling": {
+                "max_tokens": 5,
+                "temperature": 0.0,
+                "top_p": 0.5,
+                "seed": "7",
+                "stop": ["###"],
+            },
+        },
+        id="sampling-stop-str",
+    ),
+    pytest.param(
+        {
+            "model": "tiny",
+            "messages": USER,
+            "max_tokens": 5,
+            "max_completion_tokens": 9,
+            "stop": ["a", "b"],
+            "n": 1,
+            "presence_penalty": 0,
+            "response_format": {"type": "text"},
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+            "tool_choice": "auto",
+        },
+        {
+            "request_id": "rid",
+            "model": "tiny",
+            "chat": {"messages": [{"role": "user", "content": "hi"}]},
+            "sampling": {"max_tokens": 9, "stop": ["a", "b"]},
+        },
+        id="max-completion-tokens-wins-stop-list-n1-tools-ignored",
+    ),
+    pytest.param(
+        {
+            "messages": [
+                {"role": "developer", "content": "be brief"},
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+                    "name": "bob",
+                },
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": "c1",
+                            "type": "function",
+                            "function": {"name": "get", "arguments": '{"x": 1}'},
+                        },
+                        {
+                            "id": "c2",
+                            "type": "function",
+                            "function": {"name": "put", "arguments": {"y": 2}},
+                        },
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "c1", "content": "42"},
+                {
+                    "role": "assistant",
+                    "content": "ok",
+                    "function_call": {"name": "old", "arguments": "{}"},
+                },
+                {"role": "function", "name": "old", "content": "done"},
+            ]
+        },
+        {
+            "request_id": "rid",
+            "chat": {
+                "messages": [
+                    {"role": "system", "content": "be brief"},
+                    {"role": "user", "content": "ab", "name": "bob"},
+                    {
+                        "role": "assistant",
+                        "content": '<tool_call>get {"x": 1}</tool_call>\n<tool_call>put {"y": 2}</tool_call>',
+                    },
+                    {"role": "tool", "content": "42", "tool_call_id": "c1"},
+                    {"role": "assistant", "content": "ok\n<tool_call>old {}</tool_call>"},
+                    {"role": "tool", "content": "done", "name": "old", "tool_call_id": "old"},
+                ]
+            },
+            "sampling": {"max_tokens": 64},
+        },
+        id="roles-parts-tool-calls-legacy-function",
+    ),
+]
+
+
+@pytest.mark.parametrize(("body", "want"), CHAT_OK)
+def test_chat_request(body: dict[str, Any], want: dict[str, Any]):
+    parsed = translate.parse_chat(body, EXT, "rid", 64)
+    assert parsed.kind is Kind.CHAT and parsed.id == "rid"
+    assert as_dict(parsed.generate) == want
+
+
+def test_extensions_travel_and_stream_flags():
+    ext = Extensions(session_id="s1", tenant="t1", priority=-3)
+    body = {
+        "model": "m",
+        "messages": USER,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    p = translate.parse_chat(body, ext, "rid", 8)
+    assert (p.stream, p.include_usage, p.model) == (True, True, "m")
+    g = p.generate
+    assert (g.session_id, g.tenant, g.priority) == ("s1", "t1", -3)
+
+
+COMPLETION_OK = [
+    pytest.param({"prompt": "once"}, {"text": "once"}, id="text"),
+    pytest.param({"prompt": ["once"]}, {"text": "once"}, id="batch-of-one"),
+    pytest.param({"prompt": [1, 2, 3]}, {"token_ids": {"ids": [1, 2, 3]}}, id="ids"),
+    pytest.param({"prompt": [[4, 5]]}, {"token_ids": {"ids": [4, 5]}}, id="ids-batch-of-one"),
+]
+
+
+@pytest.mark.parametrize(("body", "want"), COMPLETION_OK)
+def test_completion_request(body: dict[str, Any], want: dict[str, Any]):
+    p = translate.parse_completion({"model": "tiny", "max_tokens": 3, **body}, EXT, "rid", 64)
+    got = as_dict(p.generate)
+    assert p.kind is Kind.COMPLETION
+    assert {k: v for k, v in got.items() if k in ("text", "token_ids")} == want
+    assert got["sampling"] == {"max_tokens": 3}
+
+
+BAD = [
+    pytest.param(Kind.CHAT, [1], None, "JSON object", id="not-an-object"),
+    pytest.param(Kind.CHAT, {"messages": USER, "n": 2}, "n", "n must be 1", id="n2"),
+    pytest.param(Kind.CHAT, {"messages": []}, "messages", "non-empty", id="no-messages"),
+    pytest.param(Kind.CHAT, {"messages": USER, "max_tokens": 0}, "max_tokens", "> 0", id="max0"),
+    pytest.param(
+        Kind.CHAT, {"messages": USER, "max_tokens": "5"}, "max_tokens", "integer", id="max-str"
+    ),
+    pytest.param(
+        Kind.CHAT, {"messages": USER, "temperature": True}, "temperature", "number", id="temp-bool"
+    ),
+    pytest.param(Kind.CHAT, {"messages": USER, "stop": [1]}, "stop", "strings", id="stop-ints"),
+    pytest.param(
+        Kind.CHAT, {"messages": USER, "stream": "yes"}, "stream", "true or false", id="stream-str"
+    ),
+    pytest.param(
+        Kind.CHAT,
+        {"messages": USER, "stream_options": {"include_usage": True}},
+        "stream_options",
+        "stream: true",
+        id="usage-without-stream",
+    ),
+    pytest.param(
+        Kind.CHAT, {"messages": USER, "logprobs": True}, "logprobs", "logprobs", id="logprobs"
+    ),
+    pytest.param(
+        Kind.CHAT,
+        {"messages": USER, "frequency_penalty": 0.5},
+        "frequency_penalty",
+        "not supported",
+        id="penalty",
+    ),
+    pytest.param(
+        Kind.CHAT,
+        {"messages": USER, "response_format": {"type": "json_object"}},
+        "response_format",
+        "not supported",
+        id="json-mode",
+    ),
+    pytest.param(
+        Kind.CHAT,
+        {"messages": [{"role": "robot", "content": "x"}]},
+        "messages[0].role",
+        "robot",
+        id="bad-role",
+    ),
+    pytest.param(
+        Kind.CHAT,
+        {"messages": [{"role": "tool", "content": "x"}]},
+        "messages[0].tool_call_id",
+        "tool_call_id",
+        id="tool-no-id",
+    ),
+    pytest.param(
+        Kind.CHAT,
+        {
+            "messages": [
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
+            ]
+        },
+        "messages[0].content[0]",
+        "image_url",
+        id="image-part",
+    ),
+    pytest.param(
+        Kind.CHAT,
+        {"messages": [{"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]}]},
+        "messages[0].tool_calls[0]",
+        "name",
+        id="tool-call-no-name",
+    ),
+    pytest.param(Kind.COMPLETION, {"prompt": ["a", "b"]}, "prompt", "batch of 2", id="batch"),
+    pytest.param(Kind.COMPLETION, {"prompt": ""}, "prompt", "empty", id="empty-prompt"),
+    pytest.param(Kind.COMPLETION, {}, "prompt", "must be", id="no-prompt"),
+    pytest.param(Kind.COMPLETION, {"prompt": [-1]}, "prompt", "must be", id="negative-id"),
+    pytest.param(Kind.COMPLETION, {"prompt": "x", "echo": True}, "echo", "echo", id="echo"),
+    pytest.param(
+        Kind.COMPLETION, {"prompt": "x", "best_of": 3}, "best_of", "best_of", id="best-of"
+    ),
+]
+
+
+@pytest.mark.parametrize(("kind", "body", "param", "says"), BAD)
+def test_bad_request(kind: Kind, body: object, param: str | None, says: str):
+    parse = translate.parse_chat if kind is Kind.CHAT else translate.parse_completion
+    with pytest.raises(BadRequest) as err:
+        parse(body, EXT, "rid", 64)
+    assert err.value.param == param
+    assert says in str(err.value)
+    status, shape = error_body(err.value)
+    assert status == 400
+    assert shape["error"]["param"] == param and shape["error"]["type"] == "invalid_request_error"
+
+
+# ---- headers ---------------------------------------------------------------------------------
+HEADERS = [
+    pytest.param({}, None, Extensions(), id="none"),
+    pytest.param(
+        {"x-kvmesh-session-id": "s", "x-kvmesh-tenant": "t", "x-kvmesh-priority": "5"},
+        None,
+        Extensions("s", "t", 5),
+        id="all-headers",
+    ),
+    pytest.param(
+        {"authorization": "Bearer sk-1"},
+        None,
+        Extensions(tenant=translate.tenant_of_key("sk-1")),
+        id="open-server-key-names-tenant",
+    ),
+    pytest.param(
+        {"authorization": "Bearer sk-1", "x-kvmesh-tenant": "t"},
+        None,
+        Extensions(tenant="t"),
+        id="open-server-header-wins",
+    ),
+    pytest.param(
+        {"authorization": "Bearer sk-1", "x-kvmesh-tenant": "other"},
+        {"sk-1": "team-a"},
+        Extensions(tenant="team-a"),
+        id="keyed-server-key-wins",
+    ),
+]
+
+
+@pytest.mark.parametrize(("headers", "keys", "want"), HEADERS)
+def test_headers(headers: dict[str, str], keys: dict[str, str] | None, want: Extensions):
+    assert translate.extensions_from_headers(headers, keys) == want
+    assert translate.tenant_of_key("sk-1") != "sk-1"  # never the secret itself
+
+
+@pytest.mark.parametrize(
+    ("headers", "exc"),
+    [
+        pytest.param({}, Unauthorized, id="missing-key"),
+        pytest.param({"authorization": "Bearer nope"}, Unauthorized, id="wrong-key"),
+        pytest.param(
+            {"authorization": "Bearer sk-1", "x-kvmesh-priority": "high"}, BadRequest, id="priority"
+        ),
+    ],
+)
+def test_header_errors(headers: dict[str, str], exc: type[Exception]):
+    with pytest.raises(exc):
+        translate.extensions_from_headers(headers, {"sk-1": "a"})
+
+
+# ---- responses -------------------------------------------------------------------------------
+def chunks(*texts: str, reason: int = common_pb2.FINISH_REASON_STOP, stop: str = ""):
+    msgs = [router_pb2.GenerateResponse(request_id="rid", text=t, token_ids=[1]) for t in texts]
+    last = router_pb2.GenerateResponse(request_id="rid")
+    last.finished.reason = reason
+    last.finished.stop_reason = stop
+    last.finished.usage.CopyFrom(
+        common_pb2.Usage(
+            prompt_tokens=10,
+            cached_prompt_tokens=4,
+            completion_tokens=len(texts),
+            worker_id="w1",
+            time_to_first_token_s=0.25,
+        )
+    )
+    return [*msgs, last]
+
+
+def parsed(kind: Kind, stream: bool = True, include_usage: bool = False):
+    return translate.ParsedRequest(
+        kind, "rid", "tiny", stream, include_usage, router_pb2.GenerateRequest()
+    )
+
+
+USAGE = {
+    "prompt_tokens": 10,
+    "completion_tokens": 2,
+    "total_tokens": 12,
+    "prompt_tokens_details": {"cached_tokens": 4},
+}
+KVMESH = {
+    "request_id": "rid",
+    "worker_id": "w1",
+    "cached_tokens": 4,
+    "prompt_tokens": 10,
+    "time_to_first_token_s": 0.25,
+}
+
+
+def test_chat_stream_chunks():
+    tr = translate.ResponseTranslator(parsed(Kind.CHAT, include_usage=True), created=100)
+    out = [p for m in chunks("Hel", "lo") for p in tr.feed(m)]
+    assert [(c["choices"] and c["choices"][0]["delta"], c.get("usage")) for c in out] == [
+        ({"role": "assistant", "content": ""}, None),
+        ({"content": "Hel"}, None),
+        ({"content": "lo"}, None),
+        ({}, None),
+        ([], USAGE),
+    ]
+    assert all(c["object"] == "chat.completion.chunk" and c["id"] == "rid" for c in out)
+    assert out[3]["choices"][0]["finish_reason"] == "stop"
+    assert out[3]["kvmesh"] == KVMESH
+
+
+def test_completion_stream_chunks_without_usage():
+    tr = translate.ResponseTranslator(parsed(Kind.COMPLETION), created=100)
+    out = [p for m in chunks("a", "", reason=common_pb2.FINISH_REASON_LENGTH) for p in tr.feed(m)]
+    assert [c["choices"][0]["text"] for c in out] == ["a", ""]  # empty text: no chunk
+    assert out[-1]["choices"][0]["finish_reason"] == "length"
+    assert all("usage" not in c for c in out)
+
+
+@pytest.mark.parametrize(
+    ("kind", "reason", "stop", "want_finish"),
+    [
+        pytest.param(Kind.CHAT, common_pb2.FINISH_REASON_STOP, "###", "stop", id="chat-stop"),
+        pytest.param(
+            Kind.COMPLETION, common_pb2.FINISH_REASON_LENGTH, "", "length", id="cmpl-length"
+        ),
+        pytest.param(Kind.CHAT, common_pb2.FINISH_REASON_ABORT, "", "abort", id="chat-abort"),
+    ],
+)
+def test_full_response(kind: Kind, reason: int, stop: str, want_finish: str):
+    tr = translate.ResponseTranslator(parsed(kind, stream=False), created=100)
+    for m in chunks("Hel", "lo", reason=reason, stop=stop):
+        tr.feed(m)
+    body = tr.response()
+    choice = body["choices"][0]
+    text = choice["message"]["content"] if kind is Kind.CHAT else choice["text"]
+    assert text == "Hello"
+    assert (choice["finish_reason"], choice["stop_reason"]) == (want_finish, stop or None)
+    assert body["object"] == kind.value and body["usage"] == USAGE and body["kvmesh"] == KVMESH
+    assert translate.response_headers("rid", tr.usage) == {
+        "x-request-id": "rid",
+        "x-kvmesh-worker": "w1",
+        "x-kvmesh-cached-tokens": "4",
+        "x-kvmesh-prompt-tokens": "10",
+    }
+
+
+def test_models_json():
+    resp = router_pb2.ListModelsResponse(
+        models=[router_pb2.ModelInfo(name="tiny", max_model_len=2048, block_size=32, workers=2)]
+    )
+    assert translate.models_json(resp, 5) == {
+        "object": "list",
+        "data": [
+            {
+                "id": "tiny",
+                "object": "model",
+                "created": 5,
+                "owned_by": "kvmesh",
+                "max_model_len": 2048,
+                "kvmesh": {"block_size": 32, "workers": 2},
+            }
+        ],
+    }
+
+
+# ---- errors ----------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("code", "status", "type_"),
+    [
+        pytest.param(grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_request_error", id="invalid"),
+        pytest.param(grpc.StatusCode.NOT_FOUND, 404, "invalid_request_error", id="not-found"),
+        pytest.param(grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_error", id="exhausted"),
+        pytest.param(grpc.StatusCode.UNAVAILABLE, 503, "server_error", id="unavailable"),
+        pytest.param(grpc.StatusCode.DEADLINE_EXCEEDED, 504, "server_error", id="deadline"),
+    ],
+)
+def test_grpc_status_to_http(code: grpc.StatusCode, status: int, type_: str):
+    exc = ERROR_OF[code]("why")
+    assert (http_status_for(exc).status, http_status_for(exc).type) == (status, type_)
+    assert error_body(exc)[1]["error"]["message"] == "why"
+
+
+@pytest.mark.parametrize(
+    ("exc", "status"),
+    [
+        pytest.param(Unauthorized("k"), 401, id="unauthorized"),
+        pytest.param(PayloadTooLarge("big"), 413, id="too-large"),
+        pytest.param(errors.KvmeshError("odd"), 500, id="unmapped-domain"),
+        pytest.param(RuntimeError("secret trace"), 500, id="unexpected"),
+    ],
+)
+def test_local_errors_to_http(exc: Exception, status: int):
+    got, body = error_body(exc, "rid")
+    assert got == status
+    if status == 500:
+        assert "secret" not in body["error"]["message"] and "rid" in body["error"]["message"]
+    assert set(body["error"]) == {"message", "type", "param", "code"}
