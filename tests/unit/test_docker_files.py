@@ -47,9 +47,10 @@ DOCKERFILE = ROOT / "docker" / "Dockerfile"
 DOCKERIGNORE = ROOT / ".dockerignore"
 SETUP_SCRIPT = ROOT / "scripts" / "setup.sh"
 
-SERVICES = {"etcd", "model", "router", "kvmanager", "worker-0", "worker-1"}
+WORKERS = ("prefill-0", "decode-0")  # one prefill and one decode worker
+SERVICES = {"etcd", "model", "router", "kvmanager", *WORKERS}
 # kvmesh services with a gRPC health check
-LONG_RUNNING = ["router", "kvmanager", "worker-0", "worker-1"]
+LONG_RUNNING = ["router", "kvmanager", *WORKERS]
 ROLE_MODULES = {
     "router": "services.router.main",
     "worker": "services.worker.main",
@@ -212,10 +213,10 @@ BROKEN = [
     pytest.param(_set("servics", {}), id="unknown-top-level-key"),
     pytest.param(_set("services/router/helthcheck", {"test": ["NONE"]}), id="misspelled-key"),
     pytest.param(
-        _set("services/worker-0/depends_on/model/condition", "service_finished"),
+        _set("services/prefill-0/depends_on/model/condition", "service_finished"),
         id="bad-depends-on-condition",
     ),
-    pytest.param(_set("services/worker-1/healthcheck/intervall", "5s"), id="bad-healthcheck-key"),
+    pytest.param(_set("services/decode-0/healthcheck/intervall", "5s"), id="bad-healthcheck-key"),
     pytest.param(_set("services/router/command", {"router": True}), id="command-not-a-list"),
     pytest.param(_set("services/router/restart", ["always"]), id="restart-not-a-string"),
     pytest.param(_set("services/model/volumes", "models:/models"), id="volumes-not-a-list"),
@@ -277,7 +278,7 @@ def test_every_service_has_a_health_check_except_the_one_shot_job(compose, docke
 
 
 def test_workers_start_with_a_long_health_grace(compose) -> None:
-    for name in ("worker-0", "worker-1"):
+    for name in WORKERS:
         assert parse_duration(compose["services"][name]["healthcheck"]["start_period"]) >= 300
 
 
@@ -369,8 +370,10 @@ def _parse_service(compose: dict[str, Any], name: str) -> tuple[str, Any]:
 
 @pytest.mark.parametrize("name", sorted(SERVICES - {"etcd"}))
 def test_commands_use_only_real_subcommands_and_flags(compose, name) -> None:
-    role, _ = parse_service(compose, name)
-    assert role == {"model": "model"}.get(name, name.split("-")[0])
+    role, config = parse_service(compose, name)
+    assert role == ("worker" if name in WORKERS else name)
+    if name in WORKERS:  # prefill-0 runs --role prefill, decode-0 --role decode
+        assert config.role.value == name.split("-")[0]
 
 
 def test_the_model_job_builds_the_path_the_workers_serve(compose) -> None:
@@ -380,7 +383,7 @@ def test_the_model_job_builds_the_path_the_workers_serve(compose) -> None:
     assert str(job.out).startswith("/models/") and mounts["/models"] == ("models", False)
     script = compose["services"]["model"]["command"][0]
     assert script.startswith(f"test -d {job.out} || "), "the job must be a no-op on a re-run"
-    for name in ("worker-0", "worker-1"):
+    for name in WORKERS:
         _, config = parse_service(compose, name)
         assert config.engine.model == str(job.out)
         assert config.engine.served_model_name == "smollm2"
@@ -403,7 +406,7 @@ def test_router_and_workers_are_reachable_as_they_advertise(compose, name) -> No
         host, _, port = endpoint.rpartition(":")
         assert host in compose["services"], f"{endpoint}: no such service"
         assert f"--listen-client-urls=http://0.0.0.0:{port}" in etcd_listen
-    if name.startswith("worker"):
+    if name in WORKERS:
         assert config.worker_id == name
 
 
@@ -425,7 +428,7 @@ def test_the_router_ports_are_published(compose) -> None:
 
 
 def test_workers_are_distinct(compose) -> None:
-    ids = [parse_service(compose, n)[1].worker_id for n in ("worker-0", "worker-1")]
+    ids = [parse_service(compose, n)[1].worker_id for n in WORKERS]
     assert len(set(ids)) == 2
 
 
@@ -434,7 +437,7 @@ def test_stop_grace_period_covers_the_drain(compose, name) -> None:
     _, config = parse_service(compose, name)
     grace = parse_duration(compose["services"][name]["stop_grace_period"])
     assert grace >= config.drain_grace_s + DRAIN_MARGIN_S
-    if name.startswith("worker"):
+    if name in WORKERS:
         assert grace >= 30
 
 
@@ -443,7 +446,7 @@ def test_services_wait_for_what_they_need(compose, name) -> None:
     want = {"etcd": {"condition": "service_healthy"}}
     if name != "kvmanager":  # the kvmanager needs no model: it stores bytes
         want["model"] = {"condition": "service_completed_successfully"}
-    if name.startswith("worker"):
+    if name in WORKERS:
         want["kvmanager"] = {"condition": "service_healthy"}
     assert compose["services"][name]["depends_on"] == want
 
@@ -601,7 +604,7 @@ def test_workers_use_the_nodes_kvmanager(compose) -> None:
     assert kvm.store.has_disk and kvm.store.disk_dir is not None
     mounts = volume_targets(compose["services"]["kvmanager"])
     assert mounts[str(kvm.store.disk_dir)] == ("kv-disk", False), "the disk tier is a volume"
-    for name in ("worker-0", "worker-1"):
+    for name in WORKERS:
         _, config = parse_service(compose, name)
         extra = config.engine.kv_transfer_config["kv_connector_extra_config"]
         assert extra == {"store": "kvmanager", "store_path": f"kvmanager:{kvm.port}"}
@@ -615,7 +618,7 @@ def test_workers_share_the_kvmanagers_shared_memory(compose) -> None:
     kvm = compose["services"]["kvmanager"]
     assert kvm["ipc"] == "shareable"
     assert parse_size(kvm["shm_size"]) >= 2 * (1 << 30), "room for two workers' segments"
-    for name in ("worker-0", "worker-1"):
+    for name in WORKERS:
         service = compose["services"][name]
         assert service["ipc"] == "service:kvmanager"
         assert "shm_size" not in service, "ignored under ipc: service:..."
