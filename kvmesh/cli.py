@@ -3,6 +3,7 @@
 kvmesh up          run etcd + workers + a router in the foreground (Ctrl-C stops them all)
 kvmesh demo        up, ask one question, print the streamed answer and usage, shut down
 kvmesh generate    stream a completion from a running router
+kvmesh status      the cluster at a glance: workers, kvmanagers, routers (from etcd)
 kvmesh model       build a built-in model directory (tiny, smollm2)
 kvmesh router      run one router process
 kvmesh worker      run one worker process
@@ -329,6 +330,50 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_generate)
 
 
+def cmd_status(a: argparse.Namespace) -> int:
+    import json
+
+    from kvmesh.discovery.client import EtcdUnavailable
+    from kvmesh.status import format_table, gather
+
+    endpoints = [x.strip() for x in a.etcd.split(",") if x.strip()]
+    try:
+        status = asyncio.run(gather(endpoints, a.cluster, a.timeout_s))
+    except (EtcdUnavailable, ValueError) as exc:
+        print(f"kvmesh status: {exc}", file=sys.stderr)
+        return 1
+    if a.json:
+        print(json.dumps(status.to_dict(), indent=2))
+    else:
+        print(format_table(status), end="")
+    return 0
+
+
+def _add_status(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "status",
+        help="the cluster at a glance: workers, kvmanagers, routers",
+        description="Read the cluster's records from etcd and ask every service for its state "
+        "(workers: load and cache hit rate; kvmanagers: tier fill; routers: health). A service "
+        "that does not answer shows as unreachable. Exit code 0 if etcd answered, else 1.",
+    )
+    p.add_argument(
+        "--etcd",
+        default="127.0.0.1:2379",
+        metavar="ENDPOINTS",
+        help="etcd host:port,... (default %(default)s)",
+    )
+    p.add_argument("--cluster", default="default", help="cluster name (default %(default)s)")
+    p.add_argument("--json", action="store_true", help="print JSON (for scripts) instead of tables")
+    p.add_argument(
+        "--timeout-s",
+        type=float,
+        default=2.0,
+        help="deadline for etcd and for each service, seconds (default %(default)s)",
+    )
+    p.set_defaults(func=cmd_status)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvmesh", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -346,6 +391,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=cmd_demo)
 
     _add_generate(sub)
+    _add_status(sub)
 
     from kvmesh.models import cli as model_cli
 

@@ -72,6 +72,11 @@ class WorkerConfig:
     kv_snapshot_max_bytes: int = 256 * 1024 * 1024
     kv_event_buffer_batches: int = 4096  # KV event batches kept for subscribers that resume
     kv_event_queue_batches: int = 1024  # live batches queued per subscriber before it is cut off
+    metrics_host: str = "127.0.0.1"  # address of the Prometheus /metrics endpoint
+    metrics_port: int = (
+        0  # its port; 0 lets the OS pick (printed in the ready line), -1 turns it off
+    )
+    metrics_refresh_s: float = 2.0  # how often the load, KV event and etcd gauges are refreshed
     trace_exporter: Exporter = Exporter.NONE  # where spans go: none, console, otlp
     otlp_endpoint: str = ""  # OTLP collector (host:port) when trace_exporter is otlp
     log_level: str = "INFO"

@@ -1,8 +1,8 @@
 """The worker process: ``kvmesh worker`` (or ``python -m services.worker.main``).
 
 Sets vLLM's environment before vLLM is imported, starts the engine, serves it over gRPC,
-registers in etcd, prints ``KVMESH_WORKER_READY worker_id=... address=host:port port=...`` on
-stdout, and on SIGTERM/SIGINT drains and exits 0.
+registers in etcd, prints ``KVMESH_WORKER_READY worker_id=... address=host:port port=...
+metrics=URL`` on stdout, and on SIGTERM/SIGINT drains and exits 0.
 
 vLLM starts its engine core with ``spawn``, which imports this module again in the child as
 ``__mp_main__``: keep module-level imports light and everything else inside functions.
@@ -117,6 +117,13 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
     s.add_argument("--node", default=d.node, help="node name in the etcd record (default host)")
     s.add_argument("--drain-grace-s", type=float, default=d.drain_grace_s)
     s.add_argument("--load-interval-s", type=float, default=d.load_interval_s)
+    s.add_argument("--metrics-host", default=d.metrics_host, help="address of /metrics")
+    s.add_argument(
+        "--metrics-port",
+        type=int,
+        default=d.metrics_port,
+        help="Prometheus /metrics port; 0 = OS picks (printed in the ready line), -1 = off",
+    )
     s.add_argument(
         "--trace-exporter", default=d.trace_exporter.value, choices=[x.value for x in Exporter]
     )
@@ -158,6 +165,8 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
         node=a.node,
         drain_grace_s=a.drain_grace_s,
         load_interval_s=a.load_interval_s,
+        metrics_host=a.metrics_host,
+        metrics_port=a.metrics_port,
         trace_exporter=Exporter(a.trace_exporter),
         otlp_endpoint=a.otlp_endpoint,
         log_level=a.log_level,

@@ -3,6 +3,7 @@ record, started in order and stopped in the reverse order with a drain."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import socket
@@ -19,11 +20,13 @@ from kvmesh.discovery.etcd import Registrar
 from kvmesh.discovery.keys import WorkerId, WorkerRecord, WorkerState, check_name, worker_key
 from kvmesh.kv.eventlog import KvEventLog
 from kvmesh.kv.fanout import KvEventHub
+from kvmesh.metrics import MetricsServer, serve_metrics
 from kvmesh.telemetry import server_interceptors
 from kvmesh.v1 import worker_pb2, worker_pb2_grpc
 
 from .config import WorkerConfig
 from .core import Engine
+from .metrics import EtcdState, KvEventState, WorkerMetrics
 from .servicer import WorkerServicer
 
 log = logging.getLogger(__name__)
@@ -43,13 +46,24 @@ class RunningWorker:
     engine: Engine
     kv_events: KvEventHub  # the engine's KV event log (its epoch) and the stream fan-out
     record: WorkerRecord
+    metrics: WorkerMetrics
+    metrics_server: MetricsServer | None  # None: --metrics-port -1
     _server: grpc.aio.Server
     _health: health.aio.HealthServicer
     _registrar: Registrar | None  # None: standalone (no etcd)
     _config: WorkerConfig
+    _metrics_task: asyncio.Task[None] | None = None  # refreshes the gauges on the loop
 
     def ready_line(self) -> str:
-        return f"{READY_LINE} worker_id={self.worker_id} address={self.address} port={self.port}"
+        metrics = f" metrics={self.metrics_server.url}" if self.metrics_server else ""
+        return (
+            f"{READY_LINE} worker_id={self.worker_id} address={self.address} port={self.port}"
+            f"{metrics}"
+        )
+
+    def refresh_metrics(self) -> None:
+        """Brings the gauges up to date (on the loop; done every ``metrics_refresh_s``)."""
+        refresh_metrics(self.metrics, self.servicer, self.engine, self.kv_events, self._registrar)
 
     async def stop(self, close_engine: bool = True) -> None:
         """Drains and stops, in order: health NOT_SERVING -> etcd record draining -> refuse new
@@ -80,9 +94,42 @@ class RunningWorker:
                 log.warning("could not revoke the etcd lease of %s: %s", self.worker_id, exc)
         await self.servicer.close()
         await self._server.stop(grace=1.0)
+        if self._metrics_task is not None:
+            self._metrics_task.cancel()
+            await asyncio.gather(self._metrics_task, return_exceptions=True)
+        if self.metrics_server is not None:
+            await asyncio.to_thread(self.metrics_server.close)
         if close_engine:
             await self.engine.close()
         log.info("worker %s stopped", self.worker_id)
+
+
+def refresh_metrics(
+    metrics: WorkerMetrics,
+    servicer: WorkerServicer,
+    engine: Engine,
+    kv_events: KvEventHub,
+    registrar: Registrar | None,
+) -> None:
+    log_ = kv_events.log
+    metrics.refresh(
+        engine.load(),
+        servicer.in_flight,
+        servicer.draining,
+        KvEventState(log_.seq, kv_events.subscribers, kv_events.cut_off, log_.held()),
+        None
+        if registrar is None
+        else EtcdState(registrar.connected, registrar.lease_id is not None),
+    )
+
+
+async def _refresh_metrics_every(worker: RunningWorker, every_s: float) -> None:
+    while True:
+        try:
+            worker.refresh_metrics()
+        except Exception:  # a metrics bug must not stop the refreshes (nor the worker)
+            log.exception("refreshing the worker's metrics failed")
+        await asyncio.sleep(every_s)
 
 
 def layout_key_of(connector_layout: str) -> str:
@@ -130,6 +177,7 @@ async def start_worker(config: WorkerConfig, engine: Engine) -> RunningWorker:
     kv_log = KvEventLog(worker_id, uuid.uuid4().hex, config.kv_event_buffer_batches)
     kv_events = KvEventHub(kv_log, config.kv_event_queue_batches)
     engine.set_kv_event_sink(kv_events.publish)
+    metrics = WorkerMetrics()
     servicer = WorkerServicer(
         engine,
         worker_id,
@@ -137,6 +185,7 @@ async def start_worker(config: WorkerConfig, engine: Engine) -> RunningWorker:
         config.load_interval_s,
         kv_events=kv_events,
         max_send_bytes=max_send,
+        metrics=metrics,
     )
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
@@ -161,7 +210,12 @@ async def start_worker(config: WorkerConfig, engine: Engine) -> RunningWorker:
         kv_layout=config.kv_layout or layout_key_of(info.connector_layout),
     )
     registrar = None
+    metrics_server = None
     try:
+        if config.metrics_port >= 0:
+            metrics_server = serve_metrics(
+                metrics.registry, config.metrics_host, config.metrics_port
+            )
         if config.etcd_endpoints:
             registrar = Registrar(
                 list(config.etcd_endpoints),
@@ -173,6 +227,8 @@ async def start_worker(config: WorkerConfig, engine: Engine) -> RunningWorker:
         for name in ("", SERVICE_NAME):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     except BaseException:
+        if metrics_server is not None:
+            metrics_server.close()
         await server.stop(grace=None)
         raise
     log.info(
@@ -182,7 +238,7 @@ async def start_worker(config: WorkerConfig, engine: Engine) -> RunningWorker:
         address,
         "etcd " + registrar.key if registrar is not None else "no, standalone",
     )
-    return RunningWorker(
+    worker = RunningWorker(
         worker_id=worker_id,
         address=address,
         port=port,
@@ -190,8 +246,14 @@ async def start_worker(config: WorkerConfig, engine: Engine) -> RunningWorker:
         engine=engine,
         kv_events=kv_events,
         record=record,
+        metrics=metrics,
+        metrics_server=metrics_server,
         _server=server,
         _health=health_servicer,
         _registrar=registrar,
         _config=config,
     )
+    worker._metrics_task = asyncio.get_running_loop().create_task(
+        _refresh_metrics_every(worker, config.metrics_refresh_s), name="worker-metrics"
+    )
+    return worker

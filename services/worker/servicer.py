@@ -11,7 +11,7 @@ import grpc
 
 from kvmesh import errors
 from kvmesh.discovery.keys import Role
-from kvmesh.grpc_errors import abort_with
+from kvmesh.grpc_errors import abort_with, status_for
 from kvmesh.kv.fanout import KvEventHub
 from kvmesh.kv_stream import serve_kv_events
 from kvmesh.sampling import sampling_from_pb
@@ -19,6 +19,7 @@ from kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 from . import validation
 from .core import Engine, EngineLoad, FinishReason, GenerateRequest, KvSource, OutputDelta
+from .metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -106,8 +107,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         load_interval_s: float = 0.25,
         kv_events: KvEventHub | None = None,
         max_send_bytes: int = 0,
+        metrics: WorkerMetrics | None = None,
     ) -> None:
         self._engine = engine
+        self.metrics = metrics or WorkerMetrics()
         self._kv_events = kv_events  # None: this worker publishes no KV events
         self._max_send_bytes = max_send_bytes  # the server's limit; 0: none
         self._worker_id = worker_id
@@ -166,6 +169,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self, request: worker_pb2.WorkerGenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.WorkerGenerateResponse]:
         rid = request.request_id
+        metrics = self.metrics
         try:
             if self.draining:
                 raise errors.Unavailable("worker is draining; retry on another worker")
@@ -177,6 +181,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 )
         except errors.KvmeshError as exc:
             log.info("rejected request_id=%s: %s", rid, exc)
+            metrics.ended(status_for(exc).name)
             await abort_with(context, exc, rid)
             return
         token = object()
@@ -185,19 +190,35 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         started = time.monotonic()
         log.debug("generate request_id=%s prompt_tokens=%d", rid, len(req.prompt_token_ids))
         last: OutputDelta | None = None
+        last_token_s = 0.0  # when the previous message with tokens was sent; 0: none yet
+        code = "CANCELLED"  # unless it ends otherwise (also when the client goes away)
         try:
             async for delta in self._engine.generate(req):
                 last = delta
+                if delta.token_ids:
+                    now = time.monotonic()
+                    if last_token_s == 0.0:
+                        metrics.ttft_seconds.observe(now - started)
+                    else:
+                        metrics.itl_seconds.observe((now - last_token_s) / len(delta.token_ids))
+                    last_token_s = now
+                    metrics.completion_tokens.inc(len(delta.token_ids))
+                if delta.finish is not None:
+                    metrics.finished(delta.prompt_tokens, delta.cached_tokens)
                 yield response_to_pb(delta, self._worker_id)
+            code = "OK"
         except errors.KvmeshError as exc:
             log.info("request_id=%s failed: %s", rid, exc)
+            code = status_for(exc).name
             await abort_with(context, exc, rid)
         except asyncio.CancelledError:
             log.info("request_id=%s cancelled by the client or its deadline", rid)
             raise
         except Exception as exc:  # unexpected: INTERNAL with the request id, trace in the log
+            code = "INTERNAL"
             await abort_with(context, exc, rid)
         finally:
+            metrics.ended(code)
             self._finish(rid, token)
             if last is not None and last.finish is not None:
                 log.info(
