@@ -29,6 +29,7 @@ ORACLES = ("oracle-prefix", "oracle-cost")
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Adds ``bench`` with its subcommands: ``replay`` (here) and ``tiers``."""
+    from benchmarks.disagg import cli as disagg_cli
     from benchmarks.tiers import cli as tiers_cli
 
     bench = subparsers.add_parser(
@@ -69,6 +70,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object per policy")
     p.set_defaults(func=run)
     tiers_cli.register(sub)
+    disagg_cli.register(sub)
 
 
 def _requests(a: argparse.Namespace) -> Iterable:  # type: ignore[type-arg]

@@ -290,3 +290,32 @@ def test_coalesced_decode_steps_change_no_outcome(work):
             y.aborted,
         )
         assert x.finish_s == pytest.approx(y.finish_s)
+
+
+@pytest.mark.parametrize("chunk", [0, 100, 1_000], ids=["no-prefill", "100", "1000"])
+def test_a_decode_step_shared_with_a_prefill_chunk_lasts_longer(chunk: int):
+    """The interference disaggregation removes: a decoding request's next token waits for the
+    whole step, and the step's time grows with the prefill tokens batched into it."""
+    cfg = SimWorkerConfig(
+        capacity_blocks=1_000,
+        block_size=4,
+        step_s=0.01,
+        decode_s_per_seq=0.0,
+        decode_s_per_context_token=0.0,
+        prefill_s_per_token=1e-4,
+        attention_s_per_token_pair=0.0,
+        max_batched_tokens=4_096,
+        coalesce_decode_steps=False,
+    )
+    times: list[float] = []
+    w = SimulatedWorker(cfg, token_sink=lambda rid, n, t: times.append(t) if rid == "d" else None)
+    w.submit(req("d", (1,), 4, output=4))
+    w.advance_to(0.0)
+    w.advance_to(w.next_event_time())  # "d" prefilled: its first token; decoding from here
+    if chunk:
+        w.submit(req("p", (), chunk, output=1))
+    w.drain()
+    # The step planned when "d" got its first token was already under way when "p" arrived:
+    # "p" joins the next one, and the token after it waits for its chunk.
+    gap = times[2] - times[1]
+    assert gap == pytest.approx(0.01 + 1e-4 * chunk)

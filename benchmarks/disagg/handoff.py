@@ -1,0 +1,174 @@
+"""The hand-off on real vLLM (CPU, the tiny model): a 1 prefill + 1 decode mesh
+(``kvmesh.launcher.Mesh``, the node kvmanager between them, router ``--disagg-threshold-tokens``
+small). For each of N long prompts, one at a time:
+
+- TTFT through the router (client side, to the first chunk with tokens);
+- the prefill call's duration: the router's ``kvmesh_router_prefill_seconds`` (its /metrics, the
+  ``metrics=`` URL of its ready line), the histogram sum's increase over that request;
+- the rest, TTFT minus prefill: the decode worker's wait for the saved blocks, their load from
+  the kvmanager into its KV cache, its compute of the last token, and the router's two calls.
+  The connector does not time the load separately, so this is the hand-off's upper bound;
+- per block: the rest over the handed-over blocks (the decode worker's cached prompt tokens);
+- aggregated: as many other prompts of the same length through a second router on the same mesh
+  with ``--no-disagg`` (served whole on the decode worker), alternating with the disaggregated
+  ones. Distinct prompts, so neither case hits the other's cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import re
+import statistics
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+BLOCK = 32
+
+
+@dataclass(frozen=True, slots=True)
+class HandoffConfig:
+    prompts: int = 6  # per case
+    prompt_tokens: int = 1800  # max_model_len is 2048
+    max_tokens: int = 4
+    threshold_tokens: int = 256
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(5, 1000) for _ in range(n)]
+
+
+_SUM = re.compile(r"^kvmesh_router_prefill_seconds_sum\{[^}]*\}\s+(\S+)$", re.M)
+
+
+def prefill_seconds_sum(metrics_text: str) -> float:
+    """The sum of ``kvmesh_router_prefill_seconds`` over its label sets (0 when absent)."""
+    return sum(float(x) for x in _SUM.findall(metrics_text))
+
+
+def _scrape(url: str) -> float:
+    with urllib.request.urlopen(url, timeout=5) as r:
+        return prefill_seconds_sum(r.read().decode())
+
+
+def summarize(rows: list[dict[str, float]]) -> dict[str, float]:
+    """Medians of per-prompt figures."""
+    return {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+
+
+async def _measure(cfg: HandoffConfig, pd_addr: str, agg_addr: str, metrics_url: str, log):  # type: ignore[no-untyped-def]
+    from kvmesh.client import RouterClient, make_request
+
+    async with RouterClient(pd_addr) as pd, RouterClient(agg_addr) as agg:
+        await pd.wait_for_models(60)
+        await agg.wait_for_models(60)
+        for c, seed in ((pd, 1), (agg, 2)):  # warm-up: first-call costs out of the figures
+            await c.complete(make_request(prompt(seed, cfg.prompt_tokens), max_tokens=2), 120)
+        split: list[dict[str, float]] = []
+        whole: list[dict[str, float]] = []
+        for i in range(cfg.prompts):
+            before = await asyncio.to_thread(_scrape, metrics_url)
+            req = make_request(
+                prompt(100 + i, cfg.prompt_tokens), max_tokens=cfg.max_tokens, temperature=0.0
+            )
+            c = await pd.complete(req, 120)
+            pre = await asyncio.to_thread(_scrape, metrics_url) - before
+            ttft = c.first_chunk_s or 0.0
+            cached = c.usage.cached_prompt_tokens if c.usage else 0
+            blocks = cached // BLOCK
+            rest = ttft - pre
+            split.append(
+                {
+                    "ttft_ms": ttft * 1e3,
+                    "prefill_ms": pre * 1e3,
+                    "rest_ms": rest * 1e3,
+                    "blocks": blocks,
+                    "rest_per_block_ms": rest * 1e3 / blocks if blocks else 0.0,
+                    "rest_share": rest / ttft if ttft else 0.0,
+                }
+            )
+            log(f"handoff disagg {i}: {split[-1]} worker={c.usage.worker_id if c.usage else '?'}")
+            req = make_request(
+                prompt(200 + i, cfg.prompt_tokens), max_tokens=cfg.max_tokens, temperature=0.0
+            )
+            a = await agg.complete(req, 120)
+            whole.append({"ttft_ms": (a.first_chunk_s or 0.0) * 1e3})
+            log(
+                f"handoff aggregated {i}: {whole[-1]} cached={a.usage.cached_prompt_tokens if a.usage else -1}"
+            )
+    return split, whole
+
+
+def run(cfg: HandoffConfig, log: Callable[[str], None]) -> list[dict[str, object]]:
+    from kvmesh.cli import model_cache_root
+    from kvmesh.launcher import Mesh, MeshSpec, stop_child
+    from kvmesh.models.tiny import ensure_tiny
+
+    t0 = time.perf_counter()
+    model = ensure_tiny(model_cache_root())
+    spec = MeshSpec(
+        model_path=model,
+        served_model_name="tiny",
+        workers=0,
+        prefill_workers=1,
+        decode_workers=1,
+        max_model_len=2048,
+        kv_cache_bytes=64 << 20,
+        log_dir=Path(tempfile.mkdtemp(prefix="kvmesh-bench-disagg-")),
+        router_args=("--disagg-threshold-tokens", str(cfg.threshold_tokens)),
+    )
+    with Mesh(spec) as mesh:
+        agg_router = mesh.start_router("router-agg", ("--no-disagg",))
+        try:
+            mesh.wait_ready(agg_router, 60.0)
+            log(f"handoff: mesh up in {time.perf_counter() - t0:.0f} s (logs {spec.log_dir})")
+            split, whole = asyncio.run(
+                _measure(
+                    cfg,
+                    mesh.router_address,
+                    agg_router.ready["address"],
+                    mesh.router.ready["metrics"] + "/metrics"
+                    if not mesh.router.ready["metrics"].endswith("/metrics")
+                    else mesh.router.ready["metrics"],
+                    log,
+                )
+            )
+        finally:
+            stop_child(agg_router, grace_s=10.0)
+    s, w = summarize(split), summarize(whole)
+    return [
+        {
+            "part": "handoff",
+            "prompt_tokens": cfg.prompt_tokens,
+            "prompts": cfg.prompts,
+            "blocks": s["blocks"],
+            "disagg_ttft_ms": s["ttft_ms"],
+            "prefill_ms": s["prefill_ms"],
+            "handoff_ms": s["rest_ms"],
+            "handoff_per_block_ms": s["rest_per_block_ms"],
+            "handoff_share_of_ttft": s["rest_share"],
+            "aggregated_ttft_ms": w["ttft_ms"],
+            "wall_s": time.perf_counter() - t0,
+        }
+    ]
+
+
+def format_table(rows: list[dict[str, object]]) -> str:
+    head = (
+        "| prompt tokens | blocks handed over | disagg TTFT ms | prefill call ms "
+        "| hand-off + decode first token ms | per block ms | share of TTFT | aggregated TTFT ms |\n"
+        "|---|---|---|---|---|---|---|---|"
+    )
+    out = [head]
+    for r in rows:
+        out.append(
+            f"| {r['prompt_tokens']} | {r['blocks']:.0f} | {r['disagg_ttft_ms']:.0f} "
+            f"| {r['prefill_ms']:.0f} | {r['handoff_ms']:.0f} | {r['handoff_per_block_ms']:.2f} "
+            f"| {r['handoff_share_of_ttft']:.0%} | {r['aggregated_ttft_ms']:.0f} |"
+        )
+    return "\n".join(out)
