@@ -46,8 +46,8 @@ def setup_tracing(
     elif exporter is Exporter.OTLP:
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
-        kwargs = {"endpoint": otlp_endpoint} if otlp_endpoint else {}
-        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(**kwargs)))
+        otlp = OTLPSpanExporter(endpoint=otlp_endpoint) if otlp_endpoint else OTLPSpanExporter()
+        provider.add_span_processor(BatchSpanProcessor(otlp))
     if extra_processor is not None:
         provider.add_span_processor(extra_processor)
     trace.set_tracer_provider(provider)

@@ -40,6 +40,33 @@ class KvManagerMetrics:
             ["tier"],
             registry=r,
         )
+        # Per tier, for a dashboard's one query per panel. A get looks in RAM, then on disk:
+        # a RAM miss is a disk hit or a miss; a disk miss is a miss (bad files included).
+        self.tier_hits = Gauge(
+            "kvmesh_kvmanager_tier_hits_total",
+            "Gets served from the tier since start.",
+            ["tier"],
+            registry=r,
+        )
+        self.tier_misses = Gauge(
+            "kvmesh_kvmanager_tier_misses_total",
+            "Gets that looked in the tier and did not find the block there, since start.",
+            ["tier"],
+            registry=r,
+        )
+        self.evictions = Gauge(
+            "kvmesh_kvmanager_evictions_total",
+            "Blocks removed from the tier to make room since start (demotions RAM -> disk and"
+            " bad files dropped are not evictions).",
+            ["tier"],
+            registry=r,
+        )
+        self.evicted_bytes = Gauge(
+            "kvmesh_kvmanager_evicted_bytes_total",
+            "Bytes of the blocks counted by kvmesh_kvmanager_evictions_total.",
+            ["tier"],
+            registry=r,
+        )
         # The store's cumulative counters, mirrored as gauges named *_total (they only grow).
         self.counters = {
             f.name: Gauge(
@@ -75,6 +102,16 @@ class KvManagerMetrics:
             self.pinned.labels(tier.value).set(u.pinned)
         for name, gauge in self.counters.items():
             gauge.set(getattr(store.stats, name))
+        s = store.stats
+        self.tier_hits.labels(Tier.CPU.value).set(s.hits_cpu)
+        self.tier_misses.labels(Tier.CPU.value).set(s.hits_disk + s.misses)
+        if store.has_disk:  # a get looks on disk only if there is a disk tier
+            self.tier_hits.labels(Tier.DISK.value).set(s.hits_disk)
+            self.tier_misses.labels(Tier.DISK.value).set(s.misses)
+        for tier in _TIERS:
+            blocks, nbytes = store.evictions(tier)
+            self.evictions.labels(tier.value).set(blocks)
+            self.evicted_bytes.labels(tier.value).set(nbytes)
         if peers is not None:
             for name, gauge in self.peer.items():
                 gauge.set(getattr(peers.stats, name))

@@ -223,6 +223,15 @@ class TieredStore:
     def usage(self, tier: Tier) -> TierUsage:
         return self._index.usage(tier)
 
+    @property
+    def has_disk(self) -> bool:
+        return self._index.has_disk
+
+    def evictions(self, tier: Tier) -> tuple[int, int]:
+        """(blocks, bytes) evicted from ``tier`` since start to make room: not demotions (RAM
+        copies written back to disk first, ``stats.demotions``), not bad files dropped."""
+        return self._index.evictions(tier)
+
     async def close(self) -> None:
         """Refuses new work, fails waiting puts with StoreClosed, finishes the disk I/O under
         way. RAM contents are not written back (a cache: the next start has the disk tier)."""

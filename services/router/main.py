@@ -191,6 +191,7 @@ async def start_router(config: RouterConfig) -> RunningRouter:
             api_keys=config.api_keys or None,
             max_body_bytes=config.http_max_body_bytes,
             request_timeout_s=config.default_timeout_s,
+            metrics=metrics,
         )
         await http.start()
     for name in ("", SERVICE_NAME):

@@ -1,4 +1,5 @@
-"""The router's Prometheus metrics: requests by status, routing decisions by profile and the
+"""The router's Prometheus metrics: requests by status (gRPC, and HTTP at the OpenAI front
+door), routing decisions by profile and the
 plugin that decided, predicted vs served cache hits, time to first token, inter-token latency,
 and the state of every worker's KV event stream and of every kvmanager tier event stream (one
 per kvmanager and KV layout: a node store in the index).
@@ -88,6 +89,14 @@ class RouterMetrics:
             "kvmesh_router_requests",
             "Generate calls ended, by model and gRPC status code (OK, INVALID_ARGUMENT, ...).",
             ["model", "code"],
+            registry=r,
+        )
+        self.http_requests = Counter(
+            "kvmesh_router_http_requests",
+            "OpenAI front door requests ended, by endpoint (route template, or 'other' for no "
+            "route) and HTTP status (a stream that fails after its headers counts its 200; "
+            "499: the client went away first).",
+            ["endpoint", "code"],
             registry=r,
         )
         self.decisions = Counter(
@@ -221,6 +230,9 @@ class RouterMetrics:
 
     def ended(self, model: str, code: str) -> None:
         self.requests.labels(model or "unknown", code).inc()
+
+    def http_ended(self, endpoint: str, code: int) -> None:
+        self.http_requests.labels(endpoint, str(code)).inc()
 
     # ---- KV streams (on the loop, every few seconds) --------------------------------------
     def refresh_kv(self, streams: Mapping[WorkerId, KvStreamStats], index: KvIndex) -> None:

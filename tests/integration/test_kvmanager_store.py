@@ -19,6 +19,7 @@ from services.kvmanager.core.config import StoreConfig
 from services.kvmanager.core.errors import BadBlock, NotPinned, StoreClosed, StoreFull
 from services.kvmanager.core.layout import KvLayout
 from services.kvmanager.core.plan import LayoutEvent
+from services.kvmanager.metrics import KvManagerMetrics
 from services.kvmanager.store import TieredStore
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
@@ -353,3 +354,84 @@ async def test_closed_store_refuses_work(tmp_path: Path, opened) -> None:
         await store.put(L, 1, payload(1))
     with pytest.raises(StoreClosed):
         await store.get(L, 1)
+
+
+# ---- evictions: blocks removed to make room, not demotions -------------------------------------
+def evicted(store: TieredStore) -> dict[Tier, tuple[int, int]]:
+    return {tier: store.evictions(tier) for tier in (CPU, DISK)}
+
+
+def metric(metrics: KvManagerMetrics, name: str, tier: Tier) -> float | None:
+    return metrics.registry.get_sample_value(name, {"tier": tier.value})
+
+
+async def test_demotions_are_not_evictions(tmp_path: Path, opened) -> None:
+    cfg = config(tmp_path, 2, 8)
+    store = await opened(cfg)
+    await put_chain(store, range(5))
+    assert await store.get(L, 0) == payload(0)  # the promotion demotes block 3
+    await store.wait_idle()
+    assert store.stats.demotions == 4
+    assert evicted(store) == {CPU: (0, 0), DISK: (0, 0)}
+
+
+async def test_ram_only_pressure_evicts_exactly_the_overflow(tmp_path: Path, opened) -> None:
+    store = await opened(config(tmp_path, 2, None))
+    await put_chain(store, range(5))
+    assert evicted(store) == {CPU: (3, 3 * BLOCK), DISK: (0, 0)}
+    assert store.lookup(L, [3, 4]) == [CPU, CPU] and not store.contains(L, 2)
+    assert await store.get(L, 0) is None and await store.get(L, 4) == payload(4)
+    metrics = KvManagerMetrics()
+    metrics.refresh(store)
+    assert metric(metrics, "kvmesh_kvmanager_evictions_total", CPU) == 3
+    assert metric(metrics, "kvmesh_kvmanager_evicted_bytes_total", CPU) == 3 * BLOCK
+    assert metric(metrics, "kvmesh_kvmanager_tier_hits_total", CPU) == 1
+    assert metric(metrics, "kvmesh_kvmanager_tier_misses_total", CPU) == 1
+    assert metric(metrics, "kvmesh_kvmanager_tier_misses_total", DISK) is None  # no disk tier
+
+
+async def test_clean_drops_and_disk_overflow_are_evictions(tmp_path: Path, opened) -> None:
+    cfg = config(tmp_path, 1, 3)
+    store = await opened(cfg)
+    await put_chain(store, range(3))  # 0 and 1 demoted, 2 in RAM
+    assert await store.get(L, 0) == payload(0)  # promoted; 2 demoted for it
+    await store.wait_idle()
+    assert evicted(store) == {CPU: (0, 0), DISK: (0, 0)}
+    # RAM holds 0 (clean: on disk too); disk is full with 0, 1, 2 (LRU: 1, 2, 0)... then:
+    # put 3 drops clean 0 from RAM; put 4 demotes 3, deleting 1 from disk; put 5 demotes 4,
+    # deleting the next least recently used disk block.
+    await put_chain(store, range(3, 6))
+    await store.wait_idle()
+    check_budgets(store, cfg)
+    assert store.stats.demotions == 5
+    assert evicted(store) == {CPU: (1, BLOCK), DISK: (2, 2 * FILE)}
+    removed = [
+        le.event.tier
+        for le in store.drain_events()
+        if isinstance(le.event, BlockRemoved)
+        for _ in le.event.block_hashes
+    ]
+    assert removed.count(DISK) == 2
+    assert await store.get(L, 5) == payload(5) and await store.get(L, 4) == payload(4)
+    assert await store.get(L, 1) is None
+    await store.wait_idle()
+    metrics = KvManagerMetrics()
+    metrics.refresh(store)
+    for tier, (blocks, nbytes) in evicted(store).items():
+        assert metric(metrics, "kvmesh_kvmanager_evictions_total", tier) == blocks
+        assert metric(metrics, "kvmesh_kvmanager_evicted_bytes_total", tier) == nbytes
+    s = store.stats
+    assert (s.hits_cpu, s.hits_disk, s.misses) == (1, 2, 1)
+    assert metric(metrics, "kvmesh_kvmanager_tier_hits_total", CPU) == 1
+    assert metric(metrics, "kvmesh_kvmanager_tier_hits_total", DISK) == 2
+    assert metric(metrics, "kvmesh_kvmanager_tier_misses_total", CPU) == 3
+    assert metric(metrics, "kvmesh_kvmanager_tier_misses_total", DISK) == 1
+
+
+async def test_write_through_makes_ram_victims_clean_evictions(tmp_path: Path, opened) -> None:
+    cfg = config(tmp_path, 2, 8, write_through=True)
+    store = await opened(cfg)
+    await put_chain(store, range(4))
+    await store.wait_idle()
+    assert store.stats.demotions == 0
+    assert evicted(store) == {CPU: (2, 2 * BLOCK), DISK: (0, 0)}

@@ -477,6 +477,64 @@ def test_dockerfile_builds_one_image_for_both_engines(dockerfile) -> None:
     assert [w for w, _ in final].count("HEALTHCHECK") == 1
 
 
+def _substitute(text: str, args: dict[str, str]) -> str:
+    return re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: args[m.group(1) or m.group(2)], text)
+
+
+def build_chain(dockerfile, build_args: dict[str, str]) -> list[tuple[int, str]]:
+    """The stages the final image is built on, final first, as (stage index, FROM image):
+    BuildKit's resolution of ``FROM`` through global ARGs (defaults < ``--build-arg``) and
+    earlier stage names. The last item is the external base image."""
+    args = {k: v for k, _, v in (r.partition("=") for s, w, r in dockerfile if s == -1)}
+    args.update(build_args)
+    by_name = {v: k for k, v in stage_names(dockerfile).items()}
+    froms = {s: rest.split()[0] for s, w, rest in dockerfile if w == "FROM"}
+    chain, stage = [], max(froms)
+    while True:
+        image = _substitute(froms[stage], args)
+        chain.append((stage, image))
+        if image not in by_name:
+            return chain
+        stage = by_name[image]
+
+
+def pinned_vllm() -> str:
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    (pin,) = [r for r in extras["cuda"] if re.match(r"vllm\s*==", r)]
+    return pin.split("==")[1].strip()
+
+
+@pytest.mark.parametrize("engine", ["cpu", "cuda"])
+def test_each_engine_builds_one_image_for_all_roles(dockerfile, engine) -> None:
+    build_args = {"ENGINE": engine} if engine != "cpu" else {}  # cpu: the default
+    chain = build_chain(dockerfile, build_args)
+    names = stage_names(dockerfile)
+    assert [names[s] for s, _ in chain] == ["kvmesh", f"engine-{engine}"]
+    base = chain[-1][1]
+    if engine == "cuda":  # vLLM, torch and CUDA come with the official vLLM image
+        assert base == f"vllm/vllm-openai:v{pinned_vllm()}", "the vLLM pyproject.toml pins"
+    else:
+        assert "vllm" not in base and base.startswith("python:3.11-"), base
+    # What the image runs: the same for both engines (the shared last stage), for every role.
+    seen = [(w, rest) for s, w, rest in dockerfile if s in {i for i, _ in chain}]
+    (entrypoint,) = [rest for w, rest in seen if w == "ENTRYPOINT"]
+    assert json.loads(entrypoint) == ["kvmesh"], "the command picks the role"
+    users = [rest for w, rest in seen if w == "USER"]
+    assert users and users[-1].split(":")[0] not in ("0", "root"), "non-root"
+    assert users[-1].split(":")[0].isdigit(), "numeric, so runAsNonRoot can verify it"
+
+
+def test_the_cuda_image_keeps_the_bases_vllm_and_torch(dockerfile) -> None:
+    cuda = _stage(dockerfile, "engine-cuda")
+    assert re.search(r"pip install -c /tmp/keep\.txt -r /tmp/requirements\.txt", cuda)
+    assert re.search(r"\^\(vllm\|torch\|", cuda), "vLLM and torch are held by constraints"
+    assert "--extra-index-url" not in cuda and "x['cuda']" not in cuda
+    # the kvmesh install itself never resolves dependencies (it would pull vllm==pin again)
+    assert "pip install --no-deps ." in cuda
+
+
 def _stage(dockerfile, name: str) -> str:
     index = {v: k for k, v in stage_names(dockerfile).items()}[name]
     return "\n".join(rest for s, w, rest in dockerfile if s == index and w == "RUN")

@@ -174,6 +174,7 @@ def test_demotion_writes_back_then_drops_then_grants_the_waiter() -> None:
     assert [e.event for e in index.take_events()] == [
         BlockStored((BlockHash(3),), BlockHash(2), CPU, 1)
     ]
+    assert index.evictions(CPU) == index.evictions(DISK) == (0, 0)  # a demotion
     index.check_invariants()
 
 
@@ -184,6 +185,7 @@ def test_failed_demotion_drops_the_block_and_still_grants() -> None:
     index.write_done(bid(1), DISK, ok=False)
     assert names(index.take_actions()) == ["write 1", "drop 1", "granted 2 cpu"]
     assert index.tier_of(bid(1)) is None and index.usage(DISK).used_bytes == 0
+    assert index.evictions(CPU) == (1, 4), "not written back: evicted"
     index.check_invariants()
 
 
@@ -215,6 +217,7 @@ def test_a_ram_copy_read_by_a_disk_write_stays_until_the_write_ends() -> None:
     index.write_done(bid(1), DISK, ok=True)
     assert names(index.take_actions()) == ["drop 1", "granted 2 cpu"]
     assert index.state(bid(1), DISK) is CopyState.READABLE
+    assert index.evictions(CPU) == (0, 0), "discarded, not evicted"
     index.check_invariants()
 
 
@@ -238,6 +241,37 @@ def test_discarding_a_ram_copy_withdraws_its_queued_demotion() -> None:
     index.write_done(bid(0), CPU, ok=True)
     index.write_done(bid(1), DISK, ok=True)
     assert index.usage(DISK).used_bytes == 8 and index.usage(DISK).leaving_bytes == 0
+    assert index.evictions(DISK) == (1, 8)  # A0's file, deleted to make room
+    assert index.evictions(CPU) == (0, 0)  # B0 was a victim, then discarded as bad
+    index.check_invariants()
+
+
+@pytest.mark.parametrize(
+    ("disk_blocks", "evicted_cpu", "demotions"),
+    [
+        pytest.param(None, (3, 12), 0, id="no-disk-tier"),
+        pytest.param(100, (0, 0), 3, id="disk-room"),
+        pytest.param(0, (3, 12), 0, id="disk-full"),
+    ],
+)
+def test_evictions_count_victims_that_were_not_written_back(
+    disk_blocks: int | None, evicted_cpu: tuple[int, int], demotions: int
+) -> None:
+    index = TierIndex(cpu_bytes=8, disk_bytes=None if disk_blocks is None else 4 * disk_blocks)
+    writes = 0
+    for h in range(5):
+        got = index.request(A, BlockHash(h), CPU)
+        while got is Grant.QUEUED:  # the adapter's part: write back what the index asks
+            for action in index.take_actions():
+                if isinstance(action, WriteToDisk):
+                    writes += 1
+                    index.write_done(action.block, DISK, ok=True)
+                elif isinstance(action, Granted):
+                    got = Grant.GRANTED
+        assert got is Grant.GRANTED
+        index.write_done(bid(h), CPU, ok=True)
+    assert (index.evictions(CPU), writes) == (evicted_cpu, demotions)
+    assert index.evictions(DISK) == (0, 0)
     index.check_invariants()
 
 

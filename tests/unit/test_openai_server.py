@@ -15,6 +15,7 @@ import pytest
 from kvmesh import errors
 from kvmesh.v1 import common_pb2, router_pb2
 from services.router.http import OpenAIServer
+from services.router.metrics import RouterMetrics
 
 
 class FakeRouter:
@@ -240,3 +241,62 @@ async def test_client_disconnect_closes_the_router_call(served):
                 break
             await asyncio.sleep(0.02)
         assert rid in fake.closed, f"stream={stream}: the router call was not closed"
+
+
+async def test_requests_are_counted_by_endpoint_and_http_status():
+    fake = FakeRouter()
+    metrics = RouterMetrics()
+    server = OpenAIServer(port=0, backend=fake, max_body_bytes=4096, metrics=metrics)
+    await server.start()
+    url = server.base_url
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+    try:
+        async with aiohttp.ClientSession() as s:
+            calls = [
+                s.post(url + "/chat/completions", json=chat),
+                s.post(url + "/chat/completions", json={**chat, "stream": True}),
+                s.post(url + "/chat/completions", data=b"{nope"),
+                s.post(url + "/completions", data=b"x" * 5000),
+                s.get(url + "/models"),
+                s.get(url + "/models/tiny"),
+                s.get(url + "/models/absent"),
+                s.get(url + "/nothing"),
+                s.get(url + "/chat/completions"),
+            ]
+            for call in calls:
+                async with call as r:
+                    await r.read()
+            fake.fail = errors.Unavailable("no worker")
+            async with s.post(url + "/completions", json={"model": "tiny", "prompt": "x"}) as r:
+                assert r.status == 503
+            fake.fail, fake.hang = None, True
+            req = asyncio.ensure_future(
+                s.post(url + "/completions", json={"model": "tiny", "prompt": "x"})
+            )
+            await asyncio.wait_for(fake.hanging.wait(), 5)
+            req.cancel()  # the client goes away: 499
+            for _ in range(100):
+                if fake.closed[-1:] == [fake.requests[-1].request_id]:
+                    break
+                await asyncio.sleep(0.02)
+    finally:
+        await server.close()
+    counts = {
+        (sample.labels["endpoint"], sample.labels["code"]): sample.value
+        for family in metrics.registry.collect()
+        if family.name == "kvmesh_router_http_requests"
+        for sample in family.samples
+        if sample.name == "kvmesh_router_http_requests_total"
+    }
+    assert counts == {
+        ("/v1/chat/completions", "200"): 2,
+        ("/v1/chat/completions", "400"): 1,
+        ("/v1/completions", "413"): 1,
+        ("/v1/completions", "503"): 1,
+        ("/v1/completions", "499"): 1,
+        ("/v1/models", "200"): 1,
+        ("/v1/models/{model}", "200"): 1,
+        ("/v1/models/{model}", "404"): 1,
+        ("other", "404"): 1,
+        ("other", "405"): 1,
+    }

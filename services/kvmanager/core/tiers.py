@@ -24,6 +24,12 @@ Policy. RAM victims with a readable disk copy (clean) are dropped at once; other
 written back to disk first (demotion) if the disk tier has room for them, else dropped. Disk
 victims are deleted; a RAM copy of the same block then becomes dirty. A doomed RAM copy that
 leaves before its write-back got disk room (discarded) withdraws that queued write-back.
+
+Evictions (``evictions``): copies that leave their tier because room was being made for
+others, counted per tier when they stop being readable: RAM victims dropped (clean, or dirty
+with no disk room, or whose write-back failed or was withdrawn) and disk victims deleted. A RAM
+victim that leaves once the index's own write-back landed is a demotion, not an eviction; copies
+removed as bad (``discard``) are not evictions either.
 """
 
 from __future__ import annotations
@@ -62,6 +68,8 @@ class _Copy:
     doomed: bool = False  # RAM copy: leaves once its disk write ends
     leaving: bool = False  # chosen for removal: unreadable, removed at pins == 0
     deleting: bool = False  # disk copy: DeleteFromDisk handed out
+    victim: bool = False  # chosen by _make_room: leaving it counts as an eviction...
+    demoting: bool = False  # ...unless it is a RAM copy the index wrote back (WriteToDisk)
 
 
 @dataclass(slots=True)
@@ -84,6 +92,8 @@ class _Tier:
     leaving_bytes: int = 0
     queued_bytes: int = 0
     pinned_bytes: int = 0  # copies with reader pins: what a request may not count on
+    evicted_blocks: int = 0  # since start: victims of _make_room gone (demotions excluded)
+    evicted_bytes: int = 0
     lru: OrderedDict[BlockId, None] = field(default_factory=OrderedDict)  # readable, oldest first
     queue: OrderedDict[BlockId, _Request] = field(default_factory=OrderedDict)
 
@@ -178,6 +188,12 @@ class TierIndex:
             pinned=sum(1 for c in copies if c.pins),
             pinned_bytes=t.pinned_bytes,
         )
+
+    def evictions(self, tier: Tier) -> tuple[int, int]:
+        """(blocks, bytes) evicted from ``tier`` since start (see the module doc); (0, 0) for
+        a tier this index does not have."""
+        t = self._tiers.get(tier)
+        return (t.evicted_blocks, t.evicted_bytes) if t is not None else (0, 0)
 
     # ---- writes --------------------------------------------------------------------------
 
@@ -289,6 +305,7 @@ class TierIndex:
         b = self._blocks.get(block)
         c = b.copies.get(tier) if b is not None else None
         if c is not None and c.ready and not c.leaving:
+            c.victim = False  # removed as bad: not an eviction, even if it was a victim
             self._leave(block, tier)
 
     # ---- outboxes ------------------------------------------------------------------------
@@ -405,6 +422,7 @@ class TierIndex:
         c = b.copies[tier]
         disk = b.copies.get(_DISK)
         clean = disk is not None and disk.ready and not disk.leaving
+        c.victim = True
         if tier is _CPU and self.has_disk and not clean and (disk is None or not disk.leaving):
             t = self._tiers[_CPU]
             del t.lru[block]
@@ -412,6 +430,7 @@ class TierIndex:
             t.leaving_bytes += c.size_bytes
             if disk is None:  # else a disk write of this block is under way already
                 got = self._request(b.layout, block, _DISK, b.parent, demotion=True)
+                c.demoting = got is not Grant.REFUSED
                 if got is Grant.REFUSED:
                     self._leave(block, _CPU)
             return
@@ -429,6 +448,12 @@ class TierIndex:
             t.leaving_bytes += c.size_bytes
             t.lru.pop(block, None)
         c.leaving = True
+        if c.victim:
+            disk = b.copies.get(_DISK)
+            demoted = c.demoting and disk is not None and disk.ready and not withdrawn
+            if not demoted:
+                t.evicted_blocks += 1
+                t.evicted_bytes += c.size_bytes
         if c.ready:
             self._emit(b, BlockRemoved((block.block_hash,), tier))
         self._remove_if_idle(block, tier)

@@ -3,13 +3,14 @@ Translation lives in ``translate``, the router call in ``backend``."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 from aiohttp import web
 
@@ -24,6 +25,22 @@ log = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 Parser = Callable[[object, translate.Extensions, str, int], translate.ParsedRequest]
+
+CLIENT_CLOSED = 499  # the status code nginx logs for a client that left before the response
+
+
+class HttpMetrics(Protocol):
+    """Where the server counts requests (``services.router.metrics.RouterMetrics``)."""
+
+    def http_ended(self, endpoint: str, code: int) -> None: ...
+
+
+def endpoint_of(request: web.Request) -> str:
+    """The matched route's template (``/v1/models/{model}``: bounded label values), or
+    ``other`` for a path no route serves."""
+    route = request.match_info.route
+    resource = route.resource if route is not None else None
+    return resource.canonical if resource is not None else "other"
 
 
 def _json_response(
@@ -56,7 +73,8 @@ class OpenAIServer:
     ``api_keys``: None accepts any key (or none); otherwise the accepted keys, as key -> tenant
     or just keys (tenant derived from the key). ``default_max_tokens`` applies when a request
     sets neither max_tokens nor max_completion_tokens. ``backend`` replaces the gRPC channel
-    (an in-process router, a fake in tests)."""
+    (an in-process router, a fake in tests). ``metrics``, if given, counts every request by
+    endpoint and HTTP status."""
 
     def __init__(
         self,
@@ -70,6 +88,7 @@ class OpenAIServer:
         models_timeout_s: float = 10.0,
         default_max_tokens: int = 512,
         backend: RouterBackend | None = None,
+        metrics: HttpMetrics | None = None,
     ) -> None:
         if backend is None and not router_address:
             raise ValueError("OpenAIServer needs router_address or backend")
@@ -86,14 +105,16 @@ class OpenAIServer:
         self._default_max_tokens = default_max_tokens
         self._backend = backend
         self._own_backend = backend is None
+        self._metrics = metrics
         self._runner: web.AppRunner | None = None
         self._created = int(time.time())
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def app(self) -> web.Application:
-        app = web.Application(
-            client_max_size=self._max_body_bytes, middlewares=[self._errors_middleware]
-        )
+        middlewares = [self._errors_middleware]
+        if self._metrics is not None:  # outermost: it sees the status the errors one set
+            middlewares.insert(0, self._metrics_middleware)
+        app = web.Application(client_max_size=self._max_body_bytes, middlewares=middlewares)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_get("/v1/models", self._models)
@@ -136,7 +157,26 @@ class OpenAIServer:
             raise RuntimeError("OpenAIServer is not started")
         return self._backend
 
-    # ---- errors -------------------------------------------------------------------------------
+    # ---- metrics and errors -------------------------------------------------------------------
+    @web.middleware
+    async def _metrics_middleware(
+        self, request: web.Request, handler: Handler
+    ) -> web.StreamResponse:
+        assert self._metrics is not None
+        code = 500
+        try:
+            resp = await handler(request)
+            code = resp.status
+            return resp
+        except asyncio.CancelledError:
+            code = CLIENT_CLOSED  # handler_cancellation: the client disconnected
+            raise
+        except web.HTTPException as exc:  # below 400 only: the errors middleware maps the rest
+            code = exc.status
+            raise
+        finally:
+            self._metrics.http_ended(endpoint_of(request), code)
+
     @web.middleware
     async def _errors_middleware(
         self, request: web.Request, handler: Handler
