@@ -13,6 +13,9 @@ into the CPU tier with its parent hash, as it arrives. A peer that dies or stall
 leaves the blocks stored before it (whole and verified) and nothing partial; the fetch raises
 ``PeerFetchFailed`` / ``PeerFetchTimedOut`` saying how many blocks were fetched, and the caller
 recomputes the rest. See docs/kvmanager.md.
+
+Each fetch is a ``kv.fetch_from_peer`` span (the peer's id, blocks asked, fetched, already held,
+missing on the peer, bytes): the OpenFetch call to the peer is its child.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from kvmesh.discovery.etcd import PrefixWatcher
 from kvmesh.discovery.keys import KvManagerRecord, kvmanagers_prefix
 from kvmesh.errors import InvalidArgument
 from kvmesh.kv.events import BlockHash
+from kvmesh.telemetry import tracer
 from kvmesh.v1 import kvmanager_pb2, kvmanager_pb2_grpc
 
 from .convert import layout_to_pb
@@ -52,6 +56,7 @@ from .dataplane_wire import TOKEN_BYTES
 from .store import TieredStore
 
 log = logging.getLogger(__name__)
+_tracer = tracer(__name__)
 
 _MAX_TTL_FACTOR = 10  # a caller may ask for at most 10x the configured ticket TTL
 
@@ -266,14 +271,31 @@ class PeerService:
         if peer.kvmanager_id == self._id or address == self._address:
             raise InvalidArgument(f"{peer.describe()} is this kvmanager: nothing to fetch")
         self.stats.fetches += 1
-        try:
-            await self._fetch(layout, checked, peer, address, deadline, progress)
-        except (PeerFetchFailed, PeerFetchTimedOut):
-            self.stats.fetch_failures += 1
-            raise
-        finally:
-            progress.seconds = time.monotonic() - started
-            progress.prefix_blocks = len(self._store.lookup(layout, checked))
+        with _tracer.start_as_current_span(
+            "kv.fetch_from_peer",
+            attributes={
+                "kv.layout": layout.key,
+                "kv.peer": peer.kvmanager_id or address,
+                "kv.blocks_asked": len(checked),
+            },
+        ) as span:
+            try:
+                await self._fetch(layout, checked, peer, address, deadline, progress)
+            except (PeerFetchFailed, PeerFetchTimedOut):
+                self.stats.fetch_failures += 1
+                raise
+            finally:
+                progress.seconds = time.monotonic() - started
+                progress.prefix_blocks = len(self._store.lookup(layout, checked))
+                if span.is_recording():
+                    span.set_attributes(
+                        {
+                            "kv.blocks_fetched": progress.fetched,
+                            "kv.blocks_already_held": progress.already_held,
+                            "kv.blocks_peer_missing": progress.peer_missing,
+                            "kv.bytes_fetched": progress.bytes,
+                        }
+                    )
         return progress
 
     async def _fetch(

@@ -1,5 +1,9 @@
 """kvmesh.v1.KvManager over gRPC: converts messages to core values, calls the store, streams
-the per-layout tier events, and moves same-node block bytes through attached shared memory."""
+the per-layout tier events, and moves same-node block bytes through attached shared memory.
+
+Spans: OpenTelemetry's server interceptor makes one span per RPC, parented by the caller's
+trace context (gRPC metadata); inside it, ``kv.lookup`` and ``kv.get_blocks`` (and
+``kv.fetch_from_peer``, in ``peer.py``) carry counts and ids, never block bytes."""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 
 import grpc
+from opentelemetry.trace import Span, Status, StatusCode
 
 from kvmesh import errors
 from kvmesh.grpc_errors import abort_with
@@ -16,6 +21,7 @@ from kvmesh.kv.events import Tier
 from kvmesh.kv.fanout import KvEventHub
 from kvmesh.kv_stream import serve_kv_events
 from kvmesh.kv_wire import TIER_PB
+from kvmesh.telemetry import tracer
 from kvmesh.v1 import kvmanager_pb2, kvmanager_pb2_grpc, worker_pb2
 
 from .convert import layout_from_pb
@@ -27,6 +33,7 @@ from .shm import ALIGN, ShmRegistry
 from .store import TieredStore
 
 log = logging.getLogger(__name__)
+_tracer = tracer(__name__)
 
 
 class LayoutHubs:
@@ -94,7 +101,16 @@ class KvManagerServicer(kvmanager_pb2_grpc.KvManagerServicer):
         try:
             self._check_serving()
             layout = layout_from_pb(request.layout)
-            tiers = self._store.lookup(layout, request.block_hashes)
+            with _tracer.start_as_current_span("kv.lookup") as span:
+                tiers = self._store.lookup(layout, request.block_hashes)
+                if span.is_recording():
+                    span.set_attributes(
+                        {
+                            "kv.layout": layout.key,
+                            "kv.blocks_asked": len(request.block_hashes),
+                            "kv.blocks_found": len(tiers),
+                        }
+                    )
         except Exception as exc:
             await abort_with(context, exc, "Lookup")
             raise AssertionError("unreachable") from exc
@@ -147,11 +163,19 @@ class KvManagerServicer(kvmanager_pb2_grpc.KvManagerServicer):
     async def GetBlocks(
         self, request: kvmanager_pb2.GetBlocksRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[kvmanager_pb2.GetBlocksResponse]:
+        # start_span, not start_as_current_span: a context attached inside an async generator
+        # may be detached from another task when the generator is closed.
+        span = _tracer.start_span(
+            "kv.get_blocks", attributes={"kv.blocks_asked": len(request.block_hashes)}
+        )
+        sent = _Sent()
         try:
             self._check_serving()
             layout = layout_from_pb(request.layout)
+            span.set_attribute("kv.layout", layout.key)
             if request.HasField("shm"):
-                async for msg in self._get_into_shm(layout, request, context):
+                span.set_attribute("kv.shm", True)
+                async for msg in self._get_into_shm(layout, request, context, sent):
                     yield msg
                 return
             for h in request.block_hashes:
@@ -160,18 +184,24 @@ class KvManagerServicer(kvmanager_pb2_grpc.KvManagerServicer):
                 if data is None:
                     yield kvmanager_pb2.GetBlocksResponse(missing=h)
                     return
+                sent.add(tier, len(data))
                 yield kvmanager_pb2.GetBlocksResponse(
                     block=kvmanager_pb2.KvBlock(block_hash=h, data=data),
                     tier=TIER_PB[tier if tier is not None else Tier.CPU],
                 )
         except Exception as exc:
+            span.record_exception(exc)
+            span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
             await abort_with(context, exc, "GetBlocks")
+        finally:
+            sent.end(span)
 
     async def _get_into_shm(
         self,
         layout: KvLayout,
         request: kvmanager_pb2.GetBlocksRequest,
         context: grpc.aio.ServicerContext,
+        sent: _Sent,
     ) -> AsyncIterator[kvmanager_pb2.GetBlocksResponse]:
         """GetBlocks into the caller's segment: each block is copied to the next aligned offset
         of the region (inline once the region is full); the regions go back in runs."""
@@ -188,6 +218,7 @@ class KvManagerServicer(kvmanager_pb2_grpc.KvManagerServicer):
                 break
             if context.done():
                 return  # cancelled or past its deadline: the caller may reuse the region now
+            sent.add(tier, len(data))
             start = -(-cursor // ALIGN) * ALIGN
             block = msg.blocks.add(block_hash=h)
             if start + len(data) <= end:
@@ -308,6 +339,31 @@ class KvManagerServicer(kvmanager_pb2_grpc.KvManagerServicer):
             peer_missing=progress.peer_missing,
             prefix_blocks=progress.prefix_blocks,
         )
+
+
+class _Sent:
+    """What one GetBlocks served: blocks, bytes, and blocks per tier (for its span)."""
+
+    __slots__ = ("blocks", "bytes", "tiers")
+
+    def __init__(self) -> None:
+        self.blocks = 0
+        self.bytes = 0
+        self.tiers: dict[Tier, int] = {}
+
+    def add(self, tier: Tier | None, nbytes: int) -> None:
+        self.blocks += 1
+        self.bytes += nbytes
+        t = tier if tier is not None else Tier.CPU
+        self.tiers[t] = self.tiers.get(t, 0) + 1
+
+    def end(self, span: Span) -> None:
+        if span.is_recording():
+            attrs: dict[str, int] = {"kv.blocks_sent": self.blocks, "kv.bytes_sent": self.bytes}
+            for tier, n in self.tiers.items():
+                attrs[f"kv.blocks_from_{tier.value}"] = n
+            span.set_attributes(attrs)
+        span.end()
 
 
 def _parent(block: kvmanager_pb2.KvBlock) -> int | None:

@@ -27,6 +27,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
+from opentelemetry import propagate
 from vllm import SamplingParams
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.exceptions import (
@@ -46,6 +47,7 @@ from vllm.v1.metrics.stats import IterationStats, MultiModalCacheStats, Schedule
 from kvmesh import errors
 
 from .config import EngineConfig
+from .connector.kvmanager_client import TRACE_HEADERS, TRACE_PARAM
 from .connector.plan import PeerSource
 from .core import (
     EngineInfo,
@@ -379,11 +381,19 @@ class VllmEngine:
             self._running.discard(rid)
 
     def _kv_transfer_params(self, request: GenerateRequest) -> dict[str, Any] | None:
-        """The router's peer hint, for the KV connector (engines without one get nothing)."""
-        source = request.kv_source
-        if source is None or not self._info.connector_layout:
+        """For the KV connector (engines without one get nothing): the router's peer hint, and
+        the current W3C trace context, which the connector sends on its kvmanager calls."""
+        if not self._info.connector_layout:
             return None
-        return PeerSource(source.kvmanager_id, source.blocks).to_params()
+        params: dict[str, Any] = {}
+        source = request.kv_source
+        if source is not None:
+            params.update(PeerSource(source.kvmanager_id, source.blocks).to_params())
+        headers: dict[str, str] = {}
+        propagate.inject(headers)  # nothing when no span is recording (tracing off)
+        if headers.get("traceparent"):  # W3C trace context only (no baggage)
+            params[TRACE_PARAM] = {k: headers[k] for k in TRACE_HEADERS if k in headers}
+        return params or None
 
     async def close(self) -> None:
         running = list(self._running)

@@ -11,6 +11,11 @@ handing the copies to a background saver. See docs/connector.md.
 Enable it with ``services.worker.connector.kv_transfer_config(store_path=...)``, i.e.
 ``kv_connector="KvmeshConnector"``, ``kv_connector_module_path`` this module,
 ``kv_role="kv_both"``, ``kv_load_failure_policy="recompute"``.
+
+Tracing: a request whose ``kv_transfer_params`` carry a trace context (the worker puts it there)
+sends it as gRPC metadata on the store calls made for it: the scheduler's lookups, the peer
+fetch, and the worker side's load (the context rides along in ``BlockTransfer.trace``). Saves
+are batched across requests on the saver thread and go untraced.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from . import CONNECTOR_NAME
 from . import plan as plans
 from .client import KvBlockClient, StoreConfig, make_client
 from .kv_copy import KvLayer, kv_layers, read_blocks, write_blocks
+from .kvmanager_client import TraceMetadata, trace_metadata, traced_calls
 from .layout import BlockLayout
 from .peer_prefetch import PeerFetchConfig, PeerPrefetcher, make_prefetcher
 from .saver import BlockSaver, SaveJob
@@ -64,6 +70,7 @@ class BlockTransfer:
     block_ids: list[int]
     keys: list[int]
     parent: int | None = None  # saves: the key of the block before keys[0]
+    trace: TraceMetadata | None = None  # loads: the request's trace context (gRPC metadata)
 
 
 @dataclass
@@ -289,13 +296,14 @@ class KvmeshConnector(KVConnectorBase_V1):
             return None, False  # its peer fetch is under way: vLLM asks again (bounded)
         store_blocks = 0
         if p.keys and (self._do_load or self._do_save):
-            store_blocks = self._lookup(p.keys)
+            trace = trace_metadata(getattr(request, "kv_transfer_params", None))
+            store_blocks = self._lookup(p.keys, trace)
             if prefetch is not None and self._fetch_from_peer(
-                request, p, store_blocks, num_computed_tokens
+                request, p, store_blocks, num_computed_tokens, trace
             ):
                 if prefetch.pending(request.request_id):
                     return None, False
-                store_blocks = self._lookup(p.keys)
+                store_blocks = self._lookup(p.keys, trace)
             self._counters.add("lookups", 1)
             self._counters.add("lookup_hit_blocks", store_blocks)
         plans.after_lookup(p, num_computed_tokens, store_blocks)
@@ -304,7 +312,12 @@ class KvmeshConnector(KVConnectorBase_V1):
         return plans.loadable_tokens(p, request.num_tokens, self._block_size), False
 
     def _fetch_from_peer(
-        self, request: Request, p: plans.RequestPlan, store_blocks: int, computed: int
+        self,
+        request: Request,
+        p: plans.RequestPlan,
+        store_blocks: int,
+        computed: int,
+        trace: TraceMetadata | None,
     ) -> bool:
         """Starts the local kvmanager fetching from the router's peer what the request could
         load beyond the store's and the engine's own prefix (once per request)."""
@@ -315,11 +328,14 @@ class KvmeshConnector(KVConnectorBase_V1):
             peer, len(p.keys), store_blocks, computed, request.num_tokens, self._block_size
         )
         keys = p.keys[numbers.start : numbers.stop]
-        return self._prefetch.start(request.request_id, peer, self._layout_keys, keys)
+        return self._prefetch.start(request.request_id, peer, self._layout_keys, keys, trace)
 
-    def _lookup(self, keys: list[int]) -> int:
+    def _lookup(self, keys: list[int], trace: TraceMetadata | None = None) -> int:
         try:
-            return min(self._client.lookup(k, keys) for k in self._layout_keys)
+            if trace is None:
+                return min(self._client.lookup(k, keys) for k in self._layout_keys)
+            with traced_calls(trace):
+                return min(self._client.lookup(k, keys) for k in self._layout_keys)
         except Exception:
             log.warning("KV store lookup failed; treating it as a miss", exc_info=True)
             return 0
@@ -337,6 +353,7 @@ class KvmeshConnector(KVConnectorBase_V1):
             req_id=request.request_id,
             block_ids=[block_ids[i] for i in numbers],
             keys=[p.keys[i] for i in numbers],
+            trace=trace_metadata(getattr(request, "kv_transfer_params", None)),
         )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -437,7 +454,11 @@ class KvmeshConnector(KVConnectorBase_V1):
     def _load(self, load: BlockTransfer) -> int:
         """Writes the sound leading blocks of ``load`` into the KV cache; returns how many."""
         try:
-            blocks = self._client.load(self._layout_key, load.keys) or []
+            if load.trace is None:
+                blocks = self._client.load(self._layout_key, load.keys) or []
+            else:
+                with traced_calls(load.trace):
+                    blocks = self._client.load(self._layout_key, load.keys) or []
         except Exception:
             log.warning("KV store load failed", exc_info=True)
             blocks = []

@@ -12,16 +12,25 @@ stream is the lease). Saves copy blocks into the segment's save area and send on
 loads name the load area and get the blocks back as views of it, valid until the next ``load``.
 Until the segment is attached, or when it cannot be (another node, shared memory off), the bytes
 travel inside the messages.
+
+Tracing: a request's W3C trace context (``traceparent``/``tracestate``, put into its
+``kv_transfer_params`` under ``TRACE_PARAM`` by the worker) goes out unchanged as gRPC metadata
+on the calls made for that request (``traced_calls``), so the kvmanager's spans join the
+request's trace. This process needs no OpenTelemetry SDK for that. Saves (the saver thread,
+batches of several requests) go untraced.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -42,6 +51,45 @@ SHM_BYTES = 256 * 1024 * 1024  # default segment size: half for saves, half for 
 _SHM_RETRY_S = 30.0  # after a refused AttachShm (another node, shm off), try again this late
 _SHM_REATTACH_S = 1.0  # after a lease that ended (kvmanager restart, detach), attach again
 _DETACH_TIMEOUT_S = 1.0
+
+
+TRACE_PARAM = "kvmesh_trace"
+"""The key of the request's trace context in its ``kv_transfer_params``: a dict of W3C headers
+(``traceparent``, optionally ``tracestate``), as ``opentelemetry.propagate.inject`` writes them."""
+TRACE_HEADERS = ("traceparent", "tracestate")
+
+TraceMetadata = tuple[tuple[str, str], ...]
+"""gRPC metadata carrying a trace context (plain strings: it is pickled between processes)."""
+
+_call_metadata: ContextVar[TraceMetadata | None] = ContextVar(
+    "kvmesh_kv_call_metadata", default=None
+)
+
+
+def trace_metadata(params: Mapping[str, Any] | None) -> TraceMetadata | None:
+    """The gRPC metadata for the trace context in a request's ``kv_transfer_params``; None when
+    it carries none (or a malformed one: tracing never fails a request)."""
+    raw = params.get(TRACE_PARAM) if isinstance(params, Mapping) else None
+    if not isinstance(raw, Mapping) or not isinstance(raw.get("traceparent"), str):
+        return None
+    if not raw["traceparent"]:
+        return None
+    return tuple((k, v) for k in TRACE_HEADERS if isinstance(v := raw.get(k), str) and v)
+
+
+@contextlib.contextmanager
+def traced_calls(metadata: TraceMetadata | None) -> Iterator[None]:
+    """kvmanager calls made in this block (this thread or context) carry ``metadata``."""
+    token = _call_metadata.set(metadata)
+    try:
+        yield
+    finally:
+        _call_metadata.reset(token)
+
+
+def call_metadata() -> TraceMetadata | None:
+    """The metadata ``traced_calls`` set for the calls made now (None: untraced)."""
+    return _call_metadata.get()
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +187,7 @@ class KvManagerBlockClient:
                     layout=self._layout(layout_key), block_hashes=block_hashes
                 ),
                 timeout=self._lookup_timeout_s,
+                metadata=_call_metadata.get(),
             )
         except grpc.RpcError as exc:
             self._warn("lookup", exc)
@@ -221,6 +270,7 @@ class KvManagerBlockClient:
         call = self._stub.GetBlocks(
             kvmanager_pb2.GetBlocksRequest(layout=layout, block_hashes=block_hashes),
             timeout=self._load_timeout_s,
+            metadata=_call_metadata.get(),
         )
         try:
             for i, msg in enumerate(call):
@@ -259,6 +309,7 @@ class KvManagerBlockClient:
         call = self._stub.GetBlocks(
             kvmanager_pb2.GetBlocksRequest(layout=layout, block_hashes=block_hashes, shm=region),
             timeout=self._load_timeout_s,
+            metadata=_call_metadata.get(),
         )
         buf = link.segment.buf
         out: list[BlockBytes] = []

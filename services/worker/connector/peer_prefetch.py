@@ -37,6 +37,7 @@ import grpc
 from kvmesh.v1 import kvmanager_pb2, kvmanager_pb2_grpc
 
 from .client import StoreConfig
+from .kvmanager_client import TraceMetadata, call_metadata, traced_calls
 from .layout import parse_layout_key
 from .plan import PeerSource
 
@@ -142,17 +143,23 @@ class PeerPrefetcher:
         self._fetches: dict[str, _Fetch] = {}
 
     def start(
-        self, req_id: str, peer: PeerSource, layout_keys: Sequence[str], keys: Sequence[int]
+        self,
+        req_id: str,
+        peer: PeerSource,
+        layout_keys: Sequence[str],
+        keys: Sequence[int],
+        trace: TraceMetadata | None = None,
     ) -> bool:
         """Starts fetching ``keys`` from ``peer`` into the local kvmanager (every layout key: one
-        per TP rank). False when the request fetched before or there is nothing to fetch."""
+        per TP rank). False when the request fetched before or there is nothing to fetch.
+        ``trace``: the request's trace context, sent with the fetch's calls."""
         if not keys or req_id in self._fetches:
             return False
         timeout = self._cfg.timeout_s
         deadline = self._clock() + timeout
         keys = list(keys)
         self._fetches[req_id] = _Fetch(
-            self._pool.submit(self._run, list(layout_keys), keys, peer, deadline), deadline
+            self._pool.submit(self._run, list(layout_keys), keys, peer, deadline, trace), deadline
         )
         self._count("peer_fetches", 1)
         log.debug(
@@ -161,6 +168,17 @@ class PeerPrefetcher:
         return True
 
     def _run(
+        self,
+        layout_keys: list[str],
+        keys: list[int],
+        peer: PeerSource,
+        deadline: float,
+        trace: TraceMetadata | None,
+    ) -> FetchOutcome:
+        with traced_calls(trace):  # a pool thread: the scheduler's context does not reach it
+            return self._run_traced(layout_keys, keys, peer, deadline)
+
+    def _run_traced(
         self, layout_keys: list[str], keys: list[int], peer: PeerSource, deadline: float
     ) -> FetchOutcome:
         fetched: int | None = None
@@ -248,6 +266,7 @@ class KvManagerFetcher:
         try:
             layout = self._layout(layout_key)
             local = peer.kvmanager_id == self._local_id(timeout_s)
+            metadata = call_metadata()
             while True:
                 left = end - self._clock()
                 if left <= 0:
@@ -256,6 +275,7 @@ class KvManagerFetcher:
                     resp = self._stub.Lookup(
                         kvmanager_pb2.LookupRequest(layout=layout, block_hashes=keys),
                         timeout=left,
+                        metadata=metadata,
                     )
                     done = len(resp.tiers) >= len(keys)
                 else:
@@ -264,6 +284,7 @@ class KvManagerFetcher:
                             layout=layout, block_hashes=keys, peer_kvmanager_id=peer.kvmanager_id
                         ),
                         timeout=left,
+                        metadata=metadata,
                     )
                     fetched += got.fetched
                     done = got.fetched + got.already_held >= len(keys)
