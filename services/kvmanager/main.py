@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import logging
 import signal
-import socket
 import sys
 import uuid
 from collections.abc import Callable
@@ -29,6 +28,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvmesh import __version__
 from kvmesh.discovery.etcd import Registrar
+from kvmesh.discovery.hosts import advertised_host, node_name
 from kvmesh.discovery.keys import KvManagerRecord, check_name, kvmanager_key
 from kvmesh.errors import KvmeshError
 from kvmesh.kv.events import Tier
@@ -116,16 +116,8 @@ class RunningKvManager:
         log.info("kvmanager %s stopped", self.kvmanager_id)
 
 
-def _host_name() -> str:
-    host = "".join(c if c.isalnum() or c in "._-" else "-" for c in socket.gethostname())
-    return host.strip(".-_") or "node"
-
-
 def _advertised(config: KvManagerConfig, bind_host: str, port: int) -> str:
-    host = config.advertise_host or (
-        socket.gethostname() if bind_host in ("0.0.0.0", "::", "[::]", "") else bind_host
-    )
-    return f"{host}:{port}"
+    return f"{advertised_host(bind_host, config.advertise_host)}:{port}"
 
 
 def _data_plane_config(peer: PeerConfig, host: str) -> DataPlaneConfig:
@@ -144,7 +136,7 @@ async def start_kvmanager(
 ) -> RunningKvManager:
     """Starts a kvmanager on this loop. ``wrap_source`` wraps the block source the data plane
     serves from (tracing, or a test's injected faults)."""
-    node = config.node or _host_name()
+    node = config.node or node_name()
     kvmanager_id = check_name("kvmanager id", config.kvmanager_id or node)
     check_name("cluster", config.cluster)
     epoch = uuid.uuid4().hex

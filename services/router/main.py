@@ -17,6 +17,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvmesh import __version__, errors
 from kvmesh.discovery.etcd import PrefixWatcher, Registrar
+from kvmesh.discovery.hosts import WILDCARD_HOSTS, advertised_host
 from kvmesh.discovery.keys import RouterRecord, kvmanagers_prefix, router_key, workers_prefix
 from kvmesh.metrics import MetricsServer, serve_metrics
 from kvmesh.telemetry import Exporter, server_interceptors, setup_logging, setup_tracing
@@ -179,11 +180,7 @@ async def start_router(config: RouterConfig) -> RunningRouter:
     http = None
     if config.http_port >= 0:
         # The front door speaks to this router's own gRPC API on loopback.
-        dial = (
-            "127.0.0.1"
-            if config.host in ("0.0.0.0", "::", "[::]", "", "localhost")
-            else config.host
-        )
+        dial = "127.0.0.1" if config.host in (*WILDCARD_HOSTS, "localhost") else config.host
         http = OpenAIServer(
             f"{dial}:{port}",
             config.http_host,
@@ -230,13 +227,6 @@ async def _refresh_metrics(
         metrics.refresh_kv(kv_sync.stats(), index)
         metrics.refresh_tiers(tier_sync.stats(), index)
         await asyncio.sleep(every_s)
-
-
-def advertised_host(host: str, advertise_host: str) -> str:
-    """The host other services dial: explicit, else the listen host unless it is a wildcard."""
-    if advertise_host:
-        return advertise_host
-    return socket.gethostname() if host in ("0.0.0.0", "::", "[::]", "") else host
 
 
 def parse_args(argv: list[str] | None) -> RouterConfig:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import socket
 import time
 import uuid
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvmesh import __version__
 from kvmesh.discovery.etcd import Registrar
+from kvmesh.discovery.hosts import advertised_host, node_name
 from kvmesh.discovery.keys import WorkerId, WorkerRecord, WorkerState, check_name, worker_key
 from kvmesh.kv.eventlog import KvEventLog
 from kvmesh.kv.fanout import KvEventHub
@@ -142,17 +142,9 @@ def layout_key_of(connector_layout: str) -> str:
     return kv_layout(connector_layout).key
 
 
-def advertised_host(host: str, advertise_host: str) -> str:
-    """The host other services dial: explicit, else the listen host unless it is a wildcard."""
-    if advertise_host:
-        return advertise_host
-    return socket.gethostname() if host in ("0.0.0.0", "::", "[::]", "") else host
-
-
 def default_worker_id(port: int) -> str:
     """``<hostname>-<port>``, made a valid etcd key segment."""
-    host = "".join(c if c.isalnum() or c in "._-" else "-" for c in socket.gethostname())
-    return check_name("worker id", f"{host.strip('.-_') or 'worker'}-{port}")
+    return check_name("worker id", f"{node_name()}-{port}")
 
 
 async def start_worker(config: WorkerConfig, engine: Engine) -> RunningWorker:
@@ -201,7 +193,7 @@ async def start_worker(config: WorkerConfig, engine: Engine) -> RunningWorker:
         model=info.model,
         model_path=info.model_path,
         role=config.role,
-        node=config.node or socket.gethostname(),
+        node=config.node or node_name(),  # as the node's kvmanager names it
         version=__version__,
         state=WorkerState.SERVING,
         max_model_len=info.max_model_len,
