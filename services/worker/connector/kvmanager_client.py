@@ -45,6 +45,14 @@ from .shm import SHM_DIR, ShmSegment
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # the kvmanager's default max_message_bytes
+# The kvmanager is a local daemon: after it restarts, find it again within about a second
+# instead of gRPC's default reconnect backoff (1 s growing to 120 s), during which every lookup
+# would fail fast and the engine would recompute what the kvmanager holds.
+RECONNECT_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
 _PUT_BATCH_BYTES = 16 * 1024 * 1024  # payload per PutBlocksRequest
 _WARN_EVERY_S = 30.0
 SHM_BYTES = 256 * 1024 * 1024  # default segment size: half for saves, half for loads
@@ -139,6 +147,7 @@ class KvManagerBlockClient:
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                *RECONNECT_OPTIONS,
             ],
         )
         self._stub = kvmanager_pb2_grpc.KvManagerStub(self._channel)

@@ -37,7 +37,7 @@ import grpc
 from kvmesh.v1 import kvmanager_pb2, kvmanager_pb2_grpc
 
 from .client import StoreConfig
-from .kvmanager_client import TraceMetadata, call_metadata, traced_calls
+from .kvmanager_client import RECONNECT_OPTIONS, TraceMetadata, call_metadata, traced_calls
 from .layout import parse_layout_key
 from .plan import PeerSource
 
@@ -244,7 +244,7 @@ class KvManagerFetcher:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.address = address
-        self._channel = grpc.insecure_channel(address)
+        self._channel = grpc.insecure_channel(address, options=RECONNECT_OPTIONS)
         self._stub = kvmanager_pb2_grpc.KvManagerStub(self._channel)
         self._layouts: dict[str, kvmanager_pb2.KvLayout] = {}
         self._lock = threading.Lock()
