@@ -23,7 +23,7 @@ from kvmesh.models import ensure_built
 
 log = logging.getLogger(__name__)
 
-TINY_VERSION = "1"
+TINY_VERSION = "2"
 """Bump when anything below changes what gets built; ``ensure_tiny`` caches by it."""
 
 SEED = 20261130
@@ -47,36 +47,58 @@ SPECIAL_TOKENS = (BOS, EOS, PAD, IM_START, IM_END)
 """Ids 0..4, in this order."""
 
 CHAT_TEMPLATE = (
+    "{%- macro text_of(content) -%}"
+    "{%- if content is string -%}{{ content }}"
+    "{%- elif content -%}"
+    "{%- for part in content -%}"
+    "{%- if part['type'] == 'text' -%}{{ part['text'] }}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- endif -%}"
+    "{%- endmacro -%}"
+    "{%- if tools -%}"
+    "{{ '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' -%}"
+    "{{ text_of(messages[0]['content']) + '\\n\\n' }}"
+    "{%- endif -%}"
+    "{{ '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n'"
+    " + 'You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools -%}{{ '\\n' + (tool | tojson) }}{%- endfor -%}"
+    "{{ '\\n</tools>\\n\\nFor each function call, return a json object with function name and '"
+    " + 'arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n'"
+    ' + \'{"name": <function-name>, "arguments": <args-json-object>}\\n</tool_call>\''
+    " + '<|im_end|>\\n' }}"
+    "{%- endif -%}"
     "{%- for message in messages -%}"
     "{%- if message['role'] not in ['system', 'user', 'assistant', 'tool'] -%}"
     "{{ raise_exception('unknown role: ' + message['role']) }}"
     "{%- endif -%}"
+    "{%- if not (loop.first and tools and message['role'] == 'system') -%}"
     "{{ '<|im_start|>' + message['role'] + '\\n' }}"
-    "{%- set ns = namespace(text='') -%}"
-    "{%- if message['content'] is string -%}{%- set ns.text = message['content'] -%}"
-    "{%- elif message['content'] -%}"
-    "{%- for part in message['content'] -%}"
-    "{%- if part['type'] == 'text' -%}{%- set ns.text = ns.text + part['text'] -%}{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- endif -%}"
-    "{{ ns.text }}"
+    "{%- set text = text_of(message['content']) -%}"
+    "{%- if message['role'] == 'tool' -%}"
+    "{{ '<tool_response>\\n' + text + '\\n</tool_response>' }}"
+    "{%- else -%}{{ text }}{%- endif -%}"
     "{%- if message['tool_calls'] is defined and message['tool_calls'] -%}"
     "{%- for call in message['tool_calls'] -%}"
     "{%- set fn = call['function'] if call['function'] is defined else call -%}"
-    "{%- if ns.text or not loop.first -%}{{ '\\n' }}{%- endif -%}"
-    "{{ '<tool_call>' + fn['name'] + ' ' }}"
+    "{%- if text or not loop.first -%}{{ '\\n' }}{%- endif -%}"
+    "{{ '<tool_call>\\n{\"name\": ' + (fn['name'] | tojson) + ', \"arguments\": ' }}"
     "{%- if fn['arguments'] is string -%}{{ fn['arguments'] }}"
     "{%- else -%}{{ fn['arguments'] | tojson }}{%- endif -%}"
-    "{{ '</tool_call>' }}"
+    "{{ '}\\n</tool_call>' }}"
     "{%- endfor -%}"
     "{%- endif -%}"
     "{{ '<|im_end|>\\n' }}"
+    "{%- endif -%}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
 )
-"""ChatML: ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message, roles system, user,
-assistant and tool; content as a string or OpenAI text parts; assistant tool calls rendered as
-``<tool_call>{name} {arguments}</tool_call>``, one a line after the content."""
+"""ChatML (``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message; roles system, user,
+assistant and tool; content as a string or OpenAI text parts) with tools the hermes / Qwen2.5
+way: given ``tools``, a system block (the first system message's text, then the tools as JSON
+lines inside ``<tools></tools>`` and how to call them) comes first; an assistant's tool calls
+follow its content, one ``<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>`` a line;
+a tool message's content is wrapped in ``<tool_response>\\n...\\n</tool_response>``."""
 
 _WORDS = (
     "the a an of to and in is it that for on with as by at from this be are was not or have "

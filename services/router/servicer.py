@@ -30,7 +30,7 @@ from .disagg import Fallback, handoff_source, run_prefill
 from .hashing import PromptHasher
 from .metrics import RouterMetrics
 from .pool import WorkerPool
-from .tokenizer import Tokenizers
+from .tokenizer import Tokenizers, template_input
 
 log = logging.getLogger(__name__)
 _tracer = tracer(__name__)
@@ -156,7 +156,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 for m in request.chat.messages
             ]
             validation.check_chat(messages)
-            return await self._tokenizers.encode_chat(model.name, model.model_path, messages)
+            chat = template_input(request.chat)  # tool calls and tools, checked
+            return await self._tokenizers.encode_chat(model.name, model.model_path, chat)
         if kind == "token_ids":
             return list(request.token_ids.ids)
         raise errors.InvalidArgument("no input: set one of text, chat or token_ids")

@@ -1,15 +1,22 @@
-"""Tokenization with each model's own tokenizer (and chat template), off the event loop."""
+"""Tokenization with each model's own tokenizer (and chat template), off the event loop.
+
+``template_input`` turns a ``ChatInput`` (messages, structured tool calls, tools, tool choice)
+into what ``apply_chat_template`` takes, in the Hugging Face convention, checking what the
+template would choke on; ``Tokenizers`` renders and tokenizes it in an executor."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Executor, Future
+from dataclasses import dataclass
 from typing import Any
 
 from kvmesh.errors import InvalidArgument, Unavailable
+from kvmesh.v1 import router_pb2
 
 from .core.types import ChatMessage
 
@@ -64,27 +71,132 @@ class Tokenizers:
         return await asyncio.get_running_loop().run_in_executor(self._executor, run)
 
     async def encode_chat(
-        self, model: str, path: str, messages: Sequence[ChatMessage]
+        self, model: str, path: str, chat: TemplateInput | Sequence[ChatMessage]
     ) -> list[int]:
+        """The prompt's token ids: ``chat`` (``template_input(request.chat)``, or plain messages
+        without tools) rendered with the model's chat template plus the generation prompt."""
+        if not isinstance(chat, TemplateInput):
+            chat = TemplateInput(tuple(_as_dict(m) for m in chat))
+        messages = list(chat.messages)
+        tools = list(chat.tools) if chat.tools else None
+
         def run() -> list[int]:
+            from jinja2 import TemplateError, TemplateSyntaxError
+
             tok = self._load(model, path)
             if not getattr(tok, "chat_template", None):
                 raise InvalidArgument(
                     f"model {model!r} has no chat template; send text or token_ids instead"
                 )
-            rendered = tok.apply_chat_template(
-                [_as_dict(m) for m in messages], tokenize=False, add_generation_prompt=True
-            )
+            try:
+                rendered = tok.apply_chat_template(
+                    messages, tools=tools, tokenize=False, add_generation_prompt=True
+                )
+            except TemplateSyntaxError:  # a broken template: the model's fault, not the caller's
+                raise
+            except TemplateError as exc:  # the template's raise_exception: a caller's mistake
+                raise InvalidArgument(
+                    f"the chat template of model {model!r} refused the messages: {exc}"
+                ) from None
             # The template already holds the special tokens (BOS included), as vLLM does.
             return list(tok(rendered, add_special_tokens=False)["input_ids"])
 
         return await asyncio.get_running_loop().run_in_executor(self._executor, run)
 
 
-def _as_dict(m: ChatMessage) -> dict[str, str]:
-    d = {"role": m.role, "content": m.content}
+@dataclass(frozen=True, slots=True)
+class TemplateInput:
+    """What ``apply_chat_template`` gets, in the Hugging Face convention: messages (an
+    assistant's ``tool_calls`` as ``{"id", "type": "function", "function": {"name",
+    "arguments": <parsed JSON object>}}``) and tools (``{"type": "function", "function": {"name",
+    "description", "parameters"}}``; None: the template sees no tools)."""
+
+    messages: tuple[dict[str, Any], ...]
+    tools: tuple[dict[str, Any], ...] | None = None
+
+
+def _as_dict(m: ChatMessage) -> dict[str, Any]:
+    d: dict[str, Any] = {"role": m.role, "content": m.content}
     if m.name:
         d["name"] = m.name
     if m.tool_call_id:
         d["tool_call_id"] = m.tool_call_id
     return d
+
+
+def _json_object(text: str, field: str) -> dict[str, Any]:
+    """``text`` as a JSON object; empty means {}."""
+    if not text.strip():
+        return {}
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise InvalidArgument(f"{field} is not valid JSON ({exc}); send a JSON object") from None
+    if not isinstance(value, dict):
+        raise InvalidArgument(f"{field} must be a JSON object (got {text[:60]!r})")
+    return value
+
+
+def _check_type(kind: str, field: str) -> None:
+    if kind not in ("", "function"):
+        raise InvalidArgument(f"{field} is {kind!r}; only 'function' tools are supported")
+
+
+def _tool_call(call: router_pb2.ToolCall, field: str) -> dict[str, Any]:
+    _check_type(call.type, f"{field}.type")
+    if not call.name:
+        raise InvalidArgument(f"{field}.name is empty; name the function called")
+    return {
+        "id": call.id,
+        "type": "function",
+        "function": {
+            "name": call.name,
+            "arguments": _json_object(call.arguments, f"{field}.arguments"),
+        },
+    }
+
+
+def _tool(tool: router_pb2.Tool, field: str) -> dict[str, Any]:
+    _check_type(tool.type, f"{field}.type")
+    if not tool.name:
+        raise InvalidArgument(f"{field}.name is empty; name the function")
+    fn: dict[str, Any] = {"name": tool.name}
+    if tool.description:
+        fn["description"] = tool.description
+    if tool.parameters_json:
+        fn["parameters"] = _json_object(tool.parameters_json, f"{field}.parameters_json")
+    return {"type": "function", "function": fn}
+
+
+def template_input(chat: router_pb2.ChatInput) -> TemplateInput:
+    """``chat`` in the chat template's terms. INVALID_ARGUMENT, naming the field, for arguments
+    or schemas that are not JSON objects, nameless or non-function tools, a tool defined twice,
+    and a tool choice naming no given tool. Tool choice NONE leaves the tools out."""
+    messages = []
+    for i, m in enumerate(chat.messages):
+        d = _as_dict(ChatMessage(m.role, m.content, m.name, m.tool_call_id))
+        if m.tool_calls:
+            field = f"chat.messages[{i}].tool_calls"
+            if m.role != "assistant":
+                raise InvalidArgument(
+                    f"{field} is set on a {m.role!r} message; only assistants call tools"
+                )
+            d["tool_calls"] = [_tool_call(c, f"{field}[{j}]") for j, c in enumerate(m.tool_calls)]
+        messages.append(d)
+    tools = [_tool(t, f"chat.tools[{j}]") for j, t in enumerate(chat.tools)]
+    names = [t.name for t in chat.tools]
+    for j, name in enumerate(names):
+        if name in names[:j]:
+            raise InvalidArgument(f"chat.tools[{j}].name {name!r} is defined twice")
+    choice = chat.tool_choice
+    if choice.mode in (router_pb2.TOOL_CHOICE_MODE_REQUIRED, router_pb2.TOOL_CHOICE_MODE_FUNCTION):
+        if not tools:
+            raise InvalidArgument("chat.tool_choice asks for a tool call but chat.tools is empty")
+    if choice.mode == router_pb2.TOOL_CHOICE_MODE_FUNCTION and choice.function_name not in names:
+        raise InvalidArgument(
+            f"chat.tool_choice.function_name {choice.function_name!r} is not one of chat.tools "
+            f"({', '.join(names)})"
+        )
+    if choice.mode == router_pb2.TOOL_CHOICE_MODE_NONE or not tools:
+        return TemplateInput(tuple(messages))
+    return TemplateInput(tuple(messages), tuple(tools))

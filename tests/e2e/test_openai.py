@@ -20,6 +20,20 @@ from .test_mesh import wait_idle
 pytestmark = pytest.mark.e2e
 
 HI = [{"role": "user", "content": "Say hello."}]
+TOOLS: Any = [
+    {
+        "type": "function",
+        "function": {
+            "name": "weather",
+            "description": "Today's weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
 
 
 @dataclass(frozen=True)
@@ -141,8 +155,9 @@ async def test_errors_map(aclient: openai.AsyncOpenAI, stream: bool):
 
 
 async def test_agent_loop_cached_tokens_rise(aclient: openai.AsyncOpenAI):
-    """A small agent: system prompt, a growing history with tool calls and tool results, one
-    session. Each turn re-sends the history, so the cache covers more of it turn after turn."""
+    """A small agent: system prompt, tools, a growing history with structured tool calls and
+    tool results, one session. The chat template renders all of them (hermes-style for the tiny
+    model); each turn re-sends the history, so the cache covers more of it turn after turn."""
     tool_output = " ".join(f"row{i}=value{i * 7}" for i in range(40))
     messages: list[Any] = [
         {"role": "system", "content": "You are a careful agent. Use tools. " * 8},
@@ -156,9 +171,11 @@ async def test_agent_loop_cached_tokens_rise(aclient: openai.AsyncOpenAI):
             messages=messages,
             max_tokens=4,
             temperature=0,
-            tools=[{"type": "function", "function": {"name": "weather", "parameters": {}}}],
+            tools=TOOLS,
+            tool_choice="auto",
             extra_headers={"x-kvmesh-session-id": "agent-1"},
         )
+        assert resp.choices[0].finish_reason in ("stop", "length", "tool_calls")
         assert resp.usage is not None and resp.usage.prompt_tokens_details is not None
         cached.append(resp.usage.prompt_tokens_details.cached_tokens or 0)
         prompts.append(resp.usage.prompt_tokens)
@@ -180,6 +197,11 @@ async def test_agent_loop_cached_tokens_rise(aclient: openai.AsyncOpenAI):
     assert prompts == sorted(prompts) and len(set(prompts)) == len(prompts)
     assert all(b > a for a, b in itertools.pairwise(cached)), (cached, prompts)
     assert cached[-1] >= prompts[-2] - 64  # nearly all of the previous turn, in full blocks
+    # The tools reach the template: without them (tool_choice "none") the first prompt is shorter.
+    hidden = await aclient.chat.completions.create(
+        model="tiny", messages=messages[:2], max_tokens=1, tools=TOOLS, tool_choice="none"
+    )
+    assert hidden.usage is not None and hidden.usage.prompt_tokens < prompts[0] - 50
 
 
 async def test_client_disconnect_aborts_in_the_engine(http: Front, mesh: Mesh):

@@ -135,12 +135,74 @@ def test_tiny_chat_template_renders_all_roles(hf_tokenizer: Any) -> None:
     assert text == (
         "<|im_start|>system\nBe brief.<|im_end|>\n"
         "<|im_start|>user\nWeather in Paris?<|im_end|>\n"
-        '<|im_start|>assistant\n<tool_call>weather {"city": "Paris"}</tool_call><|im_end|>\n'
-        "<|im_start|>tool\nsunny<|im_end|>\n"
+        "<|im_start|>assistant\n"
+        '<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+        "<|im_end|>\n"
+        "<|im_start|>tool\n<tool_response>\nsunny\n</tool_response><|im_end|>\n"
         "<|im_start|>assistant\n"
     )
     without = hf_tokenizer.apply_chat_template(messages[:2], tokenize=False)
     assert without.endswith("Weather in Paris?<|im_end|>\n")
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "weather",
+            "description": "Today's weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+TOOLS_BLOCK = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+    '{"type": "function", "function": {"name": "weather", "description": "Today\'s weather", '
+    '"parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}\n'
+    "</tools>\n\nFor each function call, return a json object with function name and "
+    "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
+)
+
+
+@pytest.mark.parametrize(
+    ("messages", "want"),
+    [
+        pytest.param(
+            [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+            "<|im_start|>system\nBe brief.\n\n" + TOOLS_BLOCK + "<|im_start|>user\nHi<|im_end|>\n",
+            id="after-the-system-prompt",
+        ),
+        pytest.param(
+            [{"role": "user", "content": "Hi"}],
+            "<|im_start|>system\n" + TOOLS_BLOCK + "<|im_start|>user\nHi<|im_end|>\n",
+            id="own-system-block",
+        ),
+    ],
+)
+def test_tiny_chat_template_renders_tools(
+    hf_tokenizer: Any, messages: list[dict[str, Any]], want: str
+) -> None:
+    text = hf_tokenizer.apply_chat_template(messages, tools=TOOLS, tokenize=False)
+    assert text == want
+
+
+def test_tiny_chat_template_renders_several_calls_after_content(hf_tokenizer: Any) -> None:
+    message = {
+        "role": "assistant",
+        "content": "Checking.",
+        "tool_calls": [
+            {"function": {"name": "a", "arguments": {}}},
+            {"function": {"name": "b", "arguments": '{"x": 1}'}},
+        ],
+    }
+    text = hf_tokenizer.apply_chat_template([message], tokenize=False)
+    assert text == (
+        "<|im_start|>assistant\nChecking.\n"
+        '<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "b", "arguments": {"x": 1}}\n</tool_call><|im_end|>\n'
+    )
 
 
 def test_tiny_chat_template_rejects_unknown_roles(hf_tokenizer: Any) -> None:

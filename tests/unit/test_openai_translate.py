@@ -79,14 +79,19 @@ CHAT_OK = [
             "response_format": {"type": "text"},
             "tools": [{"type": "function", "function": {"name": "f"}}],
             "tool_choice": "auto",
+            "parallel_tool_calls": False,
         },
         {
             "request_id": "rid",
             "model": "tiny",
-            "chat": {"messages": [{"role": "user", "content": "hi"}]},
+            "chat": {
+                "messages": [{"role": "user", "content": "hi"}],
+                "tools": [{"type": "function", "name": "f"}],
+                "tool_choice": {"mode": "TOOL_CHOICE_MODE_AUTO"},
+            },
             "sampling": {"max_tokens": 9, "stop": ["a", "b"]},
         },
-        id="max-completion-tokens-wins-stop-list-n1-tools-ignored",
+        id="max-completion-tokens-wins-stop-list-n1-tools",
     ),
     pytest.param(
         {
@@ -109,7 +114,7 @@ CHAT_OK = [
                         {
                             "id": "c2",
                             "type": "function",
-                            "function": {"name": "put", "arguments": {"y": 2}},
+                            "function": {"name": "put", "arguments": ""},
                         },
                     ],
                 },
@@ -130,16 +135,85 @@ CHAT_OK = [
                     {"role": "user", "content": "ab", "name": "bob"},
                     {
                         "role": "assistant",
-                        "content": '<tool_call>get {"x": 1}</tool_call>\n<tool_call>put {"y": 2}</tool_call>',
+                        "tool_calls": [
+                            {
+                                "id": "c1",
+                                "type": "function",
+                                "name": "get",
+                                "arguments": '{"x": 1}',
+                            },
+                            {"id": "c2", "type": "function", "name": "put", "arguments": "{}"},
+                        ],
                     },
                     {"role": "tool", "content": "42", "tool_call_id": "c1"},
-                    {"role": "assistant", "content": "ok\n<tool_call>old {}</tool_call>"},
+                    {
+                        "role": "assistant",
+                        "content": "ok",
+                        "tool_calls": [
+                            {"id": "old", "type": "function", "name": "old", "arguments": "{}"}
+                        ],
+                    },
                     {"role": "tool", "content": "done", "name": "old", "tool_call_id": "old"},
                 ]
             },
             "sampling": {"max_tokens": 64},
         },
         id="roles-parts-tool-calls-legacy-function",
+    ),
+    pytest.param(
+        {
+            "messages": USER,
+            "tools": [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": "weather",
+                        "description": "Today's weather",
+                        "parameters": {"type": "object", "properties": {"city": {}}},
+                        "strict": True,
+                    },
+                },
+                {"type": "function", "function": {"name": "time"}},
+            ],
+            "tool_choice": {"type": "function", "function": {"name": "time"}},
+        },
+        {
+            "request_id": "rid",
+            "chat": {
+                "messages": [{"role": "user", "content": "hi"}],
+                "tools": [
+                    {
+                        "type": "function",
+                        "name": "weather",
+                        "description": "Today's weather",
+                        "parameters_json": '{"type": "object", "properties": {"city": {}}}',
+                    },
+                    {"type": "function", "name": "time"},
+                ],
+                "tool_choice": {"mode": "TOOL_CHOICE_MODE_FUNCTION", "function_name": "time"},
+            },
+            "sampling": {"max_tokens": 64},
+        },
+        id="tools-named-choice",
+    ),
+    pytest.param(
+        {
+            "messages": USER,
+            "functions": [{"name": "f", "parameters": {"type": "object"}}],
+            "function_call": {"name": "f"},
+        },
+        {
+            "request_id": "rid",
+            "chat": {
+                "messages": [{"role": "user", "content": "hi"}],
+                "tools": [
+                    {"type": "function", "name": "f", "parameters_json": '{"type": "object"}'}
+                ],
+                "tool_choice": {"mode": "TOOL_CHOICE_MODE_FUNCTION", "function_name": "f"},
+            },
+            "sampling": {"max_tokens": 64},
+        },
+        id="legacy-functions-and-function-call",
     ),
 ]
 
@@ -149,6 +223,30 @@ def test_chat_request(body: dict[str, Any], want: dict[str, Any]):
     parsed = translate.parse_chat(body, EXT, "rid", 64)
     assert parsed.kind is Kind.CHAT and parsed.id == "rid"
     assert as_dict(parsed.generate) == want
+    assert parsed.parse_tool_calls is bool(body.get("tools") or body.get("functions"))
+
+
+TOOL = {"type": "function", "function": {"name": "f"}}
+
+
+@pytest.mark.parametrize(
+    ("extra", "parse_calls"),
+    [
+        pytest.param({}, False, id="no-tools"),
+        pytest.param({"tools": []}, False, id="empty-tools"),
+        pytest.param({"tool_choice": "none"}, False, id="choice-none-no-tools"),
+        pytest.param({"tools": [TOOL]}, True, id="tools"),
+        pytest.param({"tools": [TOOL], "tool_choice": "required"}, True, id="required"),
+        pytest.param({"tools": [TOOL], "tool_choice": "none"}, False, id="none"),
+        pytest.param({"functions": [{"name": "f"}], "function_call": "none"}, False, id="legacy"),
+    ],
+)
+def test_tool_calls_are_parsed_only_with_tools_offered(extra: dict[str, Any], parse_calls: bool):
+    parsed = translate.parse_chat({"messages": USER, **extra}, EXT, "rid", 64)
+    assert parsed.parse_tool_calls is parse_calls
+    if extra.get("tool_choice") == "none" and "tools" in extra:  # the router drops them
+        assert parsed.generate.chat.tool_choice.mode == router_pb2.TOOL_CHOICE_MODE_NONE
+        assert [t.name for t in parsed.generate.chat.tools] == ["f"]
 
 
 def test_extensions_travel_and_stream_flags():
@@ -249,9 +347,145 @@ BAD = [
     pytest.param(
         Kind.CHAT,
         {"messages": [{"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]}]},
-        "messages[0].tool_calls[0]",
+        "messages[0].tool_calls[0].function.name",
         "name",
         id="tool-call-no-name",
+    ),
+    *[
+        pytest.param(
+            Kind.CHAT,
+            {"messages": [{"role": "assistant", "tool_calls": [call]}]},
+            "messages[0].tool_calls[0]" + suffix,
+            says,
+            id=name,
+        )
+        for name, call, suffix, says in [
+            (
+                "call-args-object",
+                {"function": {"name": "f", "arguments": {"x": 1}}},
+                ".function.arguments",
+                "json.dumps",
+            ),
+            (
+                "call-args-bad-json",
+                {"function": {"name": "f", "arguments": "{x: 1}"}},
+                ".function.arguments",
+                "not valid JSON",
+            ),
+            (
+                "call-args-not-object",
+                {"function": {"name": "f", "arguments": "[1]"}},
+                ".function.arguments",
+                "JSON object",
+            ),
+            (
+                "call-unknown-type",
+                {"type": "custom", "function": {"name": "f"}},
+                ".type",
+                "only 'function'",
+            ),
+            ("call-no-function", {"id": "c"}, "", "function"),
+            ("call-id-int", {"id": 3, "function": {"name": "f"}}, ".id", "string"),
+        ]
+    ],
+    pytest.param(
+        Kind.CHAT,
+        {"messages": [{"role": "assistant", "tool_calls": {"function": {"name": "f"}}}]},
+        "messages[0].tool_calls",
+        "list",
+        id="tool-calls-not-list",
+    ),
+    pytest.param(
+        Kind.CHAT,
+        {"messages": [{"role": "assistant", "function_call": {"name": "f", "arguments": "1"}}]},
+        "messages[0].function_call.arguments",
+        "JSON object",
+        id="legacy-call-args",
+    ),
+    pytest.param(Kind.CHAT, {"messages": USER, "tools": TOOL}, "tools", "list", id="tools-dict"),
+    pytest.param(
+        Kind.CHAT,
+        {"messages": USER, "tools": [{"type": "code_interpreter"}]},
+        "tools[0].type",
+        "only 'function' tools",
+        id="tool-unknown-type",
+    ),
+    pytest.param(
+        Kind.CHAT,
+        {"messages": USER, "tools": [{"type": "function", "function": {"name": ""}}]},
+        "tools[0].function.name",
+        "non-empty",
+        id="tool-no-name",
+    ),
+    pytest.param(
+        Kind.CHAT,
+        {"messages": USER, "tools": [{"type": "function"}]},
+        "tools[0].function",
+        "object",
+        id="tool-no-function",
+    ),
+    pytest.param(
+        Kind.CHAT,
+        {
+            "messages": USER,
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": "{}"}}],
+        },
+        "tools[0].function.parameters",
+        "JSON Schema object",
+        id="tool-parameters-str",
+    ),
+    pytest.param(
+        Kind.CHAT,
+        {"messages": USER, "tools": [TOOL, TOOL]},
+        "tools[1].function.name",
+        "defined twice",
+        id="tool-twice",
+    ),
+    pytest.param(
+        Kind.CHAT,
+        {"messages": USER, "tools": [TOOL], "functions": [{"name": "g"}]},
+        "functions",
+        "not both",
+        id="tools-and-functions",
+    ),
+    pytest.param(
+        Kind.CHAT,
+        {"messages": USER, "tools": [TOOL], "tool_choice": "always"},
+        "tool_choice",
+        "'always'",
+        id="choice-unknown",
+    ),
+    pytest.param(
+        Kind.CHAT,
+        {
+            "messages": USER,
+            "tools": [TOOL],
+            "tool_choice": {"type": "function", "function": {"name": "g"}},
+        },
+        "tool_choice",
+        "'g', which is not one of the tools (f)",
+        id="choice-names-unknown-tool",
+    ),
+    pytest.param(
+        Kind.CHAT,
+        {"messages": USER, "tool_choice": "required"},
+        "tool_choice",
+        "no tools",
+        id="required-without-tools",
+    ),
+    pytest.param(
+        Kind.CHAT,
+        {"messages": USER, "functions": [{"name": "f"}], "function_call": {"name": "g"}},
+        "function_call",
+        "'g'",
+        id="legacy-choice-unknown",
+    ),
+    pytest.param(
+        Kind.CHAT,
+        {"messages": USER, "tools": [TOOL], "parallel_tool_calls": "yes"},
+        "parallel_tool_calls",
+        "true or false",
+        id="parallel-str",
     ),
     pytest.param(Kind.COMPLETION, {"prompt": ["a", "b"]}, "prompt", "batch of 2", id="batch"),
     pytest.param(Kind.COMPLETION, {"prompt": ""}, "prompt", "empty", id="empty-prompt"),

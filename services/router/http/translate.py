@@ -3,31 +3,31 @@
 
 Requests: ``parse_chat`` / ``parse_completion`` turn a decoded JSON body plus the kvmesh request
 headers into a ``router_pb2.GenerateRequest``; anything we cannot honour is a ``BadRequest``
-naming the field, never silently dropped (``tools`` and ``tool_choice`` are the exceptions: see
-``IGNORED_FIELDS``). Responses: ``ResponseTranslator`` turns the router's stream into OpenAI
-chunks (streaming) or one response object (non-streaming).
+naming the field, never silently dropped (the tool fields are read in ``tools``). Responses:
+``ResponseTranslator`` turns the router's stream into OpenAI chunks (streaming) or one response
+object (non-streaming), reading tool calls out of the text when the request gave tools
+(``toolcalls``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+import uuid
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
 from kvmesh.v1 import common_pb2, router_pb2
 
+from . import toolcalls
 from .errors import BadRequest, Unauthorized
+from .tools import assistant_tool_calls, tool_spec
 
 SESSION_HEADER = "x-kvmesh-session-id"
 TENANT_HEADER = "x-kvmesh-tenant"
 PRIORITY_HEADER = "x-kvmesh-priority"
-
-# Accepted and not applied: the router's chat input has no tool schemas yet (router.proto
-# reserves ChatInput fields 2-5 for them), and agent frameworks send these on every turn.
-IGNORED_FIELDS = ("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call")
 
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
@@ -60,6 +60,8 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     generate: router_pb2.GenerateRequest
+    # The request gave tools and tool_choice is not "none": the answer is read for tool calls.
+    parse_tool_calls: bool = False
 
 
 # ---- headers ---------------------------------------------------------------------------------
@@ -275,25 +277,6 @@ def _content_text(content: object, param: str) -> str:
     raise BadRequest(f"{param} must be a string, a list of text parts or null", param)
 
 
-def render_tool_calls(calls: object, param: str) -> str:
-    """Assistant tool calls as text, one ``<tool_call>{name} {arguments}</tool_call>`` a line:
-    router.proto's ChatMessage has no structured tool calls yet (fields 5-9 are reserved for
-    them), so the history carries them in the content, the way the built-in models' chat
-    templates render them."""
-    if not isinstance(calls, list):
-        raise BadRequest(f"{param} must be a list", param)
-    lines = []
-    for j, call in enumerate(calls):
-        fn = call.get("function", call) if isinstance(call, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise BadRequest(f"{param}[{j}].function.name must be a string", f"{param}[{j}]")
-        args = fn.get("arguments", "")
-        if not isinstance(args, str):
-            args = json.dumps(args)
-        lines.append(f"<tool_call>{fn['name']} {args}</tool_call>")
-    return "\n".join(lines)
-
-
 def chat_messages(messages: object) -> list[router_pb2.ChatMessage]:
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages must be a non-empty list", "messages")
@@ -327,14 +310,10 @@ def chat_messages(messages: object) -> list[router_pb2.ChatMessage]:
                 f"{param}.role is {role!r}; use system, developer, user, assistant or tool",
                 f"{param}.role",
             )
+        msg = router_pb2.ChatMessage(role=role, content=text, name=name, tool_call_id=tool_call_id)
         if role == "assistant":
-            calls = m.get("tool_calls") or ([m["function_call"]] if m.get("function_call") else [])
-            if calls:
-                rendered = render_tool_calls(calls, f"{param}.tool_calls")
-                text = f"{text}\n{rendered}" if text else rendered
-        out.append(
-            router_pb2.ChatMessage(role=role, content=text, name=name, tool_call_id=tool_call_id)
-        )
+            msg.tool_calls.extend(assistant_tool_calls(m, param))
+        out.append(msg)
     return out
 
 
@@ -344,7 +323,13 @@ def parse_chat(
     data, model, stream, include_usage, sampling = _common(body, Kind.CHAT, default_max_tokens)
     req = _request(ext, request_id, model, sampling)
     req.chat.messages.extend(chat_messages(data.get("messages")))
-    return ParsedRequest(Kind.CHAT, request_id, model, stream, include_usage, req)
+    tools = tool_spec(data)
+    req.chat.tools.extend(tools.tools)
+    if tools.choice is not None:
+        req.chat.tool_choice.CopyFrom(tools.choice)
+    return ParsedRequest(
+        Kind.CHAT, request_id, model, stream, include_usage, req, tools.parse_calls
+    )
 
 
 # ---- completions -----------------------------------------------------------------------------
@@ -435,18 +420,60 @@ def model_json(m: router_pb2.ModelInfo, created: int) -> dict[str, Any]:
     }
 
 
+def new_call_id() -> str:
+    """An OpenAI-style tool call id."""
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+def tool_call_json(call: toolcalls.Call, call_id: str) -> dict[str, Any]:
+    return {
+        "id": call_id,
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments},
+    }
+
+
 @dataclass(slots=True)
 class ResponseTranslator:
     """Feeds on the router's ``GenerateResponse`` stream; ``feed`` returns the SSE payloads each
-    message becomes, ``response()`` the non-streaming body once the stream has finished."""
+    message becomes, ``response()`` the non-streaming body once the stream has finished.
+
+    With ``request.parse_tool_calls`` the text is read for tool calls (``toolcalls``): streamed,
+    text that may open a ``<tool_call>`` waits until it is known, and each call goes out as one
+    ``tool_calls`` delta (index, id, type, name, whole arguments) once its block closes; a reply
+    holding calls finishes with ``tool_calls``. ``call_id`` makes the calls' ids."""
 
     request: ParsedRequest
     created: int
+    call_id: Callable[[], str] = new_call_id
     text: list[str] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | None = None
     usage: common_pb2.Usage | None = None
     _started: bool = False
+    _calls: toolcalls.StreamParser | None = None
+    _sent_calls: int = 0
+
+    def __post_init__(self) -> None:
+        if self.request.parse_tool_calls and self.request.kind is Kind.CHAT and self.request.stream:
+            self._calls = toolcalls.StreamParser()
+
+    def _finish_reason(self, calls: int) -> str | None:
+        if calls and self.finish_reason != "abort":
+            return "tool_calls"
+        return self.finish_reason
+
+    def _pieces(self, pieces: list[toolcalls.Piece]) -> list[dict[str, Any]]:
+        """Stream chunks for what the tool call parser found."""
+        out = []
+        for piece in pieces:
+            if isinstance(piece, toolcalls.Text):
+                out.append(self._chunk({"content": piece.text}, None))
+                continue
+            call = {"index": self._sent_calls, **tool_call_json(piece, self.call_id())}
+            self._sent_calls += 1
+            out.append(self._chunk({"tool_calls": [call]}, None))
+        return out
 
     @property
     def finished(self) -> bool:
@@ -459,12 +486,17 @@ class ResponseTranslator:
         self._started = True
         if msg.text:
             self.text.append(msg.text)
-            out.append(self._chunk({"content": msg.text}, None, text=msg.text))
+            if self._calls is not None:
+                out += self._pieces(self._calls.feed(msg.text))
+            else:
+                out.append(self._chunk({"content": msg.text}, None, text=msg.text))
         if msg.HasField("finished"):
             self.finish_reason = FINISH_REASONS.get(msg.finished.reason, "stop")
             self.stop_reason = msg.finished.stop_reason or None
             self.usage = msg.finished.usage
-            last = self._chunk({}, self.finish_reason, text="")
+            if self._calls is not None:
+                out += self._pieces(self._calls.finish())
+            last = self._chunk({}, self._finish_reason(self._sent_calls), text="")
             last["kvmesh"] = kvmesh_json(self.request.id, self.usage)
             out.append(last)
             if self.request.include_usage:
@@ -504,15 +536,19 @@ class ResponseTranslator:
         if self.usage is None:
             raise RuntimeError("the stream has not finished")
         text = "".join(self.text)
+        finish_reason = self.finish_reason
         if self.request.kind is Kind.CHAT:
-            choice: dict[str, Any] = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": None,
-            }
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if self.request.parse_tool_calls:
+                content, calls = toolcalls.parse(text)
+                if calls:
+                    message["content"] = content or None
+                    message["tool_calls"] = [tool_call_json(c, self.call_id()) for c in calls]
+                    finish_reason = self._finish_reason(len(calls))
+            choice: dict[str, Any] = {"index": 0, "message": message, "logprobs": None}
         else:
             choice = {"index": 0, "text": text, "logprobs": None}
-        choice["finish_reason"] = self.finish_reason
+        choice["finish_reason"] = finish_reason
         choice["stop_reason"] = self.stop_reason
         return {
             "id": self.request.id,
