@@ -72,7 +72,7 @@ class Daemon:
 async def start_daemon(name: str, cpu_bytes: int) -> Daemon:
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "services.kvmanager.main", "--kvmanager-id", name, "--node", name,
-        "--etcd", "", "--metrics-port", "-1", "--cpu-bytes", str(cpu_bytes),
+        "--etcd", "", "--metrics-port", "-1", "--cpu-bytes", str(cpu_bytes), "--cpu-populate", "start",
         "--log-level", "WARNING", cwd=ROOT, stdout=asyncio.subprocess.PIPE,
     )  # fmt: skip
     assert proc.stdout is not None

@@ -15,8 +15,9 @@ each ratio compares cells measured side by side on the same (shared, noisy) mach
   received into a fresh ``bytearray`` and verified (crc32, or BLAKE3 when installed) before
   ``on_block`` gets it. The source holds each block's checksum (as the store will: it verified
   one when the block arrived); one row makes the server compute it on send instead, and the
-  last rows receive each block into a new ``bytes`` (``allocate=None``, what the kvmanager's
-  peer fetch does: the store keeps that object, no copy).
+  next rows receive each block into a new ``bytes`` (``allocate=None``, what the kvmanager's
+  peer fetch did before the arena), and the last ones into slots of an ``Arena`` (what it does
+  now: the store keeps the slot, no copy; dropped blocks' slots are reused, no page faults).
 
 GB/s is payload bytes / wall time of the transfer (1 GB = 1e9 bytes), median over the repeats;
 "CPU s/GB" is this (receiving) process's CPU time per GB, all threads. Prints markdown tables.
@@ -44,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import grpc
 
 from kvmesh.kv.events import BlockHash
+from services.kvmanager.arena import Arena
 from services.kvmanager.dataplane_client import FetchedBlock, fetch_blocks
 from services.kvmanager.dataplane_server import (
     Checksum,
@@ -58,6 +60,7 @@ from services.kvmanager.dataplane_wire import (
     algo_bit,
     available_algos,
     checksum,
+    preferred_algo,
 )
 
 KiB = 1 << 10
@@ -238,7 +241,7 @@ async def _grpc_recv(channel: grpc.aio.Channel, chunk: int, total: int) -> int:
 
 
 async def _dataplane_recv(
-    port: int, ticket: Ticket, accept: ChecksumSet, into_bytes: bool = False
+    port: int, ticket: Ticket, accept: ChecksumSet, into: str = "bytearray"
 ) -> int:
     got = 0
 
@@ -253,10 +256,20 @@ async def _dataplane_recv(
         on_block=on_block,
         deadline_s=60,
         accept=accept,
-        allocate=None if into_bytes else bytearray,
+        allocate={"bytes": None, "bytearray": bytearray, "arena": _arena_allocate}[into],
     )
     assert result.delivered == len(ticket.hashes) and not result.missing
     return got
+
+
+_ARENA: Arena | None = None
+
+
+def _arena_allocate(size: int) -> memoryview | bytearray:
+    """A slot of the CPU tier's arena (pre-faulted, reused once a block is dropped), as the
+    kvmanager's store hands its peer fetches; a heap buffer if none is free."""
+    slot = _ARENA.allocate(size) if _ARENA is not None else None
+    return bytearray(size) if slot is None else memoryview(slot).cast("B")
 
 
 @dataclass
@@ -306,16 +319,20 @@ async def _main(args: argparse.Namespace) -> None:
         return Cell("gRPC stream", size, "bytes messages", lambda: _grpc_recv(channel, size, total))
 
     def dp_cell(
-        size: int, algo: ChecksumAlgo, stored: bool = True, into_bytes: bool = False
+        size: int, algo: ChecksumAlgo, stored: bool = True, into: str = "bytearray"
     ) -> Cell:
         async def run() -> int:
             # The ticket round trip is timed too: a real fetch asks the control plane first.
             ctl.send((algo, stored, size, total // size))
             port, ticket = ctl.recv()
-            return await _dataplane_recv(port, ticket, algo_bit(algo), into_bytes)
+            return await _dataplane_recv(port, ticket, algo_bit(algo), into)
 
         note = f"{algo.name.lower()}" + ("" if stored else ", computed on send")
-        note += ", received into bytes (allocate=None)" if into_bytes else ""
+        note += {
+            "bytearray": "",
+            "bytes": ", received into bytes (allocate=None)",
+            "arena": ", received into arena slots (the store's)",
+        }[into]
         return Cell("data plane", size, note, run)
 
     sizes = [256 * KiB, 1 * MiB, 4 * MiB]
@@ -326,7 +343,11 @@ async def _main(args: argparse.Namespace) -> None:
     for algo in algos:
         cells += [dp_cell(s, algo) for s in sizes]
     cells.append(dp_cell(4 * MiB, ChecksumAlgo.CRC32, stored=False))
-    cells += [dp_cell(s, algos[-1], into_bytes=True) for s in (256 * KiB, 4 * MiB)]
+    cells += [dp_cell(s, algos[-1], into="bytes") for s in (256 * KiB, 4 * MiB)]
+    global _ARENA
+    _ARENA = Arena(256 * MiB, populate=True)  # several windows of blocks in flight
+    _ARENA.wait_populated()
+    cells += [dp_cell(s, preferred_algo(), into="arena") for s in sizes]
 
     for cell in cells:  # warm-up: connections, allocator, page cache of the buffers
         await cell.run()

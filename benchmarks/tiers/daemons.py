@@ -62,7 +62,7 @@ def start_daemon(
     args = [
         sys.executable, "-m", "services.kvmanager.main", "--kvmanager-id", name, "--node", name,
         "--etcd", "", "--metrics-port", "-1", "--port", str(port),
-        "--cpu-bytes", str(cpu_bytes), "--log-level", "WARNING",
+        "--cpu-bytes", str(cpu_bytes), "--log-level", "WARNING", "--cpu-populate", "start",
     ]  # fmt: skip
     if disk_dir is not None:
         args += ["--disk-dir", str(disk_dir), "--disk-bytes", str(disk_bytes)]

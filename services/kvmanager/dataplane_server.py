@@ -8,12 +8,13 @@ frame header (hash, length, checksum) followed by the payload, in the ticket's o
 format lives in ``dataplane_wire``; the protocol and measurements in docs/kvmanager-dataplane.md.
 
 Bulk bytes never cross the event loop. Each stream has its own thread doing blocking
-``sendmsg`` (which releases the GIL): it hands the kernel the store's own buffer (header and
-payload gathered in one call, no concatenation, nothing copied in Python). The loop only
-redeems tickets and pins blocks, at most ``prefetch_blocks`` ahead of the send, and releases
-each pin once the kernel has its bytes or the stream failed.
+``sendmsg`` (which releases the GIL): it hands the kernel the store's own buffers (the headers
+and payloads of a batch of blocks gathered in one call, no concatenation, nothing copied in
+Python). The loop only redeems tickets and pins blocks, at most ``prefetch_bytes`` ahead of
+the send, hands them over ``batch_bytes`` at a time, and releases each batch's pins once the
+kernel has its bytes or the stream failed: a few loop wake-ups per MiB, not one per block.
 
-Also home of what both sides share: the ``Ticket`` and ``Checksum`` values and a few blocking
+Also home of what both sides share: the ``Ticket`` value and a few blocking
 socket helpers.
 """
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import queue
 import secrets
@@ -28,7 +30,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -36,6 +38,7 @@ from kvmesh.errors import InvalidArgument, ResourceExhausted, Unavailable
 from kvmesh.kv.events import BlockHash
 from services.kvmanager import dataplane_wire as wire
 from services.kvmanager.dataplane_wire import (
+    Checksum,
     ChecksumAlgo,
     ChecksumSet,
     FrameHeader,
@@ -49,12 +52,6 @@ Buffer = bytes | bytearray | memoryview
 
 # ---------------------------------------------------------------------------------------------
 # Values
-
-
-@dataclass(frozen=True, slots=True)
-class Checksum:
-    algo: ChecksumAlgo
-    value: int
 
 
 def _no_release() -> None:
@@ -76,8 +73,12 @@ class PinnedBlock:
 class BlockSource(Protocol):
     """What the server reads blocks from (the kvmanager's store). Called on the loop."""
 
-    async def pin(self, layout_key: str, block_hash: BlockHash) -> PinnedBlock | None:
-        """The block, pinned, or None when it is not held (sent as a missing block)."""
+    def pin(
+        self, layout_key: str, block_hash: BlockHash
+    ) -> PinnedBlock | Awaitable[PinnedBlock | None] | None:
+        """The block, pinned, or None when it is not held (sent as a missing block): at once
+        when it can (a RAM block), else an awaitable of it (a disk read). The server sends
+        the blocks it has batched so far before it awaits one."""
         ...
 
 
@@ -104,7 +105,8 @@ class DataPlaneConfig:
     max_tickets: int = 4096  # outstanding unredeemed tickets
     request_timeout_s: float = 5.0  # a connection must send its request within this
     stall_timeout_s: float = 10.0  # a send making no progress this long ends the stream
-    prefetch_blocks: int = 4  # blocks pinned ahead of (and including) the one being sent
+    prefetch_bytes: int = 8 << 20  # payload pinned ahead of the send (at least one block)
+    batch_bytes: int = 1 << 20  # payload handed to the send thread, and sent, per batch
     checksum: ChecksumAlgo | None = None  # computed when the store has none; None: BLAKE3_64
     # when installed, else CRC32 (a client that lacks it gets CRC32)
     socket_buffer_bytes: int = 0  # SO_SNDBUF of each stream; 0 keeps the kernel's autotuning
@@ -292,46 +294,76 @@ class DataPlaneServer:
         accepted: ChecksumSet,
         algo: ChecksumAlgo,
     ) -> None:
-        """Pins blocks in order on the loop and feeds them to the stream's send thread, at
-        most ``prefetch_blocks`` pinned at once."""
-        credits = asyncio.Semaphore(self.config.prefetch_blocks)
+        """Pins blocks in order on the loop and feeds them to the stream's send thread in
+        batches of ``batch_bytes``, with at most ``prefetch_bytes`` pinned at once."""
+        window = max(1, self.config.prefetch_bytes)
+        batch_limit = max(1, min(self.config.batch_bytes, window))
+        held = 0  # payload bytes pinned and not yet reported sent
+        room = asyncio.Event()
 
-        def sent(pinned: PinnedBlock | None, nbytes: int, ok: bool) -> None:
-            credits.release()
-            if pinned is not None:
+        def sent(batch: list[_Outgoing], ok: bool) -> None:
+            nonlocal held
+            for item in batch:
+                held -= item.size
+                if item.pinned is None:
+                    continue
                 try:
-                    pinned.release()
+                    item.pinned.release()
                 except Exception:
                     log.exception("data plane: block source release() failed")
-            if ok and pinned is not None:
-                self.stats.blocks_sent += 1
-                self.stats.bytes_sent += nbytes
+                if ok:
+                    self.stats.blocks_sent += 1
+                    self.stats.bytes_sent += item.size
+            room.set()
 
         sender = _SendThread(conn, loop, accepted, algo, self.config.stall_timeout_s, sent)
         sender.start()
+        batch: list[_Outgoing] = []
+        batch_bytes = 0
         completed = False
         try:
             for index, block_hash in enumerate(ticket.hashes):
-                await credits.acquire()
+                while held >= window and sender.error is None:
+                    if batch:
+                        sender.put(batch)
+                        batch, batch_bytes = [], 0
+                    room.clear()
+                    if held >= window:
+                        await room.wait()
                 if sender.error is not None:
                     break
                 try:
-                    pinned = await self._source.pin(ticket.layout_key, block_hash)
+                    got = self._source.pin(ticket.layout_key, block_hash)
+                    if inspect.isawaitable(got):
+                        if batch:  # what is pinned already goes out while this one waits
+                            sender.put(batch)
+                            batch, batch_bytes = [], 0
+                        got = await got
+                    pinned = got
                 except Exception:
                     log.exception("data plane: block source failed on %016x", block_hash)
-                    sender.put(_Outgoing(FrameKind.ABORT, index, block_hash))
+                    batch.append(_Outgoing(FrameKind.ABORT, index, block_hash))
                     break
                 if pinned is None:
                     self.stats.blocks_missing += 1
-                    sender.put(_Outgoing(FrameKind.MISSING, index, block_hash))
+                    batch.append(_Outgoing(FrameKind.MISSING, index, block_hash))
                     continue
-                sender.put(_Outgoing(FrameKind.BLOCK, index, block_hash, pinned))
+                item = _Outgoing(FrameKind.BLOCK, index, block_hash, pinned)
+                held += item.size
+                batch_bytes += item.size
+                batch.append(item)
+                if batch_bytes >= batch_limit:
+                    sender.put(batch)
+                    batch, batch_bytes = [], 0
+                    await asyncio.sleep(0)  # let the loop's other work in between batches
             else:
                 completed = True
         except BaseException:
             conn_shutdown(conn)  # cancelled (server closing): wake a blocked send
             raise
         finally:
+            if batch:
+                sender.put(batch)
             sender.finish()
             await sender.done
             if not completed or sender.error is not None:
@@ -346,12 +378,22 @@ class _Outgoing:
     index: int
     block_hash: int
     pinned: PinnedBlock | None = None
+    size: int = 0  # payload bytes
+
+    def __post_init__(self) -> None:
+        if self.pinned is not None:
+            self.size = memoryview(self.pinned.data).nbytes
+
+
+# sendmsg takes at most IOV_MAX (1024 on Linux) buffers: two per block.
+_MAX_BLOCKS_PER_SENDMSG = 256
 
 
 class _SendThread:
-    """Writes one stream's frames with blocking ``sendmsg`` (header and payload gathered, no
-    copy) and tells the loop when each block's bytes are in the kernel. Owns the socket from
-    ``start()`` and closes it when done; after a failure it only releases what is queued."""
+    """Writes one stream's frames with blocking ``sendmsg`` (a batch's headers and payloads
+    gathered, no copy) and tells the loop once per batch when its bytes are in the kernel.
+    Owns the socket from ``start()`` and closes it when done; after a failure it only hands
+    back what is queued."""
 
     def __init__(
         self,
@@ -360,7 +402,7 @@ class _SendThread:
         accepted: ChecksumSet,
         algo: ChecksumAlgo,
         stall_timeout_s: float,
-        sent: Callable[[PinnedBlock | None, int, bool], None],
+        sent: Callable[[list[_Outgoing], bool], None],
     ) -> None:
         self._sock = sock
         self._loop = loop
@@ -368,7 +410,7 @@ class _SendThread:
         self._algo = algo
         self._stall = stall_timeout_s
         self._sent = sent
-        self._queue: queue.SimpleQueue[_Outgoing | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[list[_Outgoing] | None] = queue.SimpleQueue()
         self.error: BaseException | None = None
         self.done: asyncio.Future[None] = loop.create_future()
         self._thread = threading.Thread(target=self._run, name="kvdp-send", daemon=True)
@@ -376,8 +418,8 @@ class _SendThread:
     def start(self) -> None:
         self._thread.start()
 
-    def put(self, item: _Outgoing) -> None:
-        self._queue.put(item)
+    def put(self, batch: list[_Outgoing]) -> None:
+        self._queue.put(batch)
 
     def finish(self) -> None:
         self._queue.put(None)
@@ -387,14 +429,14 @@ class _SendThread:
         try:
             sock.settimeout(None)  # blocking; SO_SNDTIMEO bounds each wait
             set_sock_timeout(sock, socket.SO_SNDTIMEO, self._stall)
-            while (item := self._queue.get()) is not None:
-                nbytes = 0
+            while (batch := self._queue.get()) is not None:
                 if self.error is None:
                     try:
-                        nbytes = self._send(sock, item)
+                        for i in range(0, len(batch), _MAX_BLOCKS_PER_SENDMSG):
+                            self._send(sock, batch[i : i + _MAX_BLOCKS_PER_SENDMSG])
                     except BaseException as exc:
                         self.error = exc
-                self._call(self._sent, item.pinned, nbytes, self.error is None)
+                self._call(self._sent, batch, self.error is None)
             if self.error is None:
                 with contextlib.suppress(OSError):
                     sock.shutdown(socket.SHUT_WR)  # a clean end of stream
@@ -402,20 +444,25 @@ class _SendThread:
             sock.close()
             self._call(_set_result, self.done)
 
-    def _send(self, sock: socket.socket, item: _Outgoing) -> int:
-        if item.pinned is None:
-            header = FrameHeader(item.kind, item.index, item.block_hash)
-            _sendmsg_all(sock, [wire.pack_frame_header(header)])
-            return 0
-        data = byte_view(item.pinned.data)
-        known = item.pinned.checksum
-        if known is not None and wire.algo_bit(known.algo) & self._accepted:
-            algo, value = known.algo, known.value  # the store's own: no pass over the bytes
-        else:
-            algo, value = self._algo, wire.checksum(self._algo, data)
-        header = FrameHeader(FrameKind.BLOCK, item.index, item.block_hash, data.nbytes, algo, value)
-        _sendmsg_all(sock, [wire.pack_frame_header(header), data])
-        return data.nbytes
+    def _send(self, sock: socket.socket, batch: list[_Outgoing]) -> None:
+        bufs: list[bytes | memoryview] = []
+        for item in batch:
+            if item.pinned is None:
+                bufs.append(
+                    wire.pack_frame_header(FrameHeader(item.kind, item.index, item.block_hash))
+                )
+                continue
+            data = byte_view(item.pinned.data)
+            known = item.pinned.checksum
+            if known is not None and wire.algo_bit(known.algo) & self._accepted:
+                algo, value = known.algo, known.value  # the store's own: no pass over the bytes
+            else:
+                algo, value = self._algo, wire.checksum(self._algo, data)
+            header = FrameHeader(
+                FrameKind.BLOCK, item.index, item.block_hash, data.nbytes, algo, value
+            )
+            bufs += (wire.pack_frame_header(header), data)
+        _sendmsg_all(sock, bufs)
 
     def _call(self, fn: Callable[..., None], *args: object) -> None:
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting

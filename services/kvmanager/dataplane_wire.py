@@ -30,6 +30,11 @@ try:  # vLLM depends on blake3; the data plane works without it (crc32 is always
     import blake3 as _blake3
 except ImportError:  # pragma: no cover - depends on the environment
     _blake3 = None
+_xxhash: ModuleType | None
+try:  # a kvmesh dependency; a peer without it still speaks CRC32.
+    import xxhash as _xxhash
+except ImportError:  # pragma: no cover - depends on the environment
+    _xxhash = None
 
 MAGIC: Final = b"KVDP"
 FRAME_MAGIC: Final = b"KB"
@@ -57,6 +62,7 @@ class ChecksumAlgo(IntEnum):
 
     CRC32 = 1  # zlib.crc32 of the payload
     BLAKE3_64 = 2  # the first 8 bytes of the payload's BLAKE3 digest, little-endian
+    XXH3_64 = 3  # xxhash's XXH3 64-bit digest of the payload (seed 0)
 
 
 class ChecksumSet(IntFlag):
@@ -64,9 +70,19 @@ class ChecksumSet(IntFlag):
 
     CRC32 = 1 << (ChecksumAlgo.CRC32 - 1)
     BLAKE3_64 = 1 << (ChecksumAlgo.BLAKE3_64 - 1)
+    XXH3_64 = 1 << (ChecksumAlgo.XXH3_64 - 1)
 
 
-_KNOWN_ALGOS: Final = int(ChecksumSet.CRC32 | ChecksumSet.BLAKE3_64)
+_KNOWN_ALGOS: Final = int(ChecksumSet.CRC32 | ChecksumSet.BLAKE3_64 | ChecksumSet.XXH3_64)
+
+
+@dataclass(frozen=True, slots=True)
+class Checksum:
+    """A block's checksum as the wire carries it; a store that verified or computed one keeps
+    it, so serving the block never needs another pass over its bytes."""
+
+    algo: ChecksumAlgo
+    value: int
 
 
 class Status(IntEnum):
@@ -113,6 +129,8 @@ def available_algos() -> ChecksumSet:
     algos = ChecksumSet.CRC32
     if _blake3 is not None:
         algos |= ChecksumSet.BLAKE3_64
+    if _xxhash is not None:
+        algos |= ChecksumSet.XXH3_64
     return algos
 
 
@@ -121,14 +139,18 @@ def algo_bit(algo: ChecksumAlgo) -> ChecksumSet:
 
 
 def checksum(algo: ChecksumAlgo, data: bytes | bytearray | memoryview) -> int:
-    """The checksum of ``data`` as the frame header carries it. Releases the GIL on large
-    inputs (zlib and blake3 both do), so a sending or receiving thread does not stall the loop."""
+    """The checksum of ``data`` as the frame header carries it. zlib and blake3 release the GIL
+    on large inputs; XXH3 holds it, but for ~50 us per 2 MiB (about 40 GB/s a core here)."""
     if algo is ChecksumAlgo.CRC32:
         return zlib.crc32(data)
     if algo is ChecksumAlgo.BLAKE3_64:
         if _blake3 is None:
             raise WireError("blake3 is not installed in this process")
         return int.from_bytes(_blake3.blake3(data).digest(8), "little")
+    if algo is ChecksumAlgo.XXH3_64:
+        if _xxhash is None:
+            raise WireError("xxhash is not installed in this process")
+        return int(_xxhash.xxh3_64_intdigest(data))
     raise WireError(f"unknown checksum algorithm {algo!r}")
 
 
@@ -210,8 +232,12 @@ def unpack_frame_header(buf: bytes | bytearray | memoryview) -> FrameHeader:
 
 
 def preferred_algo() -> ChecksumAlgo:
-    """The cheapest checksum this process can compute: BLAKE3 (about 7 GB/s a core on
-    AVX-512) when installed, else CRC32 (about 5 GB/s); see docs/kvmanager-dataplane.md."""
+    """The cheapest checksum this process can compute: XXH3 (about 40 GB/s a core here) when
+    xxhash is installed, else BLAKE3 (about 6.5 GB/s), else CRC32 (about 5 GB/s); measured in
+    docs/kvmanager-dataplane.md. The checksum guards against corruption, not against a forger:
+    peers are trusted, the ticket is the access control."""
+    if _xxhash is not None:
+        return ChecksumAlgo.XXH3_64
     return ChecksumAlgo.BLAKE3_64 if _blake3 is not None else ChecksumAlgo.CRC32
 
 

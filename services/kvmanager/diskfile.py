@@ -20,6 +20,7 @@ import json
 import os
 import struct
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -97,7 +98,7 @@ def write_block(
     layout: KvLayout,
     block_hash: BlockHash,
     parent: BlockHash | None,
-    data: bytes,
+    data: bytes | memoryview,
     fsync: bool,
 ) -> None:
     """Writes the block's file atomically: a tmp file in the same directory, renamed over."""
@@ -122,18 +123,30 @@ def write_block(
         _fsync_dir(path.parent)
 
 
-def read_block(root: Path, layout: KvLayout, block_hash: BlockHash) -> tuple[bytes, Header]:
+def read_block(
+    root: Path,
+    layout: KvLayout,
+    block_hash: BlockHash,
+    allocate: Callable[[int], bytearray | memoryview] | None = None,
+) -> tuple[bytes | memoryview, Header]:
     """The payload and header of a block file, fully checked; CorruptBlock if it is missing,
-    short, long, of another block or layout, or fails its checksum."""
+    short, long, of another block or layout, or fails its checksum. With ``allocate``, the
+    payload is read into the buffer it returns (answered as a memoryview of it)."""
     path = block_path(root, layout.key, block_hash)
+    data: bytes | memoryview
     try:
         with open(path, "rb") as f:
             header = _check_header(unpack_header(f.read(HEADER_BYTES)), layout, block_hash)
-            data = f.read(header.payload_bytes)
+            if allocate is None:
+                data = f.read(header.payload_bytes)
+                got = len(data)
+            else:
+                data = memoryview(allocate(header.payload_bytes))
+                got = f.readinto(data)
             extra = f.read(1)
     except FileNotFoundError as e:
         raise CorruptBlock(f"block file {path} is gone") from e
-    if len(data) != header.payload_bytes or extra:
+    if got != header.payload_bytes or extra:
         raise CorruptBlock(f"{path}: payload is not {header.payload_bytes} bytes")
     if zlib.crc32(data) != header.payload_crc:
         raise CorruptBlock(f"{path}: payload checksum mismatch")

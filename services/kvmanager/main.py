@@ -45,7 +45,7 @@ from kvmesh.units import parse_bytes
 from kvmesh.v1 import kvmanager_pb2, kvmanager_pb2_grpc
 
 from .config import KvManagerConfig, PeerConfig, ShmConfig
-from .core.config import StoreConfig
+from .core.config import Populate, StoreConfig
 from .dataplane_server import BlockSource, DataPlaneConfig, DataPlaneServer
 from .metrics import KvManagerMetrics
 from .peer import PeerDirectory, PeerService, StoreBlockSource
@@ -318,6 +318,19 @@ def parse_args(argv: list[str] | None) -> KvManagerConfig:
     p.add_argument("--fsync", action="store_true", help="fsync block files (survive power loss)")
     p.add_argument("--io-threads", type=int, default=s.io_threads, help="disk I/O threads")
     p.add_argument(
+        "--no-cpu-arena",
+        dest="cpu_arena",
+        action="store_false",
+        help="keep RAM blocks in heap buffers, not in one mapping of --cpu-bytes (slower)",
+    )
+    p.add_argument(
+        "--cpu-populate",
+        default=s.cpu_populate.value,
+        choices=[m.value for m in Populate],
+        help="when the CPU arena is faulted in: background (a thread from start; default),"
+        " start (before serving), off (as blocks land)",
+    )
+    p.add_argument(
         "--data-plane-host", default=pc.data_plane_host, help="data plane address (default: --host)"
     )
     p.add_argument(
@@ -378,6 +391,8 @@ def parse_args(argv: list[str] | None) -> KvManagerConfig:
             write_through=a.write_through,
             fsync=a.fsync,
             io_threads=a.io_threads,
+            cpu_arena=a.cpu_arena,
+            cpu_populate=Populate(a.cpu_populate),
         )
         peer = PeerConfig(
             data_plane_host=a.data_plane_host,

@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry, Gauge
 
 from kvmesh.kv.events import Tier
 
+from .arena import ArenaStats
 from .dataplane_server import DataPlaneStats
 from .peer import PeerService, PeerStats
 from .store import StoreStats, TieredStore
@@ -84,6 +85,17 @@ class KvManagerMetrics:
             )
             for f in fields(PeerStats)
         }
+        # The CPU tier's arena: capacity_bytes, populated_bytes, in_use_bytes as they are;
+        # allocations and fallbacks (no slot free: a heap buffer instead) as *_total.
+        self.arena = {
+            f.name: Gauge(
+                f"kvmesh_kvmanager_arena_{f.name}"
+                + ("_total" if f.name in ("allocations", "fallbacks") else ""),
+                f"CPU tier arena: {f.name.replace('_', ' ')}.",
+                registry=r,
+            )
+            for f in fields(ArenaStats)
+        }
         self.data_plane = {
             f.name: Gauge(
                 f"kvmesh_kvmanager_data_plane_{f.name}_total",
@@ -112,6 +124,9 @@ class KvManagerMetrics:
             blocks, nbytes = store.evictions(tier)
             self.evictions.labels(tier.value).set(blocks)
             self.evicted_bytes.labels(tier.value).set(nbytes)
+        if (arena := store.arena_stats) is not None:
+            for name, gauge in self.arena.items():
+                gauge.set(getattr(arena, name))
         if peers is not None:
             for name, gauge in self.peer.items():
                 gauge.set(getattr(peers.stats, name))

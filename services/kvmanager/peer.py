@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -53,7 +53,7 @@ from .dataplane_client import (
 )
 from .dataplane_server import DataPlaneServer, DataPlaneStats, PinnedBlock, Ticket
 from .dataplane_wire import TOKEN_BYTES
-from .store import TieredStore
+from .store import Pins, TieredStore
 
 log = logging.getLogger(__name__)
 _tracer = tracer(__name__)
@@ -67,7 +67,9 @@ class StoreBlockSource:
     def __init__(self, store: TieredStore) -> None:
         self._store = store
 
-    async def pin(self, layout_key: str, block_hash: BlockHash) -> PinnedBlock | None:
+    def pin(
+        self, layout_key: str, block_hash: BlockHash
+    ) -> PinnedBlock | Awaitable[PinnedBlock | None] | None:
         layout = self._store.layout_of(layout_key, block_hash)
         if layout is None:
             return None
@@ -76,8 +78,18 @@ class StoreBlockSource:
             return None
         data = self._store.ram_bytes(pins)[0]
         if data is not None:  # RAM: send the stored bytes themselves, pinned until sent
-            return PinnedBlock(memoryview(data), release=lambda: self._store.unpin(pins))
-        try:  # disk: read it through the store (checks the file, promotes it to RAM)
+            return PinnedBlock(
+                memoryview(data),
+                checksum=self._store.checksum(layout_key, block_hash),
+                release=lambda: self._store.unpin(pins),
+            )
+        return self._read_disk(layout, block_hash, pins)
+
+    async def _read_disk(
+        self, layout: KvLayout, block_hash: BlockHash, pins: Pins
+    ) -> PinnedBlock | None:
+        """A disk block, read through the store (checks the file, promotes it to RAM)."""
+        try:
             read = await self._store.get(layout, block_hash)
         finally:
             self._store.unpin(pins)
@@ -329,9 +341,14 @@ class PeerService:
                     f"{what} sent a {block.data.nbytes}-byte block; layout {layout.describe()}"
                     f" needs {block_bytes}"
                 )
-            # The bytes the kernel received into, stored as they are: no copy on the way.
+            # The arena slot the kernel received into, kept as it is with the checksum just
+            # verified: no copy and no second pass on the way.
             stored = await self._store.put(
-                layout, block.block_hash, block.payload(), parents.get(block.block_hash)
+                layout,
+                block.block_hash,
+                block.data,
+                parents.get(block.block_hash),
+                checksum=block.checksum,
             )
             if stored:
                 progress.fetched += 1
@@ -350,7 +367,7 @@ class PeerService:
                 on_block=on_block,
                 deadline_s=deadline - loop.time(),
                 stall_timeout_s=self._config.stall_timeout_s,
-                allocate=None,
+                allocate=self._store.allocate,
                 window_bytes=self._config.window_bytes,
                 max_block_bytes=block_bytes,
             )

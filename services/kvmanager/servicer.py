@@ -146,8 +146,9 @@ class KvManagerServicer(kvmanager_pb2_grpc.KvManagerServicer):
             await abort_with(context, exc, "PutBlocks")
         return kvmanager_pb2.PutBlocksResponse(stored=stored)
 
-    def _payload(self, layout: KvLayout, block: kvmanager_pb2.KvBlock) -> bytes:
-        """A PutBlocks block's bytes: inline, or copied out of its shared-memory region."""
+    def _payload(self, layout: KvLayout, block: kvmanager_pb2.KvBlock) -> bytes | memoryview:
+        """A PutBlocks block's bytes: inline, or copied out of its shared-memory region straight
+        into the buffer the store will keep (an arena slot when one is free)."""
         if block.WhichOneof("payload") != "shm":
             return block.data
         r = block.shm
@@ -156,8 +157,9 @@ class KvManagerServicer(kvmanager_pb2_grpc.KvManagerServicer):
                 f"block {block.block_hash:#x}: a shm region of {r.length} bytes for a block of"
                 f" {layout.block_bytes} ({layout.describe()})"
             )
-        data = self._shm.get(r.shm_id).read(r.offset, r.length)
-        self._shm.stats.bytes_in += len(data)
+        data = memoryview(self._store.allocate(r.length))
+        self._shm.get(r.shm_id).read_into(r.offset, data)
+        self._shm.stats.bytes_in += data.nbytes
         return data
 
     async def GetBlocks(
@@ -186,7 +188,7 @@ class KvManagerServicer(kvmanager_pb2_grpc.KvManagerServicer):
                     return
                 sent.add(tier, len(data))
                 yield kvmanager_pb2.GetBlocksResponse(
-                    block=kvmanager_pb2.KvBlock(block_hash=h, data=data),
+                    block=kvmanager_pb2.KvBlock(block_hash=h, data=bytes(data)),
                     tier=TIER_PB[tier if tier is not None else Tier.CPU],
                 )
         except Exception as exc:
@@ -230,7 +232,7 @@ class KvManagerServicer(kvmanager_pb2_grpc.KvManagerServicer):
                 block.shm.length = len(data)
                 cursor = start + len(data)
             else:
-                block.data = data
+                block.data = bytes(data)
                 inline += len(data)
             msg.tiers.append(TIER_PB[tier if tier is not None else Tier.CPU])
             if inline >= _INLINE_RUN_BYTES:

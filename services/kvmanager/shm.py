@@ -98,11 +98,18 @@ class Segment:
             )
 
     def read(self, offset: int, length: int) -> bytes:
-        """A copy of the region (the store keeps this ``bytes`` object)."""
+        """A copy of the region as a new ``bytes``."""
         self.check(offset, length)
         return self._map()[offset : offset + length]
 
-    def write(self, offset: int, data: bytes) -> None:
+    def read_into(self, offset: int, out: bytearray | memoryview) -> None:
+        """Copies the region of ``len(out)`` bytes at ``offset`` into ``out`` (one memcpy)."""
+        view = memoryview(out)
+        self.check(offset, view.nbytes)
+        with memoryview(self._map()) as whole, whole[offset : offset + view.nbytes] as region:
+            view[:] = region  # both views released here: detach can close the mapping
+
+    def write(self, offset: int, data: bytes | memoryview) -> None:
         self.check(offset, len(data))
         self._map()[offset : offset + len(data)] = data
 

@@ -2,6 +2,12 @@
 out and evicted as the pure ``TierIndex`` plans. Async API for the daemon's one event loop; every
 file operation runs on the store's own I/O threads, never on the loop.
 
+RAM blocks live in slots of one pre-faulted mapping of the CPU budget (``arena.Arena``): a block
+is received, copied or read from disk straight into its slot, and slots are reused, so storing a
+block never page-faults fresh memory. A block with no slot free (see arena.py) lives in a heap
+``bytes`` instead. Each RAM block keeps its checksum (verified on arrival from a peer, or
+computed at put when XXH3 is at hand) so serving it to a peer takes no pass over its bytes.
+
 Call it from one event loop only (the index is not thread-safe). Disk trouble degrades to a miss:
 a corrupt or vanished file is dropped and ``get`` answers None; a failed write leaves the block
 where it was (or drops it, for a demotion) and is logged.
@@ -20,8 +26,10 @@ from typing import Any, TypeVar
 
 from kvmesh.kv.events import BlockHash, Tier
 
+from . import dataplane_wire as wire
 from . import diskfile
-from .core.config import StoreConfig
+from .arena import PAGE_BYTES, Arena, ArenaStats
+from .core.config import Populate, StoreConfig
 from .core.errors import CorruptBlock, StoreClosed, StoreFull
 from .core.layout import KvLayout, check_block_hash
 from .core.plan import (
@@ -39,6 +47,8 @@ from .core.tiers import TierIndex
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 _MAX_PENDING_PROMOTIONS = 16  # promotions waiting for RAM room; more reads skip promoting
+
+RamBlock = bytes | memoryview  # a RAM block: a heap ``bytes`` or a view of its arena slot
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +96,18 @@ class TieredStore:
         )
         self._on_events = on_events
         self._events: list[LayoutEvent] = []
-        self._ram: dict[BlockId, bytes] = {}
+        self._flush_scheduled = False
+        self._ram: dict[BlockId, RamBlock] = {}
+        self._sums: dict[BlockId, wire.Checksum] = {}  # of RAM blocks, where known
+        self._arena = (
+            Arena(config.cpu_bytes, populate=config.cpu_populate is not Populate.OFF)
+            if config.cpu_arena and config.cpu_bytes >= PAGE_BYTES
+            else None
+        )
+        # Computed at put only when it is cheap (XXH3: ~50 us per 2 MiB); else the data plane
+        # computes one per send.
+        algo = wire.preferred_algo()
+        self._put_sum_algo = algo if algo is wire.ChecksumAlgo.XXH3_64 else None
         self._waiters: dict[tuple[BlockId, Tier], asyncio.Future[None]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._executor = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvstore-io")
@@ -101,6 +122,8 @@ class TieredStore:
         """A store whose disk tier holds what the directory held (checked, within budget)."""
         store = cls(config, on_events)
         try:
+            if store._arena is not None and config.cpu_populate is Populate.START:
+                await asyncio.get_running_loop().run_in_executor(None, store._arena.wait_populated)
             await store._load_disk()
         except BaseException:
             await store.close()
@@ -109,22 +132,35 @@ class TieredStore:
 
     # ---- the API -------------------------------------------------------------------------
 
+    def allocate(self, size: int) -> memoryview | bytearray:
+        """A writable buffer of ``size`` bytes to receive a block into before ``put``: a free
+        arena slot when there is one (``put`` then keeps it as it is, no copy), else a heap
+        bytearray. Thread-safe."""
+        slot = self._arena.allocate(size) if self._arena is not None else None
+        return bytearray(size) if slot is None else memoryview(slot).cast("B")
+
+    @property
+    def arena_stats(self) -> ArenaStats | None:
+        return self._arena.stats if self._arena is not None else None
+
     async def put(
         self,
         layout: KvLayout,
         block_hash: int,
         data: bytes | bytearray | memoryview,
         parent: int | None = None,
+        checksum: wire.Checksum | None = None,
     ) -> bool:
         """Stores a block in RAM (and on disk too before returning, with write_through). False if
         it was held already (or is being evicted this instant). Waits while room is made;
         StoreFull if reader pins leave no room for it; BadBlock if ``data`` is not one block of
-        ``layout`` or a hash is not an unsigned 64-bit int."""
+        ``layout`` or a hash is not an unsigned 64-bit int. ``checksum``, when the caller
+        verified one (a peer's), is kept with the block. The caller must not write to ``data``
+        afterwards (a buffer from ``allocate`` is kept as it is)."""
         self._check_open()
         h = check_block_hash(block_hash)
         parent_hash = check_block_hash(parent) if parent is not None else None
         layout.check_payload(memoryview(data).nbytes)
-        payload = data if isinstance(data, bytes) else memoryview(data).tobytes()
         bid = BlockId(layout.key, h)
         got = await self._reserve(layout, bid, Tier.CPU, parent_hash)
         if got is Grant.REFUSED:
@@ -135,6 +171,11 @@ class TieredStore:
             )
         if got is not Grant.GRANTED:
             return False
+        payload = self._keep(data)
+        if checksum is None and self._put_sum_algo is not None:
+            checksum = wire.Checksum(self._put_sum_algo, wire.checksum(self._put_sum_algo, payload))
+        if checksum is not None:
+            self._sums[bid] = checksum
         self._ram[bid] = payload
         self._index.write_done(bid, Tier.CPU, ok=True)
         self._sync()
@@ -144,10 +185,11 @@ class TieredStore:
                 await asyncio.shield(write)
         return True
 
-    async def get(self, layout: KvLayout, block_hash: int) -> bytes | None:
+    async def get(self, layout: KvLayout, block_hash: int) -> RamBlock | None:
         """The block's payload, or None (also for a bad file, which is dropped). A block read
         from disk is promoted to RAM: at once if there is room, else in the background once
-        there is (the read never waits for it)."""
+        there is (the read never waits for it). Read-only by contract; a view of an arena slot
+        keeps the slot from reuse for as long as it lives."""
         self._check_open()
         bid = BlockId(layout.key, check_block_hash(block_hash))
         tier = self._index.pin(bid)
@@ -201,11 +243,15 @@ class TieredStore:
         finally:
             self.unpin(pins)
 
-    def ram_bytes(self, pins: Pins) -> list[bytes | None]:
-        """The RAM payload of each block of ``pins``, the stored object itself (immutable, no
+    def ram_bytes(self, pins: Pins) -> list[RamBlock | None]:
+        """The RAM payload of each block of ``pins``, the stored object itself (read-only, no
         copy), or None for a block pinned on disk (``get`` reads it). The pin keeps each one
         counted against its tier until ``unpin``."""
         return [self._ram[bid] if tier is Tier.CPU else None for bid, tier in pins.blocks]
+
+    def checksum(self, layout_key: str, block_hash: int) -> wire.Checksum | None:
+        """The kept checksum of a RAM block (None: not in RAM, or none known)."""
+        return self._sums.get(BlockId(layout_key, check_block_hash(block_hash)))
 
     def layout_of(self, layout_key: str, block_hash: int) -> KvLayout | None:
         """The full layout of a block known under ``layout_key`` (held or being written)."""
@@ -216,7 +262,10 @@ class TieredStore:
         return self._index.parent_of(BlockId(layout.key, check_block_hash(block_hash)))
 
     def drain_events(self) -> list[LayoutEvent]:
-        """KV events since the last drain, in order (empty when ``on_events`` is set)."""
+        """KV events since the last drain, in order (empty when ``on_events`` is set: those
+        go to it at the end of the loop iteration they happen in)."""
+        if self._on_events is not None:
+            return []
         events, self._events = self._events, []
         return events
 
@@ -236,10 +285,13 @@ class TieredStore:
         """Refuses new work, fails waiting puts with StoreClosed, finishes the disk I/O under
         way. RAM contents are not written back (a cache: the next start has the disk tier)."""
         self._closed = True
+        if self._arena is not None:
+            self._arena.close()
         for fut in list(self._waiters.values()):
             if not fut.done():
                 fut.set_exception(StoreClosed("the KV store is closing"))
         await self.wait_idle()
+        self._flush_events()
         self._executor.shutdown(wait=False)
 
     async def wait_idle(self) -> None:
@@ -252,6 +304,20 @@ class TieredStore:
     def _check_open(self) -> None:
         if self._closed:
             raise StoreClosed("the KV store is closed")
+
+    def _keep(self, data: bytes | bytearray | memoryview) -> RamBlock:
+        """What RAM holds for a granted block: a whole arena slot as it is; other bytes copied
+        into a free slot; else (no slot free) a heap ``bytes``, the given one when it is one."""
+        view = memoryview(data)
+        if self._arena is not None:
+            if self._arena.owns(view.obj) and view.nbytes == len(view.obj):  # type: ignore[arg-type]
+                return view if view.format == "B" else view.cast("B")
+            slot = self._arena.allocate(view.nbytes)
+            if slot is not None:
+                kept = memoryview(slot).cast("B")
+                kept[:] = view.cast("B") if view.format != "B" else view
+                return kept
+        return data if isinstance(data, bytes) else view.tobytes()
 
     async def _reserve(
         self, layout: KvLayout, bid: BlockId, tier: Tier, parent: BlockHash | None
@@ -285,7 +351,8 @@ class TieredStore:
         call, before the next await (RAM drops must land before anything reuses the key)."""
         for action in self._index.take_actions():
             if isinstance(action, DropFromMemory):
-                del self._ram[action.block]
+                del self._ram[action.block]  # an arena slot is reused once no reader holds it
+                self._sums.pop(action.block, None)
             elif isinstance(action, Granted):
                 fut = self._waiters.pop((action.block, action.tier), None)
                 if fut is not None and not fut.done():
@@ -297,10 +364,19 @@ class TieredStore:
                 self._spawn(self._delete(action.block))
         events = self._index.take_events()
         if events:
-            if self._on_events is not None:
-                self._on_events(events)
-            else:
-                self._events.extend(events)
+            self._events.extend(events)
+            if self._on_events is not None and not self._flush_scheduled:
+                # One batch per loop iteration, not per block: a peer fetch or a PutBlocks
+                # stores hundreds of blocks per wake-up, and each batch costs the event log and
+                # every subscriber a message.
+                self._flush_scheduled = True
+                asyncio.get_running_loop().call_soon(self._flush_events)
+
+    def _flush_events(self) -> None:
+        self._flush_scheduled = False
+        events, self._events = self._events, []
+        if events and self._on_events is not None:
+            self._on_events(events)
 
     def _spawn(self, coro: Coroutine[Any, Any, _T]) -> asyncio.Task[_T]:
         task = asyncio.get_running_loop().create_task(coro)
@@ -316,7 +392,7 @@ class TieredStore:
     async def _io(self, fn: Callable[..., _T], *args: Any) -> _T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
-    async def _read_file(self, layout: KvLayout, bid: BlockId) -> bytes | None:
+    async def _read_file(self, layout: KvLayout, bid: BlockId) -> RamBlock | None:
         """Reads a pinned disk copy and promotes it to RAM: at once if there is room, else by a
         task that waits for room (the disk copy stays pinned meanwhile and is read again then,
         so no bytes wait outside the RAM budget). Unpins the disk copy when done."""
@@ -362,11 +438,14 @@ class TieredStore:
             self._index.unpin(bid, Tier.DISK)
             self._sync()
 
-    async def _read_checked(self, layout: KvLayout, bid: BlockId) -> bytes | None:
-        """A pinned disk copy's payload, or None after dropping a bad file (never served)."""
+    async def _read_checked(self, layout: KvLayout, bid: BlockId) -> RamBlock | None:
+        """A pinned disk copy's payload (read into an arena slot when one is free), or None
+        after dropping a bad file (never served)."""
         assert self._root is not None
         try:
-            data, _ = await self._io(diskfile.read_block, self._root, layout, bid.block_hash)
+            data, _ = await self._io(
+                diskfile.read_block, self._root, layout, bid.block_hash, self.allocate
+            )
         except (CorruptBlock, OSError) as e:
             log.warning("dropping block %s of layout %s: %s", bid.block_hash, layout.key, e)
             self.stats.corrupt_dropped += 1
@@ -377,15 +456,19 @@ class TieredStore:
         self.stats.disk_bytes_read += len(data)
         return data
 
-    def _land(self, bid: BlockId, data: bytes) -> None:
+    def _land(self, bid: BlockId, data: RamBlock) -> None:
         """A granted RAM copy's bytes arrive."""
+        if self._put_sum_algo is not None:
+            self._sums[bid] = wire.Checksum(
+                self._put_sum_algo, wire.checksum(self._put_sum_algo, data)
+            )
         self._ram[bid] = data
         self._index.write_done(bid, Tier.CPU, ok=True)
         self._sync()
         self.stats.promotions += 1
 
     async def _write_file(
-        self, layout: KvLayout, bid: BlockId, parent: BlockHash | None, data: bytes
+        self, layout: KvLayout, bid: BlockId, parent: BlockHash | None, data: RamBlock
     ) -> bool:
         """Writes a granted disk copy and reports it to the index (ok or not)."""
         assert self._root is not None

@@ -299,7 +299,7 @@ async def test_backpressure_bounds_what_is_read_ahead(start) -> None:  # type: i
     size = 256 << 10
     blocks = {h: payload(h, size) for h in range(1, 41)}
     source = MemorySource(blocks)
-    server = await start(source, prefetch_blocks=2)
+    server = await start(source, prefetch_bytes=2 * size, batch_bytes=size)
     sink = Sink(delay_s=0.005)
     await fetch(server, server.issue_ticket("layout-a", list(blocks)), sink, window_bytes=4 * size)
     sink.check(blocks)

@@ -8,6 +8,7 @@ single-use."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import signal
 import sys
 import textwrap
@@ -335,7 +336,8 @@ class StallAfter:
             await self.go.wait()
         self.served += 1
         assert self.inner is not None
-        return await self.inner.pin(layout_key, block_hash)
+        got = self.inner.pin(layout_key, block_hash)
+        return await got if inspect.isawaitable(got) else got
 
 
 async def holds_exactly(stub: Stub, hashes: list[int], n: int) -> None:
@@ -380,6 +382,7 @@ async def test_peer_stalling_mid_stream_leaves_only_whole_verified_blocks(daemon
 KILLED_CHILD = textwrap.dedent(
     """
     import asyncio
+    import inspect
     from services.kvmanager.config import KvManagerConfig
     from services.kvmanager.convert import layout_from_pb
     from services.kvmanager.core.config import StoreConfig
@@ -392,7 +395,8 @@ KILLED_CHILD = textwrap.dedent(
         async def pin(self, layout_key, block_hash):
             if block_hash >= 1006:
                 await asyncio.sleep(0.05)
-            return await self.inner.pin(layout_key, block_hash)
+            got = self.inner.pin(layout_key, block_hash)
+            return await got if inspect.isawaitable(got) else got
 
     async def main():
         layout = layout_from_pb(BIG_LAYOUT)

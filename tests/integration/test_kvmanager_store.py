@@ -15,7 +15,7 @@ import pytest
 from kvmesh.kv.eventlog import KvEventLog
 from kvmesh.kv.events import BlockHash, BlockRemoved, BlockStored, Tier
 from services.kvmanager import diskfile
-from services.kvmanager.core.config import StoreConfig
+from services.kvmanager.core.config import Populate, StoreConfig
 from services.kvmanager.core.errors import BadBlock, NotPinned, StoreClosed, StoreFull
 from services.kvmanager.core.layout import KvLayout
 from services.kvmanager.core.plan import LayoutEvent
@@ -29,6 +29,7 @@ L2 = dataclasses.replace(L, tp_rank=1, tp_size=2)  # the other rank's shard: ano
 BLOCK = L.block_bytes
 FILE = diskfile.file_bytes(BLOCK)
 CPU, DISK = Tier.CPU, Tier.DISK
+START = Populate.START  # the arena is faulted in before the store opens: slots from the start
 
 
 def payload(h: int, layout: KvLayout = L) -> bytes:
@@ -340,11 +341,26 @@ async def test_events_can_be_pushed_to_a_callback(tmp_path: Path) -> None:
     await put_chain(store, range(2))
     await store.close()
     assert store.drain_events() == []
+    # One batch per loop iteration: both puts ran in one (neither had to wait).
     assert [[le.event for le in batch] for batch in batches] == [
-        [BlockStored((BlockHash(0),), None, CPU, 16)],
-        [BlockRemoved((BlockHash(0),), CPU)],  # no disk tier: dropped to make room
-        [BlockStored((BlockHash(1),), BlockHash(0), CPU, 16)],
+        [
+            BlockStored((BlockHash(0),), None, CPU, 16),
+            BlockRemoved((BlockHash(0),), CPU),  # no disk tier: dropped to make room
+            BlockStored((BlockHash(1),), BlockHash(0), CPU, 16),
+        ]
     ]
+
+
+async def test_events_of_separate_loop_iterations_are_separate_batches(tmp_path: Path) -> None:
+    batches: list[list[LayoutEvent]] = []
+    store = await TieredStore.open(config(tmp_path, 4, None), on_events=batches.append)
+    await put_chain(store, range(1))
+    assert batches == []  # not yet: at the end of this loop iteration
+    await asyncio.sleep(0)
+    assert len(batches) == 1
+    await put_chain(store, range(1, 3))
+    await store.close()  # flushes what is pending
+    assert [len(b) for b in batches] == [1, 2]
 
 
 async def test_closed_store_refuses_work(tmp_path: Path, opened) -> None:
@@ -435,3 +451,77 @@ async def test_write_through_makes_ram_victims_clean_evictions(tmp_path: Path, o
     await store.wait_idle()
     assert store.stats.demotions == 0
     assert evicted(store) == {CPU: (2, 2 * BLOCK), DISK: (0, 0)}
+
+
+# ---- the CPU arena and kept checksums -------------------------------------------------------
+
+
+async def test_a_reader_keeps_its_bytes_while_the_block_is_evicted_and_its_slot_wanted(
+    tmp_path: Path, opened
+) -> None:
+    """RAM blocks live in reused arena slots: a block evicted while a reader (a peer send, a
+    shm copy) still holds its bytes must not be overwritten by the blocks that replace it."""
+    store = await opened(config(tmp_path, 2, None, cpu_populate=START))
+    await put_chain(store, range(2))
+    held = await store.get(L, 0)
+    assert isinstance(held, memoryview)  # a view of its arena slot, no copy
+    await put_chain(store, range(2, 6))  # evicts 0 and 1 (no disk tier), reuses free slots
+    assert not store.contains(L, 0)
+    assert held == payload(0)  # the slot still holds block 0: nothing was written over it
+    for h in (4, 5):
+        assert await store.get(L, h) == payload(h)
+    arena = store.arena_stats
+    assert arena is not None and arena.fallbacks >= 1  # 2 went to the heap while 0 was held
+    metrics = KvManagerMetrics()
+    metrics.refresh(store)
+    sample = metrics.registry.get_sample_value
+    assert sample("kvmesh_kvmanager_arena_capacity_bytes") == 2 * BLOCK
+    assert sample("kvmesh_kvmanager_arena_populated_bytes") == 2 * BLOCK
+    assert sample("kvmesh_kvmanager_arena_fallbacks_total") == arena.fallbacks
+    assert sample("kvmesh_kvmanager_arena_in_use_bytes") == 2 * BLOCK  # block 0's + one
+    del held
+
+
+async def test_a_buffer_from_allocate_is_kept_as_it_is(tmp_path: Path, opened) -> None:
+    store = await opened(config(tmp_path, 4, None, cpu_populate=START))
+    buf = store.allocate(BLOCK)
+    assert isinstance(buf, memoryview)
+    buf[:] = payload(7)
+    assert await store.put(L, 7, buf)
+    with store.pinned(L, [7]) as tiers:
+        assert tiers == [CPU]
+    got = await store.get(L, 7)
+    assert isinstance(got, memoryview) and got.obj is buf.obj  # the same slot: no copy
+    # Bytes from elsewhere are copied into a slot of their own.
+    src = bytearray(payload(8))
+    assert await store.put(L, 8, src)
+    src[:8] = bytes(8)
+    assert await store.get(L, 8) == payload(8)
+
+
+async def test_without_the_arena_blocks_live_on_the_heap(tmp_path: Path, opened) -> None:
+    store = await opened(config(tmp_path, 2, None, cpu_arena=False))
+    assert store.arena_stats is None
+    assert isinstance(store.allocate(BLOCK), bytearray)
+    await put_chain(store, range(3))
+    assert isinstance(await store.get(L, 2), bytes)
+
+
+async def test_ram_blocks_keep_a_checksum_for_peers(tmp_path: Path, opened) -> None:
+    from services.kvmanager import dataplane_wire as wire
+
+    store = await opened(config(tmp_path, 1, 4))
+    assert await store.put(L, 0, payload(0))
+    got = store.checksum(L.key, 0)
+    assert got is not None and got.algo is wire.preferred_algo()
+    assert got.value == wire.checksum(got.algo, payload(0))
+    given = wire.Checksum(
+        wire.ChecksumAlgo.CRC32, wire.checksum(wire.ChecksumAlgo.CRC32, payload(1))
+    )
+    assert await store.put(L, 1, payload(1), parent=0, checksum=given)  # 0 demoted to disk
+    assert store.checksum(L.key, 1) == given  # a peer's verified one is kept as given
+    assert store.checksum(L.key, 0) is None  # on disk only
+    assert await store.get(L, 0) == payload(0)  # promoted back (1 demoted): checksummed again
+    await store.wait_idle()
+    promoted = store.checksum(L.key, 0)
+    assert promoted is not None and promoted.value == wire.checksum(promoted.algo, payload(0))

@@ -152,6 +152,8 @@ def test_checksums_match_the_reference_values() -> None:
     if w.available_algos() & ChecksumSet.BLAKE3_64:
         # BLAKE3("") = af1349b9f5f9a1a6..., first 8 bytes read little-endian
         assert w.checksum(ChecksumAlgo.BLAKE3_64, b"") == 0xA6A1F9F5B94913AF
+    # xxhash is a kvmesh dependency: XXH3-64("") with seed 0 (the xxHash reference value)
+    assert w.checksum(ChecksumAlgo.XXH3_64, b"") == 0x2D06800538D394C2
     data = bytearray(b"x" * 100_000)
     view = memoryview(data)
     for algo in ChecksumAlgo:
@@ -162,8 +164,10 @@ def test_checksums_match_the_reference_values() -> None:
             data[5] ^= 1
 
 
-CRC, B3 = ChecksumSet.CRC32, ChecksumSet.BLAKE3_64
+CRC, B3, XX = ChecksumSet.CRC32, ChecksumSet.BLAKE3_64, ChecksumSet.XXH3_64
 CHOICES = [
+    pytest.param(CRC | B3 | XX, ChecksumAlgo.XXH3_64, CRC | XX, ChecksumAlgo.XXH3_64, id="xxh3"),
+    pytest.param(CRC | B3, ChecksumAlgo.XXH3_64, CRC | XX, ChecksumAlgo.CRC32, id="old-client"),
     pytest.param(CRC | B3, ChecksumAlgo.BLAKE3_64, CRC | B3, ChecksumAlgo.BLAKE3_64, id="both-b3"),
     pytest.param(CRC, ChecksumAlgo.BLAKE3_64, CRC | B3, ChecksumAlgo.CRC32, id="client-crc-only"),
     pytest.param(CRC | B3, ChecksumAlgo.BLAKE3_64, CRC, ChecksumAlgo.CRC32, id="server-crc-only"),
@@ -180,3 +184,8 @@ def test_choose_algo(
     accepted: ChecksumSet, preferred: ChecksumAlgo, local: ChecksumSet, want: ChecksumAlgo | None
 ) -> None:
     assert w.choose_algo(accepted, preferred, local) is want
+
+
+def test_xxh3_is_preferred_where_installed() -> None:
+    assert w.available_algos() & ChecksumSet.XXH3_64
+    assert w.preferred_algo() is ChecksumAlgo.XXH3_64

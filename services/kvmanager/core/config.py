@@ -4,12 +4,21 @@ policy) and peer fetch's (data plane, timeouts, window)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 
 from kvmesh.errors import InvalidArgument
 
 GIB = 1 << 30
 MIB = 1 << 20
+
+
+class Populate(StrEnum):
+    """When the CPU arena's memory is faulted in."""
+
+    BACKGROUND = "background"  # by a thread from start; blocks use what is ready meanwhile
+    START = "start"  # before the store opens (ready means populated: benchmarks, small tiers)
+    OFF = "off"  # page by page as blocks first land (RSS grows with use; reused slots fault-free)
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,6 +29,8 @@ class StoreConfig:
     write_through: bool = False  # True: put also writes the block to disk before returning
     fsync: bool = False  # True: fsync each block file and its directory (survives power loss)
     io_threads: int = 4  # threads doing disk I/O (reads, writes, deletes, the start-up scan)
+    cpu_arena: bool = True  # RAM blocks live in one mapping of cpu_bytes, slots reused
+    cpu_populate: Populate = Populate.BACKGROUND  # when the arena is faulted in
 
     def __post_init__(self) -> None:
         if self.cpu_bytes < 1:

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import NamedTuple
 
 from kvmesh.kv.events import BlockHash, KvEvent, Tier
 
 
-@dataclass(frozen=True, slots=True)
-class BlockId:
-    """A block in the store: a hash is only meaningful within one KV layout."""
+class BlockId(NamedTuple):
+    """A block in the store: a hash is only meaningful within one KV layout. A tuple, not a
+    dataclass: it keys every dict of the index and the store, and a tuple hashes in C (a
+    frozen dataclass's generated ``__hash__`` was the top cost of a put)."""
 
     layout_key: str
     block_hash: BlockHash
