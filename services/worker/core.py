@@ -32,6 +32,7 @@ class KvSource:
 
     kvmanager_id: str
     blocks: int  # contiguous prefix of the prompt, in full blocks
+    handoff_wait_s: float = 0.0  # may wait this long for them to land there; 0: the default
 
 
 @dataclass(frozen=True, slots=True)

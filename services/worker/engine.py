@@ -388,7 +388,9 @@ class VllmEngine:
         params: dict[str, Any] = {}
         source = request.kv_source
         if source is not None:
-            params.update(PeerSource(source.kvmanager_id, source.blocks).to_params())
+            params.update(
+                PeerSource(source.kvmanager_id, source.blocks, source.handoff_wait_s).to_params()
+            )
         headers: dict[str, str] = {}
         propagate.inject(headers)  # nothing when no span is recording (tracing off)
         if headers.get("traceparent"):  # W3C trace context only (no baggage)

@@ -38,7 +38,8 @@ FINISH_PB = {
 def request_from_pb(r: worker_pb2.WorkerGenerateRequest) -> GenerateRequest:
     source = None
     if r.HasField("kv_source"):
-        source = KvSource(r.kv_source.kvmanager_id, r.kv_source.blocks)
+        k = r.kv_source
+        source = KvSource(k.kvmanager_id, k.blocks, k.handoff_wait_s)
     return GenerateRequest(
         request_id=r.request_id,
         prompt_token_ids=tuple(r.prompt_token_ids),

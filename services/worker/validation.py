@@ -10,6 +10,7 @@ from .core import EngineInfo, GenerateRequest, KvSource
 
 MAX_REQUEST_ID_CHARS = 256
 MAX_KVMANAGER_ID_CHARS = 256
+MAX_HANDOFF_WAIT_S = 600.0  # kv_source.handoff_wait_s: a prefill longer than this is not waited for
 
 
 def check_request(request: GenerateRequest, info: EngineInfo) -> None:
@@ -35,6 +36,11 @@ def check_kv_source(source: KvSource, prompt_tokens: int, block_size: int) -> No
         raise InvalidArgument(
             f"kv_source.blocks is {source.blocks}; the prompt has {full} full blocks of "
             f"{block_size} tokens, so use 1 to {full} (or leave kv_source unset)"
+        )
+    if not 0 <= source.handoff_wait_s <= MAX_HANDOFF_WAIT_S:  # also refuses NaN
+        raise InvalidArgument(
+            f"kv_source.handoff_wait_s is {source.handoff_wait_s}; use 0 (the worker's default)"
+            f" to {MAX_HANDOFF_WAIT_S:g} seconds"
         )
 
 

@@ -44,12 +44,20 @@ def put_later(address: str, delay_s: float) -> threading.Thread:
     return t
 
 
-@pytest.mark.parametrize(("wait_s", "lands"), [(2.0, True), (0.0, False)], ids=["waits", "off"])
-async def test_local_handoff_waits_for_late_saves(etcd, wait_s: float, lands: bool):
+@pytest.mark.parametrize(
+    ("wait_s", "hint_wait_s", "lands"),
+    [(2.0, 0.0, True), (0.0, 0.0, False), (0.0, 2.0, True)],
+    ids=["waits", "off", "the-hint-says-how-long"],
+)
+async def test_local_handoff_waits_for_late_saves(
+    etcd, wait_s: float, hint_wait_s: float, lands: bool
+):
+    """The connector's default wait (``handoff_wait_s``), or the router's per-request one in
+    the hint (an overlapped hand-off: the prefill still runs while the decode request waits)."""
     kvm = await start_kvmanager(
         KvManagerConfig(
             kvmanager_id="kvm-h",
-            cluster=f"handoff{int(wait_s)}",
+            cluster=f"handoff{int(wait_s)}{int(hint_wait_s)}",
             etcd_endpoints=tuple(etcd.endpoints),
             drain_grace_s=1.0,
             metrics_port=-1,
@@ -60,7 +68,7 @@ async def test_local_handoff_waits_for_late_saves(etcd, wait_s: float, lands: bo
         saver = put_later(kvm.address, 0.3)
         started = time.monotonic()
         outcome = await asyncio.to_thread(
-            fetcher, KEY, HASHES, PeerSource("kvm-h", len(HASHES)), 3.0
+            fetcher, KEY, HASHES, PeerSource("kvm-h", len(HASHES), hint_wait_s), 3.0
         )
         took = time.monotonic() - started
         await asyncio.to_thread(saver.join)

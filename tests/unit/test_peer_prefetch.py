@@ -38,6 +38,8 @@ def test_request_from_pb_carries_the_hint():
         kv_source=worker_pb2.KvSource(kvmanager_id="kvm-a", blocks=7),
     )
     assert request_from_pb(msg).kv_source == KvSource("kvm-a", 7)
+    msg.kv_source.handoff_wait_s = 2.5
+    assert request_from_pb(msg).kv_source == KvSource("kvm-a", 7, 2.5)
     msg.ClearField("kv_source")
     assert request_from_pb(msg).kv_source is None
 
@@ -56,6 +58,10 @@ def req(source: KvSource | None, tokens: int = 100) -> GenerateRequest:
         pytest.param(KvSource("k" * 300, 3), "kv_source.kvmanager_id", id="long-id"),
         pytest.param(KvSource("kvm-a", 0), "use 1 to 3", id="no-blocks"),
         pytest.param(KvSource("kvm-a", 4), "the prompt has 3 full blocks", id="beyond-prompt"),
+        pytest.param(KvSource("kvm-a", 3, 30.0), None, id="handoff-wait"),
+        pytest.param(KvSource("kvm-a", 3, -1.0), "handoff_wait_s is -1.0", id="negative-wait"),
+        pytest.param(KvSource("kvm-a", 3, 601.0), "to 600 seconds", id="endless-wait"),
+        pytest.param(KvSource("kvm-a", 3, float("nan")), "handoff_wait_s", id="nan-wait"),
     ],
 )
 def test_kv_source_validation(source, error):
@@ -77,6 +83,14 @@ def test_kv_source_validation(source, error):
         pytest.param({KV_SOURCE_PARAM: {"kvmanager_id": "", "blocks": 3}}, None, id="no-id"),
         pytest.param({KV_SOURCE_PARAM: {"kvmanager_id": "k", "blocks": 0}}, None, id="no-blocks"),
         pytest.param({KV_SOURCE_PARAM: {"kvmanager_id": "k", "blocks": "3"}}, None, id="str"),
+        pytest.param(
+            PeerSource("kvm-a", 10, 4.5).to_params(), PeerSource("kvm-a", 10, 4.5), id="wait"
+        ),
+        pytest.param(
+            {KV_SOURCE_PARAM: {"kvmanager_id": "k", "blocks": 3, "wait_s": "long"}},
+            PeerSource("k", 3),
+            id="bad-wait-is-the-default",
+        ),
     ],
 )
 def test_peer_source_from_params(params, want):
@@ -169,6 +183,26 @@ def test_a_fetch_past_its_time_is_not_waited_for():
         clock.t += 2.5  # past timeout_s
         assert not pf.pending("r1")
         assert not pf.pending("r1")  # settled: counted once
+        assert counts == Counter(peer_fetches=1, peer_fetch_timeouts=1)
+    finally:
+        fetch.release.set()
+        pf.close()
+
+
+def test_a_hint_with_its_own_wait_is_waited_for_that_much_longer():
+    """An overlapped hand-off: the prefill still runs elsewhere, so the request waits for its
+    blocks up to the hint's wait plus the usual time for the last fetch."""
+    fetch, clock, counts = FakeFetch(), Clock(), Counter()
+    pf = prefetcher(fetch, clock, counts)
+    peer = PeerSource("kvm-a", 10, 5.0)
+    try:
+        assert pf.start("r1", peer, ["L"], [5, 6])
+        assert fetch.started.wait(5)
+        clock.t += 6.5  # past timeout_s (2), within wait + timeout_s (7)
+        assert pf.pending("r1")
+        clock.t += 1.0
+        assert not pf.pending("r1")
+        assert fetch.calls[0][3] == pytest.approx(7.0)  # the fetch's own deadline
         assert counts == Counter(peer_fetches=1, peer_fetch_timeouts=1)
     finally:
         fetch.release.set()

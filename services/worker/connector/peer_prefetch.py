@@ -155,7 +155,9 @@ class PeerPrefetcher:
         ``trace``: the request's trace context, sent with the fetch's calls."""
         if not keys or req_id in self._fetches:
             return False
-        timeout = self._cfg.timeout_s
+        # A hint with its own wait (a prefill still running elsewhere) gets that long for the
+        # blocks to land, plus the usual time for the last fetch.
+        timeout = self._cfg.timeout_s + peer.wait_s
         deadline = self._clock() + timeout
         keys = list(keys)
         self._fetches[req_id] = _Fetch(
@@ -261,7 +263,7 @@ class KvManagerFetcher:
         not there yet (on the peer, or locally when the hint names this node's kvmanager)."""
         start = self._clock()
         end = start + timeout_s
-        wait_end = min(end, start + self._wait_s)
+        wait_end = min(end, start + (peer.wait_s or self._wait_s))
         fetched = 0
         try:
             layout = self._layout(layout_key)

@@ -23,11 +23,15 @@ class PeerSource:
 
     kvmanager_id: str
     blocks: int
+    wait_s: float = 0.0  # how long to wait for them to land there (0: the connector's default)
 
     def to_params(self) -> dict[str, Any]:
         """The request's ``kv_transfer_params`` carrying this hint (plain types: it is pickled
         to the engine core)."""
-        return {KV_SOURCE_PARAM: {"kvmanager_id": self.kvmanager_id, "blocks": self.blocks}}
+        raw: dict[str, Any] = {"kvmanager_id": self.kvmanager_id, "blocks": self.blocks}
+        if self.wait_s > 0:
+            raw["wait_s"] = self.wait_s
+        return {KV_SOURCE_PARAM: raw}
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any] | None) -> PeerSource | None:
@@ -39,7 +43,10 @@ class PeerSource:
         kid, blocks = raw.get("kvmanager_id"), raw.get("blocks")
         if not isinstance(kid, str) or not kid or not isinstance(blocks, int) or blocks <= 0:
             return None
-        return cls(kid, blocks)
+        wait_s = raw.get("wait_s", 0.0)
+        if not isinstance(wait_s, int | float) or not 0 <= wait_s <= 600:  # NaN too
+            wait_s = 0.0
+        return cls(kid, blocks, float(wait_s))
 
 
 def peer_fetch_range(
