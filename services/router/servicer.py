@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 
 import grpc
+from opentelemetry import trace
 
 from kvmesh import errors
 from kvmesh.discovery.keys import WorkerId
@@ -78,6 +79,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     ) -> AsyncIterator[router_pb2.GenerateResponse]:
         arrived = time.monotonic()
         rid = request.request_id or uuid.uuid4().hex
+        # The request's span: the RPC's server span (kvmesh.telemetry.ServerSpans), the trace's
+        # root unless the client sent a trace context.
+        request_span = trace.get_current_span()
+        request_span.set_attribute("request_id", rid)
         model_name = ""
         code = "OK"
         try:
@@ -89,6 +94,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 raise errors.Unavailable("router is shutting down; retry on another router")
             model = self._resolve_model(request.model)
             model_name = model.name
+            request_span.set_attribute("model", model_name)
             sampling = sampling_from_pb(request.sampling)
             check_sampling(sampling, model.vocab_size)
             with _tracer.start_as_current_span("tokenize") as span:
@@ -416,6 +422,4 @@ def kv_source_pb(peer: PeerHint | None) -> worker_pb2.KvSource | None:
 
 
 def trace_first_token(ttft_s: float) -> None:
-    from opentelemetry import trace
-
     trace.get_current_span().add_event("first_token", {"ttft_s": ttft_s})

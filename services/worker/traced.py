@@ -1,21 +1,34 @@
 """Domain spans around an ``Engine``: the engine is wrapped, not sprinkled with tracing.
 
-Per request: ``engine.generate`` (arrival to finish, child of the gRPC server span) with three
-children laid end to end from the engine's timing:
+Per request, ``engine.generate`` (admission to finish; child of the gRPC ``Worker/Generate``
+server span) with two phases laid end to end:
 
-- ``engine.queue``: arrival -> first scheduled by vLLM's scheduler (vLLM's SCHEDULED event;
-  if the request never got scheduled, arrival -> end);
-- ``engine.first_token``: scheduled -> the first token reached this process (prefill);
-- ``engine.decode``: first token -> finish.
+- ``engine.prefill``: admission -> the first token reached this process. Its child
+  ``engine.queue`` is admission -> first scheduled by vLLM's scheduler (vLLM's SCHEDULED
+  event). While the request is in prefill, ``engine.prefill`` is the current context of the
+  inner engine, so the trace context the KV connector sends to the kvmanager (``Lookup``,
+  ``GetBlocks``, ``FetchFromPeer``) makes the kvmanager's spans its descendants.
+- ``engine.decode``: the first token -> finish (absent when no token came).
+
+Times are measured at the ``AsyncLLM`` boundary, not inside vLLM: admission is when this
+wrapper hands the request to the engine adapter (which submits it to ``AsyncLLM.generate``
+microseconds later); the first token and the finish are when the adapter took them out of
+``AsyncLLM``'s output stream (``engine.py``'s ``Timing``); the end of ``engine.queue`` is vLLM's
+own scheduled timestamp. All are ``time.monotonic()`` readings, set as explicit ``start_time`` /
+``end_time`` (wall-clock nanoseconds, through one clock offset per request, so spans laid end to
+end share their edges exactly). The phases are ended when the request ends, with its final
+counts. Cheap: four spans per request, no per-token events or attribute updates.
 
 Attributes are counts and ids, never prompt text.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
+from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Span, Status, StatusCode
 
@@ -28,16 +41,13 @@ from .core import (
     GenerateRequest,
     KvEventSink,
     OutputDelta,
-    Timing,
 )
 
 _tracer = tracer(__name__)
 
 
-def _epoch_ns(monotonic_s: float, offset_ns: int | None = None) -> int:
+def _epoch_ns(monotonic_s: float, offset_ns: int) -> int:
     """A ``time.monotonic()`` reading as the wall-clock nanoseconds OpenTelemetry wants."""
-    if offset_ns is None:
-        offset_ns = _clock_offset_ns()
     return offset_ns + int(monotonic_s * 1e9)
 
 
@@ -79,54 +89,143 @@ class TracedEngine:
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[OutputDelta]:
         # start_span, not start_as_current_span: a context attached inside an async generator
-        # may be detached from another task when the generator is closed.
-        arrived = time.monotonic()
-        span = _tracer.start_span(
+        # and held across a yield may be detached from another task when it is closed.
+        rec = _Request(request)
+        prefill_ctx = trace.set_span_in_context(rec.prefill)
+        stream = self._inner.generate(request)
+        try:
+            while True:
+                # Attached for one step only (never across our yield): the inner engine admits
+                # the request in its first step and reads the current context for the KV
+                # connector there.
+                token = otel_context.attach(prefill_ctx) if rec.in_prefill else None
+                try:
+                    delta = await anext(stream)
+                except StopAsyncIteration:
+                    break
+                finally:
+                    if token is not None:
+                        otel_context.detach(token)
+                rec.saw(delta)
+                yield delta
+        except BaseException as exc:
+            rec.failed(exc)
+            raise
+        finally:
+            try:
+                if isinstance(stream, AsyncGenerator):  # closed early: the engine aborts it now
+                    await stream.aclose()
+            finally:
+                rec.end()
+
+
+class _Request:
+    """The spans of one request: ``engine.generate`` and ``engine.prefill`` start at admission
+    (prefill's context must exist before the KV connector's calls); everything ends in
+    ``end()``, with explicit times."""
+
+    def __init__(self, request: GenerateRequest) -> None:
+        self.request_id = request.request_id
+        self.offset_ns = _clock_offset_ns()  # one offset: spans laid end to end share edges
+        self.arrived = time.monotonic()
+        start = _epoch_ns(self.arrived, self.offset_ns)
+        prompt_tokens = len(request.prompt_token_ids)
+        self.span = _tracer.start_span(
             "engine.generate",
-            start_time=_epoch_ns(arrived),
+            start_time=start,
             attributes={
                 "request_id": request.request_id,
-                "prompt_tokens": len(request.prompt_token_ids),
+                "prompt_tokens": prompt_tokens,
                 "max_tokens": request.sampling.max_tokens,
             },
         )
-        last: OutputDelta | None = None
-        try:
-            async for delta in self._inner.generate(request):
-                last = delta
-                yield delta
-        except BaseException as exc:
-            if not isinstance(exc, GeneratorExit):
-                span.record_exception(exc)
-                span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
-            raise
-        finally:
-            _end(span, request.request_id, arrived, last)
-
-
-def _end(span: Span, request_id: str, arrived: float, last: OutputDelta | None) -> None:
-    ended = time.monotonic()
-    timing = last.timing if last is not None and last.timing is not None else Timing(arrived)
-    if last is not None:
-        span.set_attribute("cached_tokens", last.cached_tokens)
-        span.set_attribute("completion_tokens", last.completion_tokens)
-        if last.finish is not None:
-            span.set_attribute("finish_reason", last.finish.reason.value)
-    span.set_attribute("time_to_first_token_s", timing.time_to_first_token_s)
-    finished = timing.finished_s or ended
-    offset = _clock_offset_ns()  # one offset, so spans laid end to end share their edges
-    ctx = trace.set_span_in_context(span)
-    attrs = {"request_id": request_id}
-    marks = [
-        ("engine.queue", timing.arrived_s, timing.scheduled_s or finished),
-        ("engine.first_token", timing.scheduled_s, timing.first_token_s),
-        ("engine.decode", timing.first_token_s, finished),
-    ]
-    for name, start, end in marks:
-        if start is None or end is None or end < start:
-            continue
-        child = _tracer.start_span(
-            name, context=ctx, start_time=_epoch_ns(start, offset), attributes=attrs
+        prefill_attrs: dict[str, str | int] = {
+            "request_id": request.request_id,
+            "prompt_tokens": prompt_tokens,
+        }
+        if request.kv_source is not None:  # the router's hint: a peer kvmanager holds more
+            prefill_attrs["kv_source.kvmanager_id"] = request.kv_source.kvmanager_id
+            prefill_attrs["kv_source.blocks"] = request.kv_source.blocks
+        self.prefill = _tracer.start_span(
+            "engine.prefill",
+            context=trace.set_span_in_context(self.span),
+            start_time=start,
+            attributes=prefill_attrs,
         )
-        child.end(end_time=_epoch_ns(end, offset))
-    span.end(end_time=_epoch_ns(max(finished, ended), offset))
+        self.first_token_s: float | None = None  # seen here; the engine's Timing wins
+        self.last: OutputDelta | None = None
+        self.failure: BaseException | None = None
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.first_token_s is None
+
+    def saw(self, delta: OutputDelta) -> None:
+        self.last = delta
+        if self.first_token_s is None and delta.token_ids:
+            self.first_token_s = time.monotonic()
+
+    def failed(self, exc: BaseException) -> None:
+        self.failure = exc
+
+    def end(self) -> None:
+        ended = time.monotonic()
+        last, offset = self.last, self.offset_ns
+        timing = last.timing if last is not None else None  # on the final delta only
+        finished = max((timing.finished_s if timing else None) or ended, self.arrived)
+        first_token = (timing.first_token_s if timing else None) or self.first_token_s
+        if first_token is not None:
+            first_token = min(max(first_token, self.arrived), finished)
+        prefill_end = finished if first_token is None else first_token
+        cancelled = isinstance(self.failure, GeneratorExit | asyncio.CancelledError)
+        error = None if cancelled else self.failure
+
+        out: dict[str, str | int] = {}  # the output so far
+        if last is not None:
+            out["completion_tokens"] = last.completion_tokens
+            if last.finish is not None:
+                out["finish_reason"] = last.finish.reason.value
+        # vLLM's num_cached_tokens: prefix cache hits plus tokens the KV connector loaded
+        cached = last.cached_tokens if last is not None else 0
+
+        span = self.span
+        span.set_attributes({**out, "cached_tokens": cached})
+        ttft = 0.0 if first_token is None else first_token - self.arrived
+        span.set_attribute("time_to_first_token_s", ttft)
+        if cancelled:
+            span.set_attribute("cancelled", True)
+        if error is not None:
+            span.record_exception(error)
+            span.set_status(Status(StatusCode.ERROR, type(error).__name__))
+
+        if timing is not None and timing.scheduled_s is not None:
+            queue = _tracer.start_span(
+                "engine.queue",
+                context=trace.set_span_in_context(self.prefill),
+                start_time=_epoch_ns(self.arrived, offset),
+                attributes={"request_id": self.request_id},
+            )
+            queued = min(max(timing.scheduled_s, self.arrived), prefill_end)
+            queue.end(end_time=_epoch_ns(queued, offset))
+        self.prefill.set_attribute("cached_tokens", cached)
+        if first_token is None:
+            _phase_status(self.prefill, error, cancelled)
+        self.prefill.end(end_time=_epoch_ns(prefill_end, offset))
+        if first_token is not None:
+            decode = _tracer.start_span(
+                "engine.decode",
+                context=trace.set_span_in_context(span),
+                start_time=_epoch_ns(first_token, offset),
+                attributes={"request_id": self.request_id, **out},
+            )
+            _phase_status(decode, error, cancelled)
+            decode.end(end_time=_epoch_ns(finished, offset))
+        span.end(end_time=_epoch_ns(max(finished, ended), offset))
+
+
+def _phase_status(span: Span, error: BaseException | None, cancelled: bool) -> None:
+    """Marks the phase the request was in when it failed (the exception is on its parent)."""
+    if error is not None:
+        span.set_status(Status(StatusCode.ERROR, type(error).__name__))
+    elif cancelled:
+        span.set_attribute("cancelled", True)

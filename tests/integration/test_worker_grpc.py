@@ -348,24 +348,27 @@ async def test_domain_spans(h: Harness) -> None:
     await collect(h.stub, gen_request("trace-1", prompt_of(40, 12), 8, ignore_eos=True))
     await asyncio.sleep(0.05)
     spans = {s.name: s for s in h.spans.get_finished_spans() if s.name.startswith("engine.")}
-    assert set(spans) >= {"engine.generate", "engine.queue", "engine.first_token", "engine.decode"}
+    assert set(spans) >= {"engine.generate", "engine.prefill", "engine.queue", "engine.decode"}
     top = spans["engine.generate"]
     assert top.attributes["request_id"] == "trace-1"
     assert top.attributes["prompt_tokens"] == 40
     assert top.attributes["completion_tokens"] == 8
     assert top.attributes["cached_tokens"] == 0
-    for name in ("engine.queue", "engine.first_token", "engine.decode"):
-        child = spans[name]
+    pre, q, dec = spans["engine.prefill"], spans["engine.queue"], spans["engine.decode"]
+    for child in (pre, dec):  # the two phases, laid end to end inside the request
         assert child.parent is not None and child.parent.span_id == top.context.span_id
         assert top.start_time <= child.start_time <= child.end_time <= top.end_time
-    q, ft, dec = spans["engine.queue"], spans["engine.first_token"], spans["engine.decode"]
-    assert q.end_time == ft.start_time and ft.end_time == dec.start_time
+    assert pre.start_time == top.start_time and pre.end_time == dec.start_time
+    assert q.parent is not None and q.parent.span_id == pre.context.span_id
+    assert pre.start_time == q.start_time <= q.end_time <= pre.end_time
+    assert pre.attributes["prompt_tokens"] == 40 and pre.attributes["cached_tokens"] == 0
+    assert dec.attributes["completion_tokens"] == 8
+    assert dec.attributes["finish_reason"] == "length"
     server = [s for s in h.spans.get_finished_spans() if s.name.endswith("Worker/Generate")]
     assert server and top.parent is not None
     assert top.parent.span_id in {s.context.span_id for s in server}
 
 
-# ---- drain and etcd -------------------------------------------------------------------------
 async def test_drain_and_etcd_registration(h: Harness, etcd, etcd_client) -> None:
     """A second server on the same engine, registered in etcd: SIGTERM-style stop marks it
     draining, refuses new work, lets the in-flight request finish, then leaves etcd."""
