@@ -27,7 +27,7 @@ from .core.peers import PeerHints
 from .core.routing import RoutingPolicy
 from .core.types import ChatMessage, PeerHint, RouteDecision, RouteRequest
 from .core.workers import ModelSummary, WorkerSet
-from .disagg import Fallback, handoff_source, run_prefill
+from .disagg import Fallback, decode_failed, handoff_source, run_prefill
 from .hashing import PromptHasher
 from .metrics import RouterMetrics
 from .pool import WorkerPool
@@ -235,6 +235,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 metrics.peer_hints.labels(model).inc()
                 metrics.peer_hint_blocks.labels(model).inc(peer.gain_blocks)
             sent_any = False
+            streamed = 0
             last_token_s = 0.0
             self._active[route.request_id] = _Active(decision.worker_id)
             self._workers.started(decision.worker_id)
@@ -274,6 +275,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                         metrics.itl_seconds.labels(model).observe(per_token)
                     if msg.token_ids:
                         last_token_s = now
+                        streamed += len(msg.token_ids)
                     yield out
                 return
             except grpc.aio.AioRpcError as exc:
@@ -293,6 +295,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 if code is grpc.StatusCode.DEADLINE_EXCEEDED:
                     raise errors.DeadlineExceeded(
                         f"request {route.request_id} did not finish within its deadline"
+                    ) from exc
+                if sent_any or retryable:  # nobody else can take it over: the client may retry
+                    raise decode_failed(
+                        decision.worker_id, code, exc.details() or "", streamed
                     ) from exc
                 mapped = from_rpc_error(exc)
                 if mapped is not None:
