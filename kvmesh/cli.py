@@ -17,12 +17,17 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from kvmesh.models import MODEL_NAMES, ensure_model
 from kvmesh.units import parse_bytes
 
 DEFAULT_ROUTER = "127.0.0.1:50051"
+# kvmesh.telemetry.Exporter's values, without importing grpc and OpenTelemetry to build the parser.
+TRACE_EXPORTERS = ("none", "console", "otlp")
+# Where OpenTelemetry's OTLP exporter finds its collector when --otlp-endpoint is empty.
+OTLP_ENDPOINT_ENV = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 
 
 def model_cache_root() -> Path:
@@ -109,6 +114,43 @@ def _add_mesh_flags(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument(
         "--log-dir", type=Path, default=None, help="where child logs go (default: a temp dir)"
     )
+    p.add_argument(
+        "--trace-exporter",
+        default="none",
+        choices=TRACE_EXPORTERS,
+        help="tracing of every service (docs/tracing.md): none, console (spans in each child's "
+        "log), otlp (default %(default)s)",
+    )
+    p.add_argument(
+        "--otlp-endpoint",
+        default="",
+        help="the OTLP/gRPC collector for --trace-exporter otlp: host:port, http://host:port or "
+        "https://host:port (default: OTEL_EXPORTER_OTLP_ENDPOINT from the environment)",
+    )
+    p.set_defaults(mesh_parser=p)
+
+
+def check_tracing(
+    p: argparse.ArgumentParser, a: argparse.Namespace, environ: Mapping[str, str]
+) -> None:
+    """Usage errors in --trace-exporter / --otlp-endpoint, before any child starts: a mesh that
+    silently exports nowhere is worse than a message."""
+    if a.trace_exporter != "otlp":
+        if a.otlp_endpoint:
+            p.error("--otlp-endpoint needs --trace-exporter otlp")
+        return
+    if a.otlp_endpoint:
+        from kvmesh.telemetry import otlp_target
+
+        try:
+            otlp_target(a.otlp_endpoint)
+        except ValueError as exc:
+            p.error(str(exc))
+    elif not any(environ.get(name) for name in OTLP_ENDPOINT_ENV):
+        p.error(
+            "--trace-exporter otlp needs --otlp-endpoint HOST:PORT (e.g. localhost:4317), or "
+            "OTEL_EXPORTER_OTLP_ENDPOINT in the environment"
+        )
 
 
 def _both_workers(a: argparse.Namespace) -> int:
@@ -135,6 +177,14 @@ def _describe_workers(spec) -> str:  # type: ignore[no-untyped-def]
     return f"{spec.prefill_workers} prefill + {spec.decode_workers} decode workers{both}"
 
 
+def _describe_tracing(spec) -> str:  # type: ignore[no-untyped-def]
+    if spec.trace_exporter == "none":
+        return ""
+    if spec.trace_exporter == "console":
+        return "  traces  console: in each child's log\n"
+    return f"  traces  otlp: {spec.otlp_endpoint or 'the OTEL_EXPORTER_OTLP_* environment'}\n"
+
+
 def _mesh_spec(a: argparse.Namespace):  # type: ignore[no-untyped-def]
     from kvmesh.launcher import MeshSpec
 
@@ -154,6 +204,8 @@ def _mesh_spec(a: argparse.Namespace):  # type: ignore[no-untyped-def]
         log_dir=a.log_dir,
         kvmanager_cpu_bytes=a.kvmanager_cpu_bytes,
         kvmanager_disk_bytes=a.kvmanager_disk_bytes,
+        trace_exporter=a.trace_exporter,
+        otlp_endpoint=a.otlp_endpoint,
     )
 
 
@@ -183,6 +235,7 @@ def cmd_up(a: argparse.Namespace) -> int:
         f"  etcd    {','.join(mesh.etcd_endpoints)}\n"
         f"  workers {', '.join(w.ready.get('address', '?') for w in mesh.workers)}\n"
         f"  logs    {mesh.log_dir}\n"
+        f"{_describe_tracing(spec)}"
         "Ctrl-C stops everything.",
         flush=True,
     )
@@ -419,11 +472,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(
+    argv: list[str] | None = None, environ: Mapping[str, str] | None = None
+) -> argparse.Namespace:
+    """The command line, parsed and checked across flags (``environ``: default os.environ)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    mesh_parser = getattr(args, "mesh_parser", None)
+    if mesh_parser is not None:  # kvmesh up / demo
+        check_tracing(mesh_parser, args, os.environ if environ is None else environ)
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     import logging
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     return int(args.func(args) or 0)
 
 

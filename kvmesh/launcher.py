@@ -58,6 +58,10 @@ class MeshSpec:
     kvmanager_cpu_bytes: int = 1 << 30
     kvmanager_disk_bytes: int = 0  # disk tier budget; 0: no disk tier
     kvmanager_args: tuple[str, ...] = ()  # extra flags for the kvmanager
+    # Tracing (docs/tracing.md), passed to every child as --trace-exporter / --otlp-endpoint;
+    # each names itself (service.name kvmesh-router, kvmesh-worker, kvmesh-kvmanager).
+    trace_exporter: str = "none"  # none, console or otlp (kvmesh.telemetry.Exporter)
+    otlp_endpoint: str = ""  # the collector, with otlp; empty: the children's OTEL_* environment
 
 
 @dataclass
@@ -138,6 +142,17 @@ class Mesh:
     def _role_args(role: str) -> list[str]:
         return [] if role == "both" else ["--role", role]
 
+    def trace_args(self) -> list[str]:
+        """The tracing flags every child gets; none when tracing is off."""
+        spec = self.spec
+        if spec.trace_exporter == "none":
+            return []
+        endpoint = spec.otlp_endpoint if spec.trace_exporter == "otlp" else ""
+        return [
+            "--trace-exporter", spec.trace_exporter,
+            *(["--otlp-endpoint", endpoint] if endpoint else []),
+        ]  # fmt: skip
+
     def start_worker(self, name: str, extra_args: Sequence[str] = ()) -> Child:
         spec = self.spec
         args = [
@@ -150,6 +165,7 @@ class Mesh:
             "--block-size", str(spec.block_size),
             *(["--served-model-name", spec.served_model_name] if spec.served_model_name else []),
             *(["--kvmanager", self.kvmanager.ready["address"]] if self.kvmanager else []),
+            *self.trace_args(),
             *spec.worker_args,
             *extra_args,
         ]  # fmt: skip
@@ -164,6 +180,7 @@ class Mesh:
             "--http-port", str(spec.router_http_port),
             "--cluster", spec.cluster,
             "--etcd", ",".join(self.etcd_endpoints),
+            *self.trace_args(),
             *spec.router_args,
             *extra_args,
         ]  # fmt: skip
@@ -186,6 +203,7 @@ class Mesh:
             "--etcd", ",".join(self.etcd_endpoints),
             "--cpu-bytes", str(spec.kvmanager_cpu_bytes),
             *disk,
+            *self.trace_args(),
             *spec.kvmanager_args,
         ]  # fmt: skip
         return self._spawn(name, "services.kvmanager.main", args, KVMANAGER_READY)
