@@ -31,6 +31,10 @@ class RouterConfig:
     default_timeout_s: float = 600.0  # deadline used when a client sets none
     max_request_bytes: int = 16 * 1024 * 1024  # larger request messages: RESOURCE_EXHAUSTED
     max_retries: int = 1  # other workers tried when one is unavailable before the first token
+    # A worker that sends nothing for this long after the call (past an overlapped hand-off's
+    # wait for the prefill) is given up for the request: hung, or stuck behind a queue. The
+    # request goes to another worker (within max_retries), else UNAVAILABLE.
+    first_token_timeout_s: float = 120.0
     load_interval_s: float = 0.25  # WatchLoad push interval asked of workers
     worker_call_timeout_s: float = 5.0  # deadline of unary calls to workers (Abort)
     drain_grace_s: float = 10.0  # on SIGTERM, time given to in-flight streams

@@ -288,6 +288,13 @@ def parse_args(argv: list[str] | None) -> RouterConfig:
         "%(default)s)",
     )
     p.add_argument(
+        "--no-disagg-overlap",
+        dest="disagg_overlap",
+        action="store_false",
+        help="send the decode request only after the prefill finished (default: with it, the "
+        "decode worker fetching the blocks as the prefill saves them)",
+    )
+    p.add_argument(
         "--hash-algo", default=d.hash_algo, help="block hash algorithm, as the workers' vLLM"
     )
     p.add_argument(
@@ -303,6 +310,13 @@ def parse_args(argv: list[str] | None) -> RouterConfig:
         help="tokenizer directory for a model (default: the path its workers advertise)",
     )
     p.add_argument("--default-timeout-s", type=float, default=d.default_timeout_s)
+    p.add_argument(
+        "--first-token-timeout-s",
+        type=float,
+        default=d.first_token_timeout_s,
+        help="give a worker up (retry elsewhere) when it sends no token for this long "
+        "(default %(default)s)",
+    )
     p.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes)
     p.add_argument("--drain-grace-s", type=float, default=d.drain_grace_s)
     p.add_argument(
@@ -336,8 +350,12 @@ def parse_args(argv: list[str] | None) -> RouterConfig:
     a = p.parse_args(argv)
     if a.peer_hint_min_blocks < 1:
         p.error(f"--peer-hint-min-blocks is {a.peer_hint_min_blocks}; use 1 or more")
+    if not a.first_token_timeout_s > 0:
+        p.error(f"--first-token-timeout-s is {a.first_token_timeout_s}; use > 0 seconds")
     try:
-        disagg = DisaggConfig(a.disagg, a.disagg_threshold_tokens, a.disagg_prefill_timeout_s)
+        disagg = DisaggConfig(
+            a.disagg, a.disagg_threshold_tokens, a.disagg_prefill_timeout_s, a.disagg_overlap
+        )
     except errors.InvalidArgument as exc:
         p.error(str(exc))
     overrides = {}
@@ -362,6 +380,7 @@ def parse_args(argv: list[str] | None) -> RouterConfig:
         hash_seed=a.hash_seed,
         tokenizer_overrides=overrides,
         default_timeout_s=a.default_timeout_s,
+        first_token_timeout_s=a.first_token_timeout_s,
         max_request_bytes=a.max_request_bytes,
         drain_grace_s=a.drain_grace_s,
         http_host=a.http_host,

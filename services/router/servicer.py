@@ -35,11 +35,28 @@ from .tokenizer import Tokenizers, template_input
 
 log = logging.getLogger(__name__)
 _tracer = tracer(__name__)
+_HANDOFF_WAIT_MARGIN_S = 1.0  # an overlapped decode waits this much past the prefill deadline
 
 
 @dataclass(slots=True)
 class _Active:
     worker_id: WorkerId
+
+
+@dataclass(slots=True)
+class _Overlap:
+    """An overlapped hand-off's prefill, running while the decode call waits for its blocks."""
+
+    task: asyncio.Task[worker_pb2.KvSource | None] | None = None
+
+
+class _NoFirstToken(Exception):
+    """The worker sent nothing within the first-token timeout."""
+
+
+class _HandoffLost(Exception):
+    """An overlapped prefill fell back before the decode worker sent anything: the blocks the
+    decode worker waits for will not come, so the decode request is sent again without them."""
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
@@ -175,6 +192,22 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         context: grpc.aio.ServicerContext,
         arrived: float,
     ) -> AsyncIterator[router_pb2.GenerateResponse]:
+        overlap = _Overlap()
+        try:
+            async for out in self._proxy_loop(route, sampling, context, arrived, overlap):
+                yield out
+        finally:
+            if overlap.task is not None and not overlap.task.done():
+                overlap.task.cancel()  # nobody needs its KV any more; it aborts its engine call
+
+    async def _proxy_loop(
+        self,
+        route: RouteRequest,
+        sampling: common_pb2.SamplingParams,
+        context: grpc.aio.ServicerContext,
+        arrived: float,
+        overlap: _Overlap,
+    ) -> AsyncIterator[router_pb2.GenerateResponse]:
         remaining = context.time_remaining()
         deadline = arrived + (
             remaining if remaining is not None else self._config.default_timeout_s
@@ -207,8 +240,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     decision = self._with_peer(route, decision)
                 metrics.decided(decision, time.perf_counter() - started)
                 span.set_attributes(decision.attributes())
-            if prefill is not None:
+            if prefill is not None and self._disagg.config.overlap:
+                handoff, overlap.task = self._start_prefill(route, prefill, sampling, deadline)
+            elif prefill is not None:
                 handoff = await self._prefill(route, prefill, sampling, deadline)
+            if overlap.task is not None and overlap.task.done() and overlap.task.result() is None:
+                handoff, overlap.task = None, None  # the prefill fell back: nothing to wait for
             stub = self._pool.stub(decision.worker_id)
             if stub is None:  # left between pick and call
                 tried.add(decision.worker_id)
@@ -250,7 +287,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 timeout=max(deadline - time.monotonic(), 0.001),
             )
             try:
-                async for msg in call:
+                first_token_s = self._config.first_token_timeout_s
+                if handoff is not None:
+                    first_token_s += handoff.handoff_wait_s
+                async for msg in _decode_stream(call, overlap, first_token_s):
                     out = router_pb2.GenerateResponse(
                         request_id=route.request_id, token_ids=msg.token_ids, text=msg.text
                     )
@@ -278,6 +318,25 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                         streamed += len(msg.token_ids)
                     yield out
                 return
+            except _NoFirstToken:
+                last_failure = (
+                    f"worker {decision.worker_id} sent no token in {first_token_s:.1f}s"
+                    " (--first-token-timeout-s)"
+                )
+                log.warning("%s for %s", last_failure, route.request_id)
+                tried.add(decision.worker_id)
+                if len(tried) <= self._config.max_retries:
+                    metrics.retries.inc()
+                    continue
+                raise errors.Unavailable(f"{last_failure}; retry the request") from None
+            except _HandoffLost:
+                log.info(
+                    "request %s: its overlapped prefill fell back; the decode request is sent"
+                    " again, aggregated",
+                    route.request_id,
+                )
+                handoff, overlap.task = None, None
+                continue
             except grpc.aio.AioRpcError as exc:
                 code = exc.code()
                 retryable = code is grpc.StatusCode.UNAVAILABLE and not sent_any
@@ -312,23 +371,58 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 self._policy.on_finished(route, decision.worker_id)
                 self._active.pop(route.request_id, None)
 
+    def _start_prefill(
+        self,
+        route: RouteRequest,
+        decision: RouteDecision,
+        sampling: common_pb2.SamplingParams,
+        deadline: float,
+    ) -> tuple[worker_pb2.KvSource | None, asyncio.Task[worker_pb2.KvSource | None] | None]:
+        """An overlapped hand-off: the prefill as a task, and the decode call's ``kv_source``
+        at once, telling the decode worker to wait for the blocks as long as the prefill may
+        take. (None, None) when there is nothing to hand over (counted as a fallback)."""
+        if self._pool.stub(decision.worker_id) is None or (
+            handoff_source(route, decision.worker_id, self._linked) is None
+        ):
+            return self._prefill_fallback(route, decision.worker_id), None
+        task = asyncio.create_task(
+            self._prefill(route, decision, sampling, deadline, track=False),
+            name=f"prefill-{route.request_id}",
+        )
+        source = handoff_source(route, decision.worker_id, self._linked)
+        assert source is not None
+        # The router ends the wait itself when the prefill falls back (it sends the decode
+        # request again without the hint); the worker's own bound is a backstop past that.
+        left = deadline - time.monotonic()
+        wait_s = self._disagg.config.prefill_timeout_s + _HANDOFF_WAIT_MARGIN_S
+        source.handoff_wait_s = max(0.001, min(left, wait_s, 600.0))
+        return source, task
+
+    def _prefill_fallback(self, route: RouteRequest, wid: WorkerId) -> None:
+        stub = self._pool.stub(wid)
+        fallback = Fallback.PREFILL_GONE if stub is None else Fallback.NO_KVMANAGER
+        self.metrics.disagg_fallbacks.labels(route.model, fallback.value).inc()
+
     async def _prefill(
         self,
         route: RouteRequest,
         decision: RouteDecision,
         sampling: common_pb2.SamplingParams,
         deadline: float,
+        track: bool = True,
     ) -> worker_pb2.KvSource | None:
         """The prefill half of a disaggregated request; returns the decode call's ``kv_source``,
-        or None when the request falls back to aggregated serving (counted, logged)."""
+        or None when the request falls back to aggregated serving (counted, logged). ``track``:
+        the request's abort goes to this worker meanwhile (not when overlapped: the decode
+        worker has the request then, and cancelling this task aborts the prefill)."""
         wid = decision.worker_id
         stub = self._pool.stub(wid)
         source = handoff_source(route, wid, self._linked)
         if stub is None or source is None:
-            fallback = Fallback.PREFILL_GONE if stub is None else Fallback.NO_KVMANAGER
-            self.metrics.disagg_fallbacks.labels(route.model, fallback.value).inc()
+            self._prefill_fallback(route, wid)
             return None
-        self._active[route.request_id] = _Active(wid)
+        if track:
+            self._active[route.request_id] = _Active(wid)
         self._workers.started(wid)
         self._policy.on_routed(route, decision)
         try:
@@ -342,7 +436,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         finally:
             self._workers.finished(wid)
             self._policy.on_finished(route, wid)
-            self._active.pop(route.request_id, None)
+            if track:
+                self._active.pop(route.request_id, None)
         self.metrics.prefill_seconds.labels(route.model).observe(result.seconds)
         if result.fallback is not None:
             log.warning(
@@ -429,3 +524,41 @@ def kv_source_pb(peer: PeerHint | None) -> worker_pb2.KvSource | None:
 
 def trace_first_token(ttft_s: float) -> None:
     trace.get_current_span().add_event("first_token", {"ttft_s": ttft_s})
+
+
+async def _decode_stream(
+    call: AsyncIterator[worker_pb2.WorkerGenerateResponse],
+    overlap: _Overlap,
+    first_token_timeout_s: float,
+) -> AsyncIterator[worker_pb2.WorkerGenerateResponse]:
+    """The decode call's messages; ``_NoFirstToken`` when the first does not come within
+    ``first_token_timeout_s``. While an overlapped prefill runs and nothing has come yet, also
+    watches the prefill: if it falls back, the blocks the decode worker waits for will not come
+    (``_HandoffLost``: send it again without them). Once the first message is here the prefill
+    is not needed any more (the blocks were loaded, or recomputed after the wait)."""
+    stream = aiter(call)
+    loop = asyncio.get_running_loop()
+    give_up_at = loop.time() + first_token_timeout_s
+    step: asyncio.Future[worker_pb2.WorkerGenerateResponse] = asyncio.ensure_future(anext(stream))
+    try:
+        while not step.done():
+            task = overlap.task
+            watch = {step} if task is None or task.done() else {step, task}
+            left = give_up_at - loop.time()
+            if left <= 0:
+                raise _NoFirstToken
+            await asyncio.wait(watch, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            if task is not None and task.done() and not step.done() and task.result() is None:
+                raise _HandoffLost  # the prefill fell back: its blocks will not come
+        try:
+            msg = step.result()
+        except StopAsyncIteration:
+            return
+    finally:
+        if not step.done():
+            step.cancel()
+    if overlap.task is not None and not overlap.task.done():
+        overlap.task.cancel()  # the decode worker has its blocks, or recomputed them
+    yield msg
+    async for msg in stream:
+        yield msg

@@ -69,9 +69,18 @@ class SimWorker(SimulatedEngine):
         )
         self.seen: list[GenerateRequest] = []
         self.fail = ""
+        self.calls: list[list[float]] = []  # [started, ended] per call, time.monotonic()
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[OutputDelta]:
         self.seen.append(request)
+        self.calls.append(span := [time.monotonic(), 0.0])
+        try:
+            async for delta in self._generate(request):
+                yield delta
+        finally:
+            span[1] = time.monotonic()
+
+    async def _generate(self, request: GenerateRequest) -> AsyncIterator[OutputDelta]:
         if self.fail == "unavailable":
             raise errors.Unavailable("simulated worker failure")
         if self.fail == "hang":
@@ -122,9 +131,14 @@ async def mesh(etcd, request):
             cluster=cluster,
             etcd_endpoints=endpoints,
             policy="precise-prefix",
-            disagg=DisaggConfig(threshold_tokens=THRESHOLD, prefill_timeout_s=1.5),
+            disagg=DisaggConfig(
+                threshold_tokens=THRESHOLD,
+                prefill_timeout_s=1.5,
+                overlap=getattr(request, "param", True),
+            ),
             drain_grace_s=1.0,
             metrics_refresh_s=0.1,
+            first_token_timeout_s=2.0,
         )
     )
     try:
@@ -163,8 +177,10 @@ async def metric(router, name: str, **labels: str) -> float:
     return await asyncio.to_thread(counter, router, name, **labels)
 
 
+@pytest.mark.parametrize("mesh", [True, False], ids=["overlapped", "sequential"], indirect=True)
 async def test_long_prompt_is_prefilled_apart_and_handed_over(mesh):
     router, client, engines = mesh
+    overlapped = router._config.disagg.overlap
     done = await client.complete(make_request(LONG, max_tokens=6), timeout_s=30)
     assert done.usage is not None
     decode = done.usage.worker_id
@@ -176,7 +192,14 @@ async def test_long_prompt_is_prefilled_apart_and_handed_over(mesh):
     # the decode worker got the whole request, naming the prefill node's kvmanager, and loaded
     # all 20 blocks though the saves landed 0.3 s after the prefill's first token
     seen = engines[decode].seen[-1]
-    assert seen.kv_source == KvSource(KVM, 20)
+    # overlapped: sent with the prefill, told to wait up to past the prefill's deadline
+    assert seen.kv_source == KvSource(KVM, 20, 2.5 if overlapped else 0.0)
+    (prefill_call,) = engines["p0"].calls
+    decode_call = engines[decode].calls[-1]
+    if overlapped:  # the decode request reached its worker while the prefill still ran
+        assert decode_call[0] < prefill_call[1]
+    else:
+        assert decode_call[0] >= prefill_call[1]
     assert seen.sampling.max_tokens == 6
     assert done.usage.cached_prompt_tokens == 20 * BLOCK
     ((_rid, loaded, waited),) = engines[decode].handoffs
@@ -213,6 +236,15 @@ async def test_prefill_failure_is_served_aggregated(mesh, failure, reason):
     assert seen.kv_source is None  # recomputed: nothing was handed over
     assert done.usage.cached_prompt_tokens == 0
     assert await metric(router, "kvmesh_router_disagg_fallbacks_total", reason=reason) == 1
+    # Overlapped: the decode request went out with the prefill, waiting for its blocks; when the
+    # prefill fell back the router withdrew it and sent it again without the hint, at once (not
+    # after the hint's 2.5 s wait ran out).
+    hinted = [s for w in ("d0", "d1") for s in engines[w].seen if s.kv_source is not None]
+    assert [s.kv_source.handoff_wait_s for s in hinted if s.kv_source] == [2.5]
+    calls = sorted(c for w in ("d0", "d1") for c in engines[w].calls)
+    assert len(calls) == 2 and calls[0][1] <= calls[1][0] + 0.05
+    prefill_ended = engines["p0"].calls[0][1]
+    assert calls[1][0] - prefill_ended < 0.5
 
 
 async def test_decode_unavailable_before_first_token_goes_to_another(mesh):
@@ -229,6 +261,25 @@ async def test_decode_unavailable_before_first_token_goes_to_another(mesh):
     # d0 got the hand-off and failed; d1 got the same hand-off and loaded it
     assert engines["d0"].seen[-1].kv_source == engines["d1"].seen[-1].kv_source
     assert done.usage.cached_prompt_tokens == 20 * BLOCK
+    assert await metric(router, "kvmesh_router_retries_total") >= 1
+
+
+async def test_a_hung_decode_worker_is_given_up_after_the_first_token_timeout(mesh):
+    """A decode worker that accepts the call and never answers (hung, SIGSTOPped) costs the
+    request the first-token timeout (2 s here, plus the overlapped hand-off's wait), not its
+    whole deadline: the other decode worker serves it."""
+    router, client, engines = mesh
+    engines["d0"].fail = "hang"
+    for i in range(20):  # the two idle decode workers tie; d0 is picked at random
+        prompt = [900 - i, *SHORT[1:]]  # short: no prefill, so only the 2 s timeout
+        started = time.monotonic()
+        done = await client.complete(make_request(prompt, max_tokens=3), timeout_s=30)
+        took = time.monotonic() - started
+        assert done.usage is not None and done.usage.worker_id == "d1"
+        if engines["d0"].seen:
+            break
+    assert engines["d0"].seen, "d0 was never picked"
+    assert 1.9 < took < 6.0
     assert await metric(router, "kvmesh_router_retries_total") >= 1
 
 

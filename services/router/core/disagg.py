@@ -50,6 +50,10 @@ class DisaggConfig:
     # Deadline of the prefill call, seconds (also bounded by the request's own deadline); on
     # expiry the request is served aggregated on the decode worker.
     prefill_timeout_s: float = 30.0
+    # Send the decode request together with the prefill, not after it: the decode worker
+    # waits (up to the prefill's deadline) for the blocks, fetching each as its prefill chunk
+    # lands, so the transfer of the first blocks overlaps the prefill of the rest.
+    overlap: bool = True
 
     def __post_init__(self) -> None:
         if self.threshold_tokens < 1:

@@ -44,6 +44,9 @@ from .plan import PeerSource
 log = logging.getLogger(__name__)
 
 FETCHED_KEY = "kvmesh-peer-fetched"  # FetchFromPeer's trailing metadata: blocks stored
+# A Lookup while waiting for a same-node hand-off: a kvmanager that cannot answer one this fast
+# is in trouble, and the request recomputes rather than wait out a long (overlapped) hand-off.
+LOOKUP_TIMEOUT_S = 1.0
 _WARN_EVERY_S = 30.0
 
 CountFn = Callable[[str, int], None]
@@ -274,9 +277,9 @@ class KvManagerFetcher:
                 if left <= 0:
                     return FetchOutcome(fetched, "DEADLINE_EXCEEDED")
                 if local:  # the prefill worker shares this kvmanager: its saves land here
-                    resp = self._stub.Lookup(
+                    resp = self._stub.Lookup(  # fast when well: a hung kvmanager ends the wait
                         kvmanager_pb2.LookupRequest(layout=layout, block_hashes=keys),
-                        timeout=left,
+                        timeout=min(left, LOOKUP_TIMEOUT_S),
                         metadata=metadata,
                     )
                     done = len(resp.tiers) >= len(keys)

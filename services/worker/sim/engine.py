@@ -206,7 +206,11 @@ class SimulatedEngine:
         source = request.kv_source
         if source is not None and self._kv_stores is not None:
             external, waited = await self._kv_stores.load(
-                source.kvmanager_id, self._kvmanager_id, hashes, source.blocks
+                source.kvmanager_id,
+                self._kvmanager_id,
+                hashes,
+                source.blocks,
+                source.handoff_wait_s,
             )
             self.handoffs.append((rid, external, waited))
         stream = self._new_stream(request, tuple(hashes), external)

@@ -5,7 +5,8 @@ kvmanagers' block sets, shared in one process and keyed by kvmanager id.
 - A simulated engine with ``kvmanager_id`` "saves" every prompt block it computes into that
   store, as the KV connector does, landing ``save_delay_s`` later (the connector's saver thread
   is asynchronous: the race a real decode worker must survive).
-- A request whose ``kv_source`` names a store waits, bounded by ``wait_s``, until the store
+- A request whose ``kv_source`` names a store waits, bounded by ``wait_s`` (or the hint's own
+  ``handoff_wait_s``: an overlapped hand-off, sent while the prefill still runs), until the store
   holds the named blocks (the connector's hand-off wait), copies them into its own node's store
   when that is another one (peer fetch), and is admitted with them as ``external_blocks``.
 """
@@ -63,14 +64,20 @@ class SimKvStores:
         return n
 
     async def load(
-        self, source: str, own: str, hashes: Sequence[BlockHash], blocks: int
+        self,
+        source: str,
+        own: str,
+        hashes: Sequence[BlockHash],
+        blocks: int,
+        wait_s: float = 0.0,
     ) -> tuple[int, float]:
-        """Waits (bounded) until ``source`` holds the first ``blocks`` of ``hashes``; copies
-        what it holds into ``own`` (a peer fetch, when another node). Returns (blocks held,
-        seconds waited); fewer blocks than asked means the rest is recomputed."""
+        """Waits (bounded by ``wait_s``, or the config's when 0) until ``source`` holds the
+        first ``blocks`` of ``hashes``; copies what it holds into ``own`` (a peer fetch, when
+        another node). Returns (blocks held, seconds waited); fewer blocks than asked means the
+        rest is recomputed."""
         want = hashes[: max(0, blocks)]
         started = time.monotonic()
-        end = started + self.config.wait_s
+        end = started + (wait_s or self.config.wait_s)
         got = self.held(source, want)
         while got < len(want) and time.monotonic() < end:
             await asyncio.sleep(self.config.poll_s)
