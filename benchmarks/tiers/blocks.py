@@ -61,7 +61,10 @@ class BlockSpec:
 TINY = BlockSpec("tiny", 32, 2, 2, 32, "float32")
 # Llama-3-8B in bf16, 16-token blocks (32 layers, 8 KV heads, head 128): 2 MiB.
 LLAMA_8B = BlockSpec("llama8b", 16, 32, 8, 128, "bfloat16")
+# Qwen2.5-7B in bf16, 16-token blocks (28 layers, 4 KV heads, head 128): 896 KiB.
+QWEN_7B = BlockSpec("qwen7b", 16, 28, 4, 128, "bfloat16")
 SPECS = (TINY, LLAMA_8B)
+PEER_SPECS = (TINY, QWEN_7B, LLAMA_8B)  # the peer part also measures a block in between
 
 
 def random_blocks(n: int, block_bytes: int, seed: int = 0) -> np.ndarray:

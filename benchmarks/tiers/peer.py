@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from kvmesh.v1 import kvmanager_pb2, kvmanager_pb2_grpc
 
-from .blocks import SPECS, BlockSpec, count_for, random_blocks
+from .blocks import PEER_SPECS, BlockSpec, count_for, random_blocks
 from .daemons import put_blocks, start_daemon
 from .net import Sender
 from .report import Figure, gbps, median
@@ -51,7 +51,7 @@ def run(cfg: PeerConfig, log: Callable[[str], None] = print) -> list[Figure]:
             )
         ]
     runs = cfg.repeats + 1
-    counts = {s: count_for(cfg.total_bytes, s.block_bytes) for s in SPECS}
+    counts = {s: count_for(cfg.total_bytes, s.block_bytes) for s in PEER_SPECS}
     per_run = sum(n * s.block_bytes for s, n in counts.items())
     a = start_daemon("tiers-peer-a", cpu_bytes=runs * per_run + (64 << 20))
     b = start_daemon("tiers-peer-b", cpu_bytes=runs * per_run + (64 << 20))
@@ -60,7 +60,7 @@ def run(cfg: PeerConfig, log: Callable[[str], None] = print) -> list[Figure]:
     seconds_b: dict[BlockSpec, list[float]] = defaultdict(list)
     try:
         filled: dict[tuple[int, BlockSpec], tuple[kvmanager_pb2.KvLayout, list[int]]] = {}
-        for spec in SPECS:
+        for spec in PEER_SPECS:
             n = counts[spec]
             blocks = [row.tobytes() for row in random_blocks(n, spec.block_bytes, seed=7)]
             for r in range(runs):
@@ -70,7 +70,7 @@ def run(cfg: PeerConfig, log: Callable[[str], None] = print) -> list[Figure]:
                     raise RuntimeError(f"kvmanager A did not store all {n} blocks")
                 filled[r, spec] = (layout, hashes)
         for r in range(runs):
-            for spec in SPECS:
+            for spec in PEER_SPECS:
                 layout, hashes = filled[r, spec]
                 n = len(hashes)
                 nbytes = n * spec.block_bytes
@@ -110,7 +110,7 @@ def run(cfg: PeerConfig, log: Callable[[str], None] = print) -> list[Figure]:
         a.stop()
         b.stop()
     figures = []
-    for spec in SPECS:
+    for spec in PEER_SPECS:
         value = median(results["fetch", spec])
         limit = median(results["tcp", spec])
         ratio = value / limit if value is not None and limit else None

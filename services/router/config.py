@@ -34,7 +34,7 @@ class RouterConfig:
     # A worker that sends nothing for this long after the call (past an overlapped hand-off's
     # wait for the prefill) is given up for the request: hung, or stuck behind a queue. The
     # request goes to another worker (within max_retries), else UNAVAILABLE.
-    first_token_timeout_s: float = 120.0
+    first_token_timeout_s: float = 300.0
     load_interval_s: float = 0.25  # WatchLoad push interval asked of workers
     worker_call_timeout_s: float = 5.0  # deadline of unary calls to workers (Abort)
     drain_grace_s: float = 10.0  # on SIGTERM, time given to in-flight streams
