@@ -244,7 +244,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 handoff, overlap.task = self._start_prefill(route, prefill, sampling, deadline)
             elif prefill is not None:
                 handoff = await self._prefill(route, prefill, sampling, deadline)
-            if overlap.task is not None and overlap.task.done() and overlap.task.result() is None:
+            if overlap.task is not None and _fell_back(overlap.task):
                 handoff, overlap.task = None, None  # the prefill fell back: nothing to wait for
             stub = self._pool.stub(decision.worker_id)
             if stub is None:  # left between pick and call
@@ -526,6 +526,11 @@ def trace_first_token(ttft_s: float) -> None:
     trace.get_current_span().add_event("first_token", {"ttft_s": ttft_s})
 
 
+def _fell_back(task: asyncio.Task[worker_pb2.KvSource | None]) -> bool:
+    """An overlapped prefill that ended without handing its KV over."""
+    return task.done() and (task.cancelled() or task.result() is None)
+
+
 async def _decode_stream(
     call: AsyncIterator[worker_pb2.WorkerGenerateResponse],
     overlap: _Overlap,
@@ -548,7 +553,7 @@ async def _decode_stream(
             if left <= 0:
                 raise _NoFirstToken
             await asyncio.wait(watch, timeout=left, return_when=asyncio.FIRST_COMPLETED)
-            if task is not None and task.done() and not step.done() and task.result() is None:
+            if task is not None and not step.done() and _fell_back(task):
                 raise _HandoffLost  # the prefill fell back: its blocks will not come
         try:
             msg = step.result()
