@@ -42,7 +42,11 @@ class DisaggRouter:
         config: DisaggConfig,
         profile: str = "precise-prefix",
         seed: int = 0,
+        *,
+        nodes: Sequence[int] | None = None,
+        block_size: int = 0,
     ) -> None:
+        """``nodes``: each slot's node number (``WorkerRecord.node``; default: one per worker)."""
         self.index = KvIndex(IndexConfig(max_blocks=8_000_000))
         self.policy = make_policy(profile, index=self.index, rng=random.Random(seed))
         self.handler = DisaggHandler(config, self.policy)
@@ -51,8 +55,17 @@ class DisaggRouter:
         self.ids = [WorkerId(f"{r.value}-{i:02d}") for i, r in enumerate(roles)]
         self._slot = {wid: i for i, wid in enumerate(self.ids)}
         self._seq = [0] * len(roles)
-        for wid, role in zip(self.ids, roles, strict=True):
-            rec = WorkerRecord(worker_id=wid, address="sim", model=MODEL, model_path="", role=role)
+        node_of = list(nodes) if nodes is not None else list(range(len(roles)))
+        for wid, role, node in zip(self.ids, roles, node_of, strict=True):
+            rec = WorkerRecord(
+                worker_id=wid,
+                address="sim",
+                model=MODEL,
+                model_path="",
+                role=role,
+                node=f"node-{node:02d}",
+                block_size=block_size,
+            )
             self.workers.apply_put(worker_key(CLUSTER, role, wid), rec.to_json())
             self.index.apply(KvEventBatch(wid, EPOCH, 0, (), snapshot=True))
         self.reasons: dict[str, int] = {}

@@ -9,7 +9,10 @@ prefill worker. A disaggregated request then runs in three parts:
    discards it);
 2. transfer: the blocks the decode worker does not hold travel from the prefill node's store to
    the decode node's at ``transfer_bytes_per_s`` (the kvmanager peer fetch); the decode worker
-   keeps decoding meanwhile (its connector answers vLLM "ask again");
+   keeps decoding meanwhile (its connector answers vLLM "ask again"). Workers sit on nodes of
+   ``MeshSetup.workers_per_node`` (prefill workers spread over them): when the two share a
+   node the transfer is free and instant (one kvmanager, shared memory), and only bytes between
+   nodes count as "cross-node";
 3. decode: the full request on the decode worker with every full prompt block handed over
    (``SimRequest.external_blocks``): loading them into its KV cache costs the worker's
    ``load_s_per_token`` in the admitting step (a stall for its neighbours too); it computes the
@@ -34,10 +37,12 @@ from dataclasses import asdict, dataclass, replace
 from benchmarks.replay.traces import ReplayRequest, cacheable_blocks
 from kvmesh.discovery.keys import Role
 from services.router.core.disagg import DisaggConfig
+from services.router.core.placement import Placement, PlacementConfig
 from services.worker.sim.model import SimRequest, SimResult, SimulatedWorker, SimWorkerConfig
 
 KV_BYTES_PER_TOKEN = 131_072  # Llama-3-8B, bf16: 32 layers x 8 KV heads x 128 x 2 (K, V) x 2 B
 MODES = ("aggregated", "always", "selective")
+PLACEMENTS = tuple(p.value for p in Placement)
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,23 +54,52 @@ class MeshSetup:
     prefill_workers: int = 4
     threshold_tokens: int = 4096  # selective: DisaggConfig.threshold_tokens
     profile: str = "precise-prefix"  # the router's scheduler profile, both stages
+    placement: str = "independent"  # DisaggConfig.placement.mode: independent | joint
+    workers_per_node: int = 2  # workers sharing a node (and its kvmanager), in slot order
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"unknown mode {self.mode!r}; choose from {', '.join(MODES)}")
         if self.mode != "aggregated" and not 0 < self.prefill_workers < self.workers:
             raise ValueError("disaggregated modes need 1 <= prefill_workers < workers")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(
+                f"unknown placement {self.placement!r}; choose from {', '.join(PLACEMENTS)}"
+            )
+        if self.workers_per_node < 1:
+            raise ValueError("workers_per_node must be >= 1")
+
+    @property
+    def label(self) -> str:
+        """The row's mode: e.g. "aggregated", "always joint", "selective 4096 independent"."""
+        if self.mode == "aggregated":
+            return self.mode
+        mode = f"selective {self.threshold_tokens}" if self.mode == "selective" else self.mode
+        return f"{mode} {self.placement}"
 
     def roles(self) -> list[Role]:
+        """Per slot; the prefill workers spread evenly over the slots (so over the nodes: with
+        4 of 8 workers and 2 per node, every node has one prefill and one decode worker)."""
         if self.mode == "aggregated":
             return [Role.BOTH] * self.workers
-        p = self.prefill_workers
-        return [Role.PREFILL] * p + [Role.DECODE] * (self.workers - p)
+        n, p = self.workers, self.prefill_workers
+        return [
+            Role.PREFILL if -(-(i + 1) * p // n) > -(-i * p // n) else Role.DECODE for i in range(n)
+        ]
 
-    def disagg_config(self) -> DisaggConfig:
+    def nodes(self) -> list[int]:
+        """The node of each slot."""
+        return [i // self.workers_per_node for i in range(self.workers)]
+
+    def disagg_config(self, placement: PlacementConfig | None = None) -> DisaggConfig:
+        """``placement``: the router's cost calibration (its mode is this setup's)."""
         if self.mode == "aggregated":
             return DisaggConfig(enabled=False)
-        return DisaggConfig(threshold_tokens=1 if self.mode == "always" else self.threshold_tokens)
+        pc = replace(placement or PlacementConfig(), mode=Placement(self.placement))
+        return DisaggConfig(
+            threshold_tokens=1 if self.mode == "always" else self.threshold_tokens,
+            placement=pc,
+        )
 
 
 def transfer_s(blocks: int, block_size: int, bytes_per_token: int, bytes_per_s: float) -> float:
@@ -124,7 +158,10 @@ class DisaggReport:
     output_tokens_per_s: float  # output tokens / (last finish - first arrival)
     e2e_mean_s: float  # arrival to last token, mean over requests
     hit_rate: float  # prompt tokens served from the (decode or both) worker's cache or hand-off
-    handoff_gb: float  # KV moved between nodes by hand-offs, 1e9 bytes
+    handoff_gb: float  # KV handed over (blocks the decode worker lacked), 1e9 bytes
+    cross_node_gb: float  # of it, moved between nodes (the rest stayed on one node's kvmanager)
+    cross_node_mb_per_split: float  # cross-node bytes per disaggregated request, 1e6 bytes
+    same_node_splits: int  # disaggregated requests whose two workers shared a node
     virtual_s: float
     wall_s: float
 
@@ -141,13 +178,25 @@ def simulate(
     bytes_per_token: int = KV_BYTES_PER_TOKEN,
     workload: str = "",
     seed: int = 0,
+    placement: PlacementConfig | None = None,
 ) -> DisaggReport:
+    """``placement``: the router's cost model (its mode comes from ``setup``); default: the
+    router's defaults calibrated to this simulation (bandwidth, KV bytes, prefill per token)."""
     from .router import DisaggRouter
 
     cfg = config or SimWorkerConfig()
     bs = cfg.block_size
     roles = setup.roles()
-    router = DisaggRouter(roles, setup.disagg_config(), setup.profile, seed)
+    nodes = setup.nodes()
+    # The router's cost model calibrated to this simulation (an operator measures these).
+    calibration = placement or PlacementConfig(
+        network_gbps=transfer_bytes_per_s / 1e9 if math.isfinite(transfer_bytes_per_s) else 1e9,
+        kv_bytes_per_token=bytes_per_token,
+        prefill_s_per_token=cfg.prefill_s_per_token,
+    )
+    router = DisaggRouter(
+        roles, setup.disagg_config(calibration), setup.profile, seed, nodes=nodes, block_size=bs
+    )
     clock = TokenClock()
     fleet = [
         SimulatedWorker(
@@ -165,6 +214,8 @@ def simulate(
     prefill_of: dict[tuple[int, str], str] = {}  # (prefill slot, rid) -> rid
     finished: dict[str, SimResult] = {}
     moved_blocks = 0
+    cross_blocks = 0
+    same_node_splits = 0
     disaggregated = 0
     seq = 0
 
@@ -176,7 +227,7 @@ def simulate(
                 heapq.heappush(heap, (t, i))
 
     def on_results(i: int, results: list[SimResult]) -> None:
-        nonlocal moved_blocks, seq
+        nonlocal moved_blocks, cross_blocks, seq
         for r in results:
             if (i, r.request_id) in prefill_of:  # prefill done: the blocks start travelling
                 rid = prefill_of.pop((i, r.request_id))
@@ -185,7 +236,10 @@ def simulate(
                 missing = sreq.external_blocks - have
                 moved_blocks += missing
                 seq += 1
-                lands = r.finish_s + transfer_s(missing, bs, bytes_per_token, transfer_bytes_per_s)
+                lands = r.finish_s
+                if nodes[i] != nodes[slot]:  # one node: its kvmanager already holds them
+                    cross_blocks += missing
+                    lands += transfer_s(missing, bs, bytes_per_token, transfer_bytes_per_s)
                 heapq.heappush(handoffs, (lands, seq, rid))
             else:
                 finished[r.request_id] = r
@@ -227,6 +281,7 @@ def simulate(
                 target, sreq = route.decode, full
             else:
                 disaggregated += 1
+                same_node_splits += nodes[route.prefill] == nodes[route.decode]
                 ext = cacheable_blocks(req, bs)
                 staged[rid] = (route.decode, replace(full, external_blocks=ext))
                 router.pending_decode.add(rid)
@@ -246,7 +301,7 @@ def simulate(
     p = setup.prefill_workers
     return DisaggReport(
         workload=workload,
-        mode=setup.mode,
+        mode=setup.label,
         workers=(
             f"{setup.workers} both"
             if setup.mode == "aggregated"
@@ -263,6 +318,11 @@ def simulate(
         e2e_mean_s=sum(e2e) / len(e2e) if e2e else 0.0,
         hit_rate=cached / prompt if prompt else 0.0,
         handoff_gb=moved_blocks * bs * bytes_per_token / 1e9,
+        cross_node_gb=cross_blocks * bs * bytes_per_token / 1e9,
+        cross_node_mb_per_split=(
+            cross_blocks * bs * bytes_per_token / 1e6 / disaggregated if disaggregated else 0.0
+        ),
+        same_node_splits=same_node_splits,
         virtual_s=last - first,
         wall_s=time.monotonic() - started_wall,
     )
@@ -274,15 +334,17 @@ def _q(xs: list[float], q: float) -> float:
 
 def format_table(reports: Sequence[DisaggReport]) -> str:
     head = (
-        "| workload | mode | workers | disagg'd | TTFT p50 s | TTFT p99 s | ITL p50 ms "
-        "| ITL p99 ms | out tok/s | e2e mean s | hit rate | hand-off GB |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|"
+        "| workload | mode | workers | disagg'd | same node | TTFT p50 s | TTFT p99 s "
+        "| ITL p50 ms | ITL p99 ms | out tok/s | e2e mean s | hit rate | hand-off GB "
+        "| cross-node GB | cross-node MB/split |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
     rows = [
         f"| {r.workload} | {r.mode} | {r.workers} | {r.disaggregated}/{r.requests} "
+        f"| {r.same_node_splits} "
         f"| {r.ttft_p50_s:.2f} | {r.ttft_p99_s:.2f} | {r.itl_p50_ms:.1f} | {r.itl_p99_ms:.1f} "
         f"| {r.output_tokens_per_s:.0f} | {r.e2e_mean_s:.1f} | {r.hit_rate:.1%} "
-        f"| {r.handoff_gb:.1f} |"
+        f"| {r.handoff_gb:.1f} | {r.cross_node_gb:.1f} | {r.cross_node_mb_per_split:.0f} |"
         for r in reports
     ]
     return "\n".join([head, *rows])

@@ -28,6 +28,7 @@ from .core.disagg import DisaggConfig, DisaggHandler
 from .core.index import KvIndex
 from .core.index_types import IndexConfig
 from .core.peers import PeerHintConfig, PeerHints
+from .core.placement import Placement, PlacementConfig
 from .core.routing import POLICIES, make_policy
 from .core.workers import Change, WorkerSet
 from .hashing import PromptHasher
@@ -288,6 +289,26 @@ def parse_args(argv: list[str] | None) -> RouterConfig:
         "%(default)s)",
     )
     p.add_argument(
+        "--disagg-placement",
+        default=d.disagg.placement.mode.value,
+        choices=[m.value for m in Placement],
+        help="independent: the profile picks prefill and decode workers apart (default);"
+        " joint: the pair of least estimated cost, keeping hand-offs on one node when cheap",
+    )
+    p.add_argument(
+        "--disagg-network-gbps",
+        type=float,
+        default=d.disagg.placement.network_gbps,
+        help="joint placement: hand-off bandwidth between nodes, 1e9 B/s (default %(default)s)",
+    )
+    p.add_argument(
+        "--disagg-kv-bytes-per-token",
+        type=int,
+        default=d.disagg.placement.kv_bytes_per_token,
+        help="joint placement: KV bytes of one token of the model (default %(default)s:"
+        " Llama-3-8B bf16)",
+    )
+    p.add_argument(
         "--no-disagg-overlap",
         dest="disagg_overlap",
         action="store_false",
@@ -353,8 +374,17 @@ def parse_args(argv: list[str] | None) -> RouterConfig:
     if not a.first_token_timeout_s > 0:
         p.error(f"--first-token-timeout-s is {a.first_token_timeout_s}; use > 0 seconds")
     try:
+        placement = PlacementConfig(
+            mode=Placement(a.disagg_placement),
+            network_gbps=a.disagg_network_gbps,
+            kv_bytes_per_token=a.disagg_kv_bytes_per_token,
+        )
         disagg = DisaggConfig(
-            a.disagg, a.disagg_threshold_tokens, a.disagg_prefill_timeout_s, a.disagg_overlap
+            a.disagg,
+            a.disagg_threshold_tokens,
+            a.disagg_prefill_timeout_s,
+            a.disagg_overlap,
+            placement,
         )
     except errors.InvalidArgument as exc:
         p.error(str(exc))

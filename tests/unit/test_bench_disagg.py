@@ -1,5 +1,6 @@
-"""The disaggregation benchmark's pure parts: workloads, mesh setups, the hand-off transfer,
-per-token clocks, quantiles, metric parsing, and one tiny end-to-end simulation (no timings)."""
+"""The disaggregation benchmark's pure parts: workloads, mesh setups (roles spread over nodes,
+placements side by side), the hand-off transfer (free within a node), per-token clocks,
+quantiles, metric parsing, and tiny end-to-end simulations (no timings)."""
 
 from __future__ import annotations
 
@@ -66,6 +67,39 @@ def test_setups_and_bad_setups():
         MeshSetup("sometimes")
     with pytest.raises(ValueError):
         MeshSetup("always", workers=4, prefill_workers=4)
+    with pytest.raises(ValueError):
+        MeshSetup("always", placement="sideways")
+    with pytest.raises(ValueError):
+        MeshSetup("always", workers_per_node=0)
+
+
+def test_setups_run_each_placement_side_by_side():
+    got = setups(8, 4, [4096], "precise-prefix", ("independent", "joint"), 2)
+    assert [s.label for s in got] == [
+        "aggregated",
+        "always independent",
+        "always joint",
+        "selective 4096 independent",
+        "selective 4096 joint",
+    ]
+    joint = got[2].disagg_config()
+    assert joint.placement.mode.value == "joint"
+    assert got[1].disagg_config().placement.mode.value == "independent"
+
+
+@pytest.mark.parametrize(
+    ("workers", "prefill", "per_node", "roles", "nodes"),
+    [
+        (8, 4, 2, "PDPDPDPD", [0, 0, 1, 1, 2, 2, 3, 3]),
+        (6, 2, 3, "PDDPDD", [0, 0, 0, 1, 1, 1]),
+        (4, 1, 2, "PDDD", [0, 0, 1, 1]),
+    ],
+    ids=["one-each-per-node", "one-prefill-per-node-of-3", "fewer-prefill-than-nodes"],
+)
+def test_prefill_workers_spread_over_the_nodes(workers, prefill, per_node, roles, nodes):
+    s = MeshSetup("always", workers, prefill, workers_per_node=per_node)
+    assert "".join("P" if r is Role.PREFILL else "D" for r in s.roles()) == roles
+    assert s.nodes() == nodes
 
 
 @pytest.mark.parametrize(
@@ -135,3 +169,21 @@ def test_simulate_counts_and_hands_over(mode, disaggregated):
     assert r.ttft_p99_s > 0 and r.itl_p50_ms > 0
     # the long prompt's handed-over blocks count as cached on the decode worker
     assert (r.handoff_gb > 0) == (disaggregated > 0)
+
+
+@pytest.mark.parametrize(
+    ("per_node", "crosses"), [(2, False), (1, True)], ids=["one-node", "two-nodes"]
+)
+@pytest.mark.parametrize("placement", ["independent", "joint"])
+def test_a_hand_off_crosses_the_network_only_between_nodes(per_node, crosses, placement):
+    setup = MeshSetup(
+        "always", workers=2, prefill_workers=1, placement=placement, workers_per_node=per_node
+    )
+    slow = simulate(_long_and_short(), setup, transfer_bytes_per_s=1e6, workload="t")
+    assert slow.disaggregated == 2 and slow.handoff_gb > 0
+    assert slow.same_node_splits == (0 if crosses else 2)
+    assert slow.cross_node_gb == (slow.handoff_gb if crosses else 0.0)
+    assert slow.cross_node_mb_per_split == pytest.approx(slow.cross_node_gb * 1e3 / 2)
+    # 1 MB/s: ~100 blocks of 4 MiB take minutes between nodes, nothing within one
+    fast = simulate(_long_and_short(), setup, transfer_bytes_per_s=1e12, workload="t")
+    assert (slow.ttft_p99_s > fast.ttft_p99_s + 60) is crosses

@@ -1,11 +1,13 @@
 """The prefill/decode decision (services/router/core/disagg.py): threshold on the decode pick's
-uncached prompt, role selection for each stage, and the cases that stay aggregated; and the
-error a client gets when the decode worker fails with no one to take over
-(services/router/disagg.py)."""
+uncached prompt, role selection for each stage, and the cases that stay aggregated; joint
+placement of the (prefill, decode) pair by cost (services/router/core/placement.py: nodes,
+prefix matches and loads as plain values); and the error a client gets when the decode worker
+fails with no one to take over (services/router/disagg.py)."""
 
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import grpc
 import pytest
@@ -14,6 +16,7 @@ from kvmesh.discovery.keys import Role, WorkerId
 from kvmesh.errors import InvalidArgument, Unavailable
 from kvmesh.grpc_errors import status_for
 from services.router.core.disagg import DisaggConfig, DisaggHandler, Reason
+from services.router.core.placement import POLICY, Placement, PlacementConfig, profile_prefix
 from services.router.core.routing import make_policy
 from services.router.core.scheduler import Matched
 from services.router.disagg import decode_failed
@@ -27,10 +30,13 @@ def handler(
     threshold: int = 100,
     handoff: set[str] | None = None,
     enabled: bool = True,
+    placement: PlacementConfig | None = None,
 ) -> DisaggHandler:
     policy = make_policy("precise-prefix", index=FakeIndex(matches), rng=random.Random(0))
     return DisaggHandler(
-        DisaggConfig(enabled=enabled, threshold_tokens=threshold),
+        DisaggConfig(
+            enabled=enabled, threshold_tokens=threshold, placement=placement or PlacementConfig()
+        ),
         policy,
         can_hand_off=(lambda w: handoff is None or w in handoff),
     )
@@ -123,10 +129,14 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("placement", list(Placement))
 @pytest.mark.parametrize(("workers", "matches", "threshold", "handoff", "expected"), CASES)
-def test_decision(workers, matches, threshold, handoff, expected) -> None:
+def test_decision(workers, matches, threshold, handoff, expected, placement) -> None:
+    """Without node names both placements agree: every hand-off crosses the network."""
     cands = [view(w, role=r, waiting=q) for w, r, q in workers]
-    d = handler(matches, threshold, handoff).decide(request(20), cands)
+    d = handler(matches, threshold, handoff, placement=PlacementConfig(mode=placement)).decide(
+        request(20), cands
+    )
     want_decode, want_prefill, want_reason, want_uncached = expected
     if want_decode != "?":
         assert d.decode.worker_id == want_decode
@@ -165,6 +175,201 @@ def test_uncached_counts_the_node_store_tiers() -> None:
     d = handler({"d0": m}).decide(request(20), [view("p0", role=P), view("d0", role=D)])
     assert d.reason is Reason.BELOW_THRESHOLD
     assert d.uncached_tokens == 325 - 20 * BLOCK
+
+
+# ---- joint placement ---------------------------------------------------------------------------
+# Costs in round numbers: prefill 1 ms per uncached token, a hand-off across nodes 0.25 ms per
+# token (1,000 B/token at 4 MB/s), 0.5 s per request outstanding on a prefill worker. The prompt
+# is 20 blocks of 16 tokens + 5 = 325 tokens; a decode worker holding nothing lacks 320.
+COST = PlacementConfig(
+    mode=Placement.JOINT,
+    network_gbps=4e-3,
+    kv_bytes_per_token=1000,
+    prefill_s_per_token=1e-3,
+    queued_request_s=0.5,
+    decode_slack=0.0,
+)
+
+
+def on_node(wid: str, node: str, role: Role, *, in_flight: int = 0, kv: float = 0.0):
+    v = view(wid, role=role, in_flight=in_flight, kv=kv)
+    v.record = replace(v.record, node=node)
+    return v
+
+
+JOINT_CASES = [
+    # id, workers (id, role, node, in_flight, kv), matches, decode_slack,
+    #   expected (decode, prefill, same node, network s)
+    pytest.param(
+        [("p0", P, "a", 0, 0.0), ("p1", P, "b", 0, 0.0), ("d0", D, "b", 0, 0.0)],
+        {"p0": gpu(10), "p1": gpu(8)},
+        0.0,
+        # p0: 165 uncached + 320 across = 0.245 s; p1: 197 uncached, free = 0.197 s
+        ("d0", "p1", True, 0.0),
+        id="same-node-when-its-prefix-is-close",
+    ),
+    pytest.param(
+        [("p0", P, "a", 0, 0.0), ("p1", P, "b", 0, 0.0), ("d0", D, "b", 0, 0.0)],
+        {"p0": gpu(20)},
+        0.0,
+        # p0: 5 uncached + 320 across = 0.085 s; p1: 325 uncached = 0.325 s
+        ("d0", "p0", False, 0.08),
+        id="across-when-the-other-holds-far-more",
+    ),
+    pytest.param(
+        [("p0", P, "a", 0, 0.0), ("p1", P, "b", 0, 0.0), ("d0", D, "b", 0, 0.0)],
+        {"p0": gpu(16), "p1": gpu(12), "d0": Matched(blocks=14, cpu_blocks=14)},
+        0.0,
+        # d0's node store holds 14 blocks: only 96 tokens to hand over (0.024 s);
+        # p0: 69 uncached + 0.024 = 0.093 s; p1: 133 uncached = 0.133 s
+        ("d0", "p0", False, 0.024),
+        id="decode-node-holds-most-little-to-hand-over",
+    ),
+    pytest.param(
+        [("p0", P, "a", 0, 0.0), ("p1", P, "b", 0, 0.0), ("d0", D, "b", 0, 0.0)],
+        {"p0": gpu(16), "p1": gpu(12)},
+        0.0,
+        # the same without d0's holdings: p0 0.069 + 0.08 = 0.149 s; p1 0.133 s
+        ("d0", "p1", True, 0.0),
+        id="decode-holds-nothing-same-node-wins",
+    ),
+    pytest.param(
+        [("p0", P, "a", 0, 0.0), ("p1", P, "b", 2, 0.0), ("d0", D, "b", 0, 0.0)],
+        {},
+        0.0,
+        # p1 has 2 requests ahead (1 s): p0 0.325 + 0.08 = 0.405 s beats 1.325 s
+        ("d0", "p0", False, 0.08),
+        id="busy-same-node-prefill-loses",
+    ),
+    pytest.param(
+        [("p0", P, "a", 1, 0.0), ("p1", P, "c", 0, 0.0), ("d0", D, "b", 0, 0.0)],
+        {"p0": gpu(12), "p1": gpu(10)},
+        0.0,
+        # no prefill worker on d0's node: the profile's prefill pick (p0, by prefix) stays,
+        # though p1 would cost less by this model (0.245 s vs 0.713 s): the profile balances
+        ("d0", "p0", False, 0.08),
+        id="remote-prefill-is-the-profiles-pick",
+    ),
+    pytest.param(
+        [("p0", P, "", 0, 0.0), ("p1", P, "", 0, 0.0), ("d0", D, "", 0, 0.0)],
+        {"p0": gpu(10), "p1": gpu(8)},
+        0.0,
+        ("d0", "p0", False, 0.08),
+        id="unnamed-nodes-are-never-shared",
+    ),
+    pytest.param(
+        [
+            ("p0", P, "a", 4, 0.0),
+            ("d0", D, "a", 0, 0.0),
+            ("p1", P, "b", 0, 0.0),
+            ("d1", D, "b", 0, 0.1),
+        ],
+        {},
+        0.05,
+        # d1 scores 0.01 below d0 (kv usage): within 5%, and (p1, d1) share a node at 0.325 s
+        ("d1", "p1", True, 0.0),
+        id="decode-slack-pairs-on-one-node",
+    ),
+    pytest.param(
+        [
+            ("p0", P, "a", 4, 0.0),
+            ("d0", D, "a", 0, 0.0),
+            ("p1", P, "b", 0, 0.0),
+            ("d1", D, "b", 0, 0.1),
+        ],
+        {},
+        0.0,
+        # no slack: the decode pick d0 stays; p1 across (0.405 s) beats busy p0 (2.325 s)
+        ("d0", "p1", False, 0.08),
+        id="no-slack-keeps-the-decode-pick",
+    ),
+]
+
+
+@pytest.mark.parametrize(("workers", "matches", "slack", "expected"), JOINT_CASES)
+def test_joint_placement(workers, matches, slack, expected) -> None:
+    cands = [on_node(w, n, r, in_flight=f, kv=kv) for w, r, n, f, kv in workers]
+    cfg = replace(COST, decode_slack=slack)
+    d = handler(matches, placement=cfg).decide(request(20), cands)
+    want_decode, want_prefill, want_same, want_network = expected
+    assert d.reason is Reason.DISAGGREGATED
+    assert (d.decode.worker_id, d.prefill.worker_id if d.prefill else None) == (
+        want_decode,
+        want_prefill,
+    )
+    cost = d.placement
+    assert cost is not None
+    assert (cost.decode, cost.prefill, cost.same_node) == (want_decode, want_prefill, want_same)
+    assert cost.network_s == pytest.approx(want_network)
+    assert d.prefill is not None
+    if d.prefill.policy == POLICY:  # not the profile's prefill pick: one on the decode's node
+        assert (d.prefill.reason, want_same) == ("same-node", True)
+    m = matches.get(want_decode)
+    held = m.blocks * BLOCK if m is not None else 0
+    assert d.uncached_tokens == cost.decode_uncached_tokens == 325 - held
+    assert cost.handoff_tokens == 320 - held
+    # the prefill decision says what the prefill worker holds (the ledger reads it)
+    p = matches.get(want_prefill)
+    assert d.prefill.explanation is not None
+    assert d.prefill.explanation.cached_tokens == (p.blocks * BLOCK if p is not None else 0)
+
+
+def test_independent_placement_keeps_the_profiles_prefill_pick() -> None:
+    cands = [on_node("p0", "a", P), on_node("p1", "b", P), on_node("d0", "b", D)]
+    matches = {"p0": gpu(10), "p1": gpu(8)}
+    cfg = replace(COST, mode=Placement.INDEPENDENT)
+    d = handler(matches, placement=cfg).decide(request(20), cands)
+    assert (d.prefill.worker_id if d.prefill else None, d.placement) == ("p0", None)
+
+
+def test_a_decode_worker_chosen_by_slack_explains_itself() -> None:
+    cands = [
+        on_node("p0", "a", P, in_flight=4),
+        on_node("d0", "a", D),
+        on_node("p1", "b", P),
+        on_node("d1", "b", D, kv=0.1),
+    ]
+    d = handler({}, placement=replace(COST, decode_slack=0.05)).decide(request(20), cands)
+    e = d.decode.explanation
+    assert d.decode.reason == "joint-placement" and e is not None
+    assert (e.deciding, e.runner_up, e.cached_tokens) == ("joint-placement", "d0", 0)
+    assert e.winner_total < e.runner_up_total  # the profile preferred d0, by a little
+
+
+def test_joint_placement_without_a_prefix_source_still_weighs_nodes() -> None:
+    """A profile with no prefix scorer: nothing is cached anywhere, so the node decides
+    (whichever idle prefill worker the profile drew); a ``prefix`` function given to the handler
+    replaces the profile's."""
+    cands = [on_node("p0", "a", P), on_node("p1", "b", P), on_node("d0", "b", D)]
+    cfg = DisaggConfig(threshold_tokens=100, placement=COST)
+    for seed in range(4):
+        policy = make_policy("least-loaded", rng=random.Random(seed))
+        assert profile_prefix(policy) is None
+        d = DisaggHandler(cfg, policy).decide(request(20), cands)
+        assert d.prefill is not None and d.prefill.worker_id == "p1"
+        assert d.placement is not None and d.placement.handoff_tokens == 320
+    held = {WorkerId("d0"): Matched(blocks=18, cpu_blocks=18)}
+    d = DisaggHandler(cfg, policy, prefix=lambda _r, _c: held).decide(request(20), cands)
+    assert d.placement is not None and d.placement.handoff_tokens == 2 * BLOCK
+    assert d.uncached_tokens == 325 - 18 * BLOCK
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"mode": "sideways"},
+        {"network_gbps": 0.0},
+        {"kv_bytes_per_token": 0},
+        {"prefill_s_per_token": -1.0},
+        {"queued_request_s": -0.5},
+        {"decode_slack": 1.5},
+    ],
+    ids=["mode", "bandwidth", "kv-bytes", "prefill-cost", "queue-cost", "slack"],
+)
+def test_placement_config_is_checked(kw) -> None:
+    with pytest.raises(InvalidArgument):
+        PlacementConfig(**kw)
+    assert PlacementConfig(mode="independent").mode is Placement.INDEPENDENT  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(

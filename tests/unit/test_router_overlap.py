@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from kvmesh.v1 import worker_pb2
+from services.router.core.placement import Placement
 from services.router.main import parse_args
 from services.router.servicer import _decode_stream, _HandoffLost, _NoFirstToken, _Overlap
 
@@ -99,3 +100,10 @@ async def test_tokens_after_the_first_are_not_timed() -> None:
 def test_overlap_is_on_by_default_and_can_be_turned_off() -> None:
     assert parse_args([]).disagg.overlap
     assert not parse_args(["--no-disagg-overlap"]).disagg.overlap
+
+
+def test_placement_is_independent_by_default_and_joint_on_request() -> None:
+    assert parse_args([]).disagg.placement.mode is Placement.INDEPENDENT
+    joint = parse_args(["--disagg-placement", "joint", "--disagg-network-gbps", "25"])
+    assert joint.disagg.placement.mode is Placement.JOINT
+    assert joint.disagg.placement.network_gbps == 25.0

@@ -10,7 +10,11 @@ One request, two scheduling cycles over the same routing policy:
 2. **prefill**, only when that uncached part is at least ``threshold_tokens`` and the mesh has
    dedicated prefill workers: the policy picks among the prefill-capable workers (role
    ``prefill`` or ``both``, not the decode pick, and able to hand the KV over: a node
-   kvmanager), so the best prefix score wins.
+   kvmanager), so the best prefix score wins. With ``placement.mode`` ``joint`` (the default)
+   the pair is then settled by an estimated cost (``placement.py``): the profile's two picks,
+   or a prefill worker on the decode worker's node (the hand-off free: one kvmanager), or a
+   near-best decode worker on another prefill worker's node, whichever costs least in prefill
+   compute + bytes handed across nodes / bandwidth + queueing.
 
 Otherwise the request is served aggregated on the decode pick (a ``decode`` worker is a full
 engine: it prefills short prompts itself). A mesh of ``both`` workers only is never
@@ -20,13 +24,14 @@ disaggregated: ``kvmesh up`` without roles behaves as before.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Protocol
 
 from kvmesh.discovery.keys import Role, WorkerId
 from kvmesh.errors import InvalidArgument, Unavailable
 
+from .placement import JointPlacer, PairCost, Placement, PlacementConfig, PrefixFn, profile_prefix
 from .types import RouteDecision, RouteRequest
 from .workers import WorkerView
 
@@ -54,6 +59,8 @@ class DisaggConfig:
     # waits (up to the prefill's deadline) for the blocks, fetching each as its prefill chunk
     # lands, so the transfer of the first blocks overlaps the prefill of the rest.
     overlap: bool = True
+    # How the prefill and decode workers are chosen: jointly by cost (default) or independently.
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
 
     def __post_init__(self) -> None:
         if self.threshold_tokens < 1:
@@ -82,6 +89,7 @@ class DisaggDecision:
     prefill: RouteDecision | None  # None: aggregated
     reason: Reason
     uncached_tokens: int  # prompt tokens the decode pick would have to prefill itself
+    placement: PairCost | None = None  # joint placement: the chosen pair's estimated cost
 
     @property
     def disaggregated(self) -> bool:
@@ -91,7 +99,8 @@ class DisaggDecision:
 class DisaggHandler:
     """``decide(request, candidates)``: aggregated or disaggregated, and on which workers.
     ``can_hand_off(worker_id)``: the worker's blocks reach a kvmanager another worker can load
-    from (the servicer: the index links it to a node store)."""
+    from (the servicer: the index links it to a node store). ``prefix``: each candidate's
+    matched prefix, for joint placement (default: the prefill policy's own prefix source)."""
 
     def __init__(
         self,
@@ -100,11 +109,17 @@ class DisaggHandler:
         *,
         prefill_policy: Policy | None = None,
         can_hand_off: Callable[[WorkerId], bool] = lambda _w: True,
+        prefix: PrefixFn | None = None,
     ) -> None:
         self.config = config
         self._decode_policy = policy
         self._prefill_policy = prefill_policy or policy
         self._can_hand_off = can_hand_off
+        self._placer: JointPlacer | None = None
+        if config.placement.mode is Placement.JOINT:
+            self._placer = JointPlacer(
+                config.placement, prefix or profile_prefix(self._prefill_policy)
+            )
 
     def pick_decode(self, request: RouteRequest, candidates: Sequence[WorkerView]) -> RouteDecision:
         """The decode worker (or the only worker of an aggregated request)."""
@@ -134,6 +149,16 @@ class DisaggHandler:
         if not prefill_cands:
             return DisaggDecision(decode, None, Reason.NO_PREFILL_CANDIDATE, uncached)
         prefill = self._prefill_policy.pick(replace(request, role=Role.PREFILL), prefill_cands)
+        if self._placer is not None:
+            decode_cands = [v for v in candidates if v.record.role in DECODE_ROLES]
+            placed = self._placer.place(
+                request, decode, decode_cands, prefill, prefill_cands, self.config.threshold_tokens
+            )
+            if placed is not None:
+                d, p, cost = placed
+                return DisaggDecision(
+                    d, p, Reason.DISAGGREGATED, cost.decode_uncached_tokens, placement=cost
+                )
         return DisaggDecision(decode, prefill, Reason.DISAGGREGATED, uncached)
 
     def _gate(self, candidates: Sequence[WorkerView], uncached: int) -> Reason | None:
