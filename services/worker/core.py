@@ -69,6 +69,35 @@ class Finish:
 
 
 @dataclass(frozen=True, slots=True)
+class CachedTokens:
+    """A request's cached prompt tokens by where their KV came from (``total`` of them)."""
+
+    gpu: int = 0  # the engine's own prefix cache
+    cpu: int = 0  # loaded by the KV connector from the node kvmanager's CPU tier
+    disk: int = 0  # ... from its disk tier
+    peer: int = 0  # fetched for this request from another node's kvmanager, then loaded
+
+    @property
+    def total(self) -> int:
+        return self.gpu + self.cpu + self.disk + self.peer
+
+    @classmethod
+    def split(
+        cls, engine_cached: int, cpu: int = 0, disk: int = 0, peer: int = 0, failed: int = 0
+    ) -> CachedTokens:
+        """The split of an engine's ``engine_cached`` tokens (vLLM's ``num_cached_tokens``:
+        its own prefix cache hit plus every token its KV connector planned to load) given what
+        the connector really loaded by source and the planned tokens that ``failed`` to load
+        (recomputed, so not cached). Never more loaded than the engine counted."""
+        own = max(0, engine_cached - cpu - disk - peer - failed)
+        room = max(0, engine_cached - own)  # the connector's part, at most what vLLM counted
+        cpu = min(cpu, room)
+        disk = min(disk, room - cpu)
+        peer = min(peer, room - cpu - disk)
+        return cls(gpu=own, cpu=cpu, disk=disk, peer=peer)
+
+
+@dataclass(frozen=True, slots=True)
 class OutputDelta:
     """New output of one request since the previous delta (one per engine step)."""
 
@@ -80,6 +109,15 @@ class OutputDelta:
     completion_tokens: int  # all completion tokens so far, this delta included
     finish: Finish | None = None  # set on the last delta only
     timing: Timing | None = None  # set on the last delta only
+    # The last delta only: cached_tokens by source (its total is that delta's cached_tokens).
+    # None: the engine does not tell; its cache is all its own (gpu).
+    cached_by_tier: CachedTokens | None = None
+
+    def cached_split(self) -> CachedTokens:
+        """``cached_by_tier``, or all of ``cached_tokens`` as the engine's own."""
+        if self.cached_by_tier is not None:
+            return self.cached_by_tier
+        return CachedTokens(gpu=self.cached_tokens)
 
 
 @dataclass(frozen=True, slots=True)

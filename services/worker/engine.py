@@ -15,6 +15,13 @@ KV events: every engine publishes vLLM's KV cache events over ZMQ to this proces
 (``kv_events.VllmKvEvents``: ipc sockets in a temp dir of the engine's own, subscribed before
 the engine starts); ``set_kv_event_sink`` receives them on the event loop.
 
+Cached tokens by tier: vLLM's ``num_cached_tokens`` counts the engine's own prefix cache hit and
+the tokens its KV connector planned to load, together. The connector reports per request what it
+really loaded, by source (``connector.plan.LoadReport``): with the request's final output
+(``RequestOutput.kv_transfer_params``, when the engine core finished the request) and in its
+stats, which ``_StatsSink`` keeps for the requests the front end finishes (stop strings). The
+rest of ``num_cached_tokens`` is the engine's own (``CachedTokens.split``).
+
 Library code: reads no environment variables (main() sets vLLM's before importing this).
 """
 
@@ -24,6 +31,7 @@ import contextlib
 import logging
 import os
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
@@ -48,8 +56,9 @@ from kvmesh import errors
 
 from .config import EngineConfig
 from .connector.kvmanager_client import TRACE_HEADERS, TRACE_PARAM
-from .connector.plan import PeerSource
+from .connector.plan import LOAD_REPORTS_STAT, REQUEST_ID_PARAM, LoadReport, PeerSource
 from .core import (
+    CachedTokens,
     EngineInfo,
     EngineLoad,
     Finish,
@@ -161,9 +170,13 @@ def _domain_error(exc: BaseException) -> errors.KvmeshError | None:
     return None
 
 
+MAX_LOAD_REPORTS = 65536  # load reports kept for requests not finished yet (oldest dropped)
+
+
 class _StatsSink(StatLoggerBase):
     """A vLLM stat logger that keeps the latest scheduler stats and cumulative prefix cache
-    counters (vLLM's are per-step deltas), and tells listeners after each update."""
+    counters (vLLM's are per-step deltas), and tells listeners after each update. Also keeps the
+    KV connector's load reports (request id -> ``LoadReport``) until ``take_report``."""
 
     def __init__(self) -> None:  # vLLM's factory signature is satisfied by a closure
         self.latest = SchedulerStats()
@@ -171,6 +184,24 @@ class _StatsSink(StatLoggerBase):
         self.hit_tokens = 0
         self.updates = 0
         self.listeners: list[Callable[[], None]] = []
+        self.load_reports: OrderedDict[str, LoadReport] = OrderedDict()
+
+    def take_report(self, request_id: str) -> LoadReport | None:
+        """The connector's load report of a request, forgotten once taken."""
+        return self.load_reports.pop(request_id, None)
+
+    def _keep_reports(self, connector_stats: Mapping[str, Any] | None) -> None:
+        raw = connector_stats.get(LOAD_REPORTS_STAT) if connector_stats else None
+        if not isinstance(raw, Mapping):
+            return
+        reports = self.load_reports
+        for rid, value in raw.items():
+            report = LoadReport.from_dict(value)
+            if report is not None and isinstance(rid, str):
+                reports[rid] = report  # a later one (the load failed) replaces the first
+                reports.move_to_end(rid)
+        while len(reports) > MAX_LOAD_REPORTS:  # requests that never came back for theirs
+            reports.popitem(last=False)
 
     def record(
         self,
@@ -182,6 +213,7 @@ class _StatsSink(StatLoggerBase):
         if scheduler_stats is None:
             return
         self.latest = scheduler_stats
+        self._keep_reports(scheduler_stats.kv_connector_stats)
         pc = scheduler_stats.prefix_cache_stats
         if pc is not None:  # same counting as vLLM's Prometheus counters
             self.queried_tokens += pc.queries
@@ -356,7 +388,8 @@ class VllmEngine:
                     completion += len(token_ids)
                     if first_token_s is None and token_ids:
                         first_token_s = now
-                    finish = timing = None
+                    finish = timing = split = None
+                    cached = out.num_cached_tokens or 0
                     if out.finished:
                         finish = _finish(rid, c.finish_reason, c.stop_reason)
                         timing = Timing(
@@ -365,27 +398,52 @@ class VllmEngine:
                             first_token_s=first_token_s,
                             finished_s=now,
                         )
+                        split = self._cached_split(rid, cached, out.kv_transfer_params)
+                        cached = split.total
                     yield OutputDelta(
                         request_id=rid,
                         token_ids=token_ids,
                         text=c.text,
                         prompt_tokens=prompt_tokens,
-                        cached_tokens=out.num_cached_tokens or 0,
+                        cached_tokens=cached,
                         completion_tokens=completion,
                         finish=finish,
                         timing=timing,
+                        cached_by_tier=split,
                     )
                     if out.finished:
                         return
         finally:
             self._running.discard(rid)
+            self._stats.take_report(rid)
+
+    def _cached_split(
+        self, rid: str, engine_cached: int, params: Mapping[str, Any] | None
+    ) -> CachedTokens:
+        """``engine_cached`` (vLLM's num_cached_tokens) by source: the connector's load report
+        from the final output, else from its stats, else none (all the engine's own)."""
+        from_stats = self._stats.take_report(rid)
+        from_output = LoadReport.from_params(params)
+        report = from_output or from_stats or LoadReport()
+        if report.loaded or report.failed:
+            log.debug(
+                "request_id=%s loaded %s (report from the %s)",
+                rid,
+                report,
+                "final output" if from_output is not None else "stats",
+            )
+        return CachedTokens.split(
+            engine_cached, report.cpu, report.disk, report.peer, report.failed
+        )
 
     def _kv_transfer_params(self, request: GenerateRequest) -> dict[str, Any] | None:
-        """For the KV connector (engines without one get nothing): the router's peer hint, and
-        the current W3C trace context, which the connector sends on its kvmanager calls."""
+        """For the KV connector (engines without one get nothing): our request id (for its load
+        report), the router's peer hint, and the current W3C trace context, which the connector
+        sends on its kvmanager calls."""
         if not self._info.connector_layout:
             return None
-        params: dict[str, Any] = {}
+        # The connector tags its load report with our id (vLLM's own gets a random suffix).
+        params: dict[str, Any] = {REQUEST_ID_PARAM: request.request_id}
         source = request.kv_source
         if source is not None:
             params.update(
@@ -395,7 +453,7 @@ class VllmEngine:
         propagate.inject(headers)  # nothing when no span is recording (tracing off)
         if headers.get("traceparent"):  # W3C trace context only (no baggage)
             params[TRACE_PARAM] = {k: headers[k] for k in TRACE_HEADERS if k in headers}
-        return params or None
+        return params
 
     async def close(self) -> None:
         running = list(self._running)

@@ -53,6 +53,7 @@ def response_to_pb(d: OutputDelta, worker_id: str) -> worker_pb2.WorkerGenerateR
         request_id=d.request_id, token_ids=d.token_ids, text=d.text
     )
     if d.finish is not None:
+        split = d.cached_split()
         msg.finished.CopyFrom(
             common_pb2.Finished(
                 reason=FINISH_PB[d.finish.reason],
@@ -63,6 +64,10 @@ def response_to_pb(d: OutputDelta, worker_id: str) -> worker_pb2.WorkerGenerateR
                     completion_tokens=d.completion_tokens,
                     worker_id=worker_id,
                     time_to_first_token_s=d.timing.time_to_first_token_s if d.timing else 0.0,
+                    cached_gpu_tokens=split.gpu,
+                    cached_cpu_tokens=split.cpu,
+                    cached_disk_tokens=split.disk,
+                    cached_peer_tokens=split.peer,
                 ),
             )
         )

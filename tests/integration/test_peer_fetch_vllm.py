@@ -6,8 +6,8 @@ Worker A (node-a, saving to kvm-a) computes a long prompt through the router; A 
 (node-b, saving to and loading from kvm-b) starts. The same prompt through the router goes to B
 with ``kv_source`` naming kvm-a; B's connector has kvm-b fetch the missing blocks from kvm-a
 (KvManager.FetchFromPeer over the data plane) before the prefill and loads them: B reports the
-prompt's whole blocks as cached, and its greedy output is A's. A hint naming a kvmanager that
-does not exist costs nothing but the recompute."""
+prompt's whole blocks as cached, from a peer (``cached_peer_tokens``), and its greedy output is
+A's. A hint naming a kvmanager that does not exist costs nothing but the recompute."""
 
 from __future__ import annotations
 
@@ -143,6 +143,10 @@ async def test_a_prefix_computed_on_node_a_is_served_on_node_b_via_the_peer_hint
         assert second.usage is not None and second.usage.worker_id == "worker-b"
         assert second.token_ids == first.token_ids, "identical greedy output from fetched KV"
         assert second.usage.cached_prompt_tokens == WHOLE, second.usage
+        # Where from: fetched from kvm-a for this request (B's engine and kvm-b had nothing).
+        u = second.usage
+        assert (u.cached_peer_tokens, u.cached_gpu_tokens, u.cached_cpu_tokens) == (WHOLE, 0, 0)
+        assert u.cached_disk_tokens == 0
         assert kvm_b.peers.stats.blocks_fetched >= WHOLE // BLOCK  # over the data plane
         assert kvm_b.peers.stats.fetch_failures == 0
         registry = router.servicer.metrics.registry

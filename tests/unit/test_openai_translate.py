@@ -574,6 +574,9 @@ def chunks(*texts: str, reason: int = common_pb2.FINISH_REASON_STOP, stop: str =
             completion_tokens=len(texts),
             worker_id="w1",
             time_to_first_token_s=0.25,
+            cached_gpu_tokens=1,
+            cached_cpu_tokens=2,
+            cached_peer_tokens=1,
         )
     )
     return [*msgs, last]
@@ -595,6 +598,7 @@ KVMESH = {
     "request_id": "rid",
     "worker_id": "w1",
     "cached_tokens": 4,
+    "cached_tokens_by_tier": {"gpu": 1, "cpu": 2, "disk": 0, "peer": 1},
     "prompt_tokens": 10,
     "time_to_first_token_s": 0.25,
 }
@@ -647,8 +651,46 @@ def test_full_response(kind: Kind, reason: int, stop: str, want_finish: str):
         "x-request-id": "rid",
         "x-kvmesh-worker": "w1",
         "x-kvmesh-cached-tokens": "4",
+        "x-kvmesh-cached-tokens-by-tier": "gpu=1,cpu=2,disk=0,peer=1",
         "x-kvmesh-prompt-tokens": "10",
     }
+
+
+@pytest.mark.parametrize(
+    ("usage", "by_tier", "header"),
+    [
+        pytest.param(
+            common_pb2.Usage(cached_prompt_tokens=96, cached_disk_tokens=64, cached_gpu_tokens=32),
+            {"gpu": 32, "cpu": 0, "disk": 64, "peer": 0},
+            "gpu=32,cpu=0,disk=64,peer=0",
+            id="gpu-and-disk",
+        ),
+        pytest.param(
+            common_pb2.Usage(cached_prompt_tokens=320, cached_peer_tokens=320),
+            {"gpu": 0, "cpu": 0, "disk": 0, "peer": 320},
+            "gpu=0,cpu=0,disk=0,peer=320",
+            id="all-peer",
+        ),
+        pytest.param(
+            common_pb2.Usage(),
+            {"gpu": 0, "cpu": 0, "disk": 0, "peer": 0},
+            "gpu=0,cpu=0,disk=0,peer=0",
+            id="nothing-cached",
+        ),
+        pytest.param(  # a worker from before the split: the total alone
+            common_pb2.Usage(cached_prompt_tokens=64),
+            {"gpu": 0, "cpu": 0, "disk": 0, "peer": 0},
+            "gpu=0,cpu=0,disk=0,peer=0",
+            id="old-worker",
+        ),
+    ],
+)
+def test_cached_tokens_by_tier(usage: common_pb2.Usage, by_tier: dict[str, int], header: str):
+    assert translate.kvmesh_json("r", usage)["cached_tokens_by_tier"] == by_tier
+    assert translate.usage_json(usage)["prompt_tokens_details"] == {
+        "cached_tokens": usage.cached_prompt_tokens
+    }
+    assert translate.response_headers("r", usage)["x-kvmesh-cached-tokens-by-tier"] == header
 
 
 def test_models_json():

@@ -384,13 +384,25 @@ def usage_json(usage: common_pb2.Usage) -> dict[str, Any]:
     }
 
 
+def cached_by_tier(usage: common_pb2.Usage) -> dict[str, int]:
+    """Where the cached prompt tokens came from: the worker's own GPU prefix cache, its node
+    kvmanager's CPU and disk tiers, a peer node's kvmanager. They add up to
+    ``cached_prompt_tokens``; all 0 with cached tokens: the worker did not say (an older one)."""
+    return {
+        "gpu": usage.cached_gpu_tokens,
+        "cpu": usage.cached_cpu_tokens,
+        "disk": usage.cached_disk_tokens,
+        "peer": usage.cached_peer_tokens,
+    }
+
+
 def kvmesh_json(request_id: str, usage: common_pb2.Usage) -> dict[str, Any]:
-    """The ``kvmesh`` object of a response: which worker served it and what the cache saved.
-    (Per-tier counts need router.proto's Usage fields 6-15, still reserved.)"""
+    """The ``kvmesh`` object of a response: which worker served it and what the cache saved."""
     return {
         "request_id": request_id,
         "worker_id": usage.worker_id,
         "cached_tokens": usage.cached_prompt_tokens,
+        "cached_tokens_by_tier": cached_by_tier(usage),
         "prompt_tokens": usage.prompt_tokens,
         "time_to_first_token_s": round(usage.time_to_first_token_s, 6),
     }
@@ -401,6 +413,9 @@ def response_headers(request_id: str, usage: common_pb2.Usage | None) -> dict[st
     if usage is not None:
         headers["x-kvmesh-worker"] = usage.worker_id
         headers["x-kvmesh-cached-tokens"] = str(usage.cached_prompt_tokens)
+        headers["x-kvmesh-cached-tokens-by-tier"] = ",".join(
+            f"{tier}={n}" for tier, n in cached_by_tier(usage).items()
+        )
         headers["x-kvmesh-prompt-tokens"] = str(usage.prompt_tokens)
     return headers
 

@@ -20,6 +20,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, Protocol, runtime_checkable
 
+from kvmesh.kv.events import Tier
+
 BlockBytes = bytes | bytearray | memoryview
 
 
@@ -62,6 +64,17 @@ class KvBlockClient(Protocol):
 
     def close(self) -> None:
         """Releases resources; called once when the engine shuts down."""
+        ...
+
+
+@runtime_checkable
+class TieredLookup(Protocol):
+    """A store that also says where each block it holds lives (optional: the connector reports
+    the blocks of a store without it as CPU)."""
+
+    def lookup_tiers(self, layout_key: str, block_hashes: Sequence[int]) -> list[Tier]:
+        """``lookup`` with the tier of each leading block held: its length is the answer of
+        ``lookup``. Same rules (fast, never raises)."""
         ...
 
 

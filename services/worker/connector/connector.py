@@ -6,7 +6,10 @@ scheduler) asks the store how long a prefix it holds, decides which blocks to lo
 to save, and sends that to the workers as ``KvmeshConnectorMetadata`` every step. The WORKER
 instance (in the process that owns the KV cache tensors) copies blocks into the paged KV cache
 before the forward pass (``start_load_kv``) and out of it after the pass (``wait_for_save``),
-handing the copies to a background saver. See docs/connector.md.
+handing the copies to a background saver. The scheduler instance also reports per request what
+it loaded and from where (``plan.LoadReport``: the kvmanager's CPU or disk tier, or a peer), with
+the request's final output and in its stats, for the worker's cached tokens by tier. See
+docs/connector.md.
 
 Enable it with ``services.worker.connector.kv_transfer_config(store_path=...)``, i.e.
 ``kv_connector="KvmeshConnector"``, ``kv_connector_module_path`` this module,
@@ -36,11 +39,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
+from kvmesh.kv.events import Tier
 from kvmesh.kv.hashing import Digest, to_block_hash
 
 from . import CONNECTOR_NAME
 from . import plan as plans
-from .client import KvBlockClient, StoreConfig, make_client
+from .client import KvBlockClient, StoreConfig, TieredLookup, make_client
 from .kv_copy import KvLayer, kv_layers, read_blocks, write_blocks
 from .kvmanager_client import TraceMetadata, trace_metadata, traced_calls
 from .layout import BlockLayout
@@ -54,6 +58,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
@@ -99,7 +104,10 @@ STAT_NAMES = (
 
 @dataclass
 class KvmeshConnectorStats(KVConnectorStats):
-    """Counters over an interval (``data``: name -> count); aggregating sums them."""
+    """Counters over an interval (``data``: name -> count); aggregating sums them. Also, under
+    ``plans.LOAD_REPORTS_STAT``, the interval's per-request load reports (request id ->
+    ``LoadReport.to_dict()``; aggregating merges them, the later one winning): the worker reads
+    them from vLLM's stats (engine.py) for requests whose final output does not carry theirs."""
 
     def __post_init__(self) -> None:
         for name in STAT_NAMES:
@@ -110,34 +118,45 @@ class KvmeshConnectorStats(KVConnectorStats):
 
     def aggregate(self, other: KVConnectorStats) -> KvmeshConnectorStats:
         for name, value in other.data.items():
-            self.data[name] = self.data.get(name, 0) + value
+            if name == plans.LOAD_REPORTS_STAT:
+                self.data[name] = {**self.data.get(name, {}), **value}
+            else:
+                self.data[name] = self.data.get(name, 0) + value
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        return dict(self.data)
+        return {k: v for k, v in self.data.items() if k != plans.LOAD_REPORTS_STAT}
 
     def is_empty(self) -> bool:
         return not any(self.data.values())
 
 
 class _Counters:
-    """The current interval (handed to vLLM and reset) and totals since start."""
+    """The current interval (handed to vLLM and reset) and totals since start; the interval's
+    load reports (request id -> ``LoadReport.to_dict()``)."""
 
     def __init__(self) -> None:
         self.interval = dict.fromkeys(STAT_NAMES, 0)
         self.totals = dict.fromkeys(STAT_NAMES, 0)
+        self.reports: dict[str, dict[str, int]] = {}
 
     def add(self, name: str, n: int) -> None:
         if n:
             self.interval[name] += n
             self.totals[name] += n
 
+    def report(self, request_id: str, report: plans.LoadReport) -> None:
+        self.reports[request_id] = report.to_dict()
+
     def take(self) -> KvmeshConnectorStats | None:
-        if not any(self.interval.values()):
+        if not any(self.interval.values()) and not self.reports:
             return None
-        out = KvmeshConnectorStats(data=self.interval)
+        data: dict[str, Any] = self.interval
+        if self.reports:
+            data[plans.LOAD_REPORTS_STAT] = self.reports
+            self.reports = {}
         self.interval = dict.fromkeys(STAT_NAMES, 0)
-        return out
+        return KvmeshConnectorStats(data=data)
 
 
 # ---- layout --------------------------------------------------------------------------------
@@ -226,6 +245,8 @@ class KvmeshConnector(KVConnectorBase_V1):
         ]
         self._plans: dict[str, tuple[Request, plans.RequestPlan]] = {}
         self._pending_loads: dict[str, BlockTransfer] = {}
+        self._pending_reports: dict[str, plans.LoadReport] = {}
+        self._ledger = plans.LoadLedger()  # what each running request loaded
         self._prefetch: PeerPrefetcher | None = None  # the router's peer hints (peer_prefetch.py)
         if role == KVConnectorRole.SCHEDULER and self._do_load:
             self._prefetch = make_prefetcher(peer_fetch, self.config, self._counters.add)
@@ -292,21 +313,24 @@ class KvmeshConnector(KVConnectorBase_V1):
     ) -> tuple[int | None, bool]:
         p = self._plan(request)
         prefetch = self._prefetch
-        if prefetch is not None and prefetch.pending(request.request_id):
+        rid = request.request_id
+        if prefetch is not None and prefetch.pending(rid):
             return None, False  # its peer fetch is under way: vLLM asks again (bounded)
-        store_blocks = 0
+        tiers: list[Tier] = []
         if p.keys and (self._do_load or self._do_save):
             trace = trace_metadata(getattr(request, "kv_transfer_params", None))
-            store_blocks = self._lookup(p.keys, trace)
+            tiers = self._lookup(p.keys, trace)
             if prefetch is not None and self._fetch_from_peer(
-                request, p, store_blocks, num_computed_tokens, trace
+                request, p, len(tiers), num_computed_tokens, trace
             ):
-                if prefetch.pending(request.request_id):
+                if prefetch.pending(rid):
                     return None, False
-                store_blocks = self._lookup(p.keys, trace)
+                tiers = self._lookup(p.keys, trace)
+            if prefetch is not None:  # the blocks its (settled) fetch brought from the peer
+                p.peer_blocks = range(p.peer_start, p.peer_start + prefetch.fetched(rid))
             self._counters.add("lookups", 1)
-            self._counters.add("lookup_hit_blocks", store_blocks)
-        plans.after_lookup(p, num_computed_tokens, store_blocks)
+            self._counters.add("lookup_hit_blocks", len(tiers))
+        plans.after_lookup(p, num_computed_tokens, len(tiers), tiers)
         if not self._do_load:
             return 0, False
         return plans.loadable_tokens(p, request.num_tokens, self._block_size), False
@@ -328,23 +352,46 @@ class KvmeshConnector(KVConnectorBase_V1):
             peer, len(p.keys), store_blocks, computed, request.num_tokens, self._block_size
         )
         keys = p.keys[numbers.start : numbers.stop]
-        return self._prefetch.start(request.request_id, peer, self._layout_keys, keys, trace)
+        started = self._prefetch.start(request.request_id, peer, self._layout_keys, keys, trace)
+        if started:
+            p.peer_start = numbers.start
+        return started
 
-    def _lookup(self, keys: list[int], trace: TraceMetadata | None = None) -> int:
+    def _lookup(self, keys: list[int], trace: TraceMetadata | None = None) -> list[Tier]:
+        """The store's leading blocks of ``keys`` that every TP rank's layout has, each with its
+        tier (the slowest of the ranks')."""
         try:
             if trace is None:
-                return min(self._client.lookup(k, keys) for k in self._layout_keys)
+                return self._lookup_tiers(keys)
             with traced_calls(trace):
-                return min(self._client.lookup(k, keys) for k in self._layout_keys)
+                return self._lookup_tiers(keys)
         except Exception:
             log.warning("KV store lookup failed; treating it as a miss", exc_info=True)
-            return 0
+            return []
+
+    def _lookup_tiers(self, keys: list[int]) -> list[Tier]:
+        client = self._client
+        out: list[Tier] | None = None
+        for layout_key in self._layout_keys:
+            if isinstance(client, TieredLookup):
+                tiers = client.lookup_tiers(layout_key, keys)
+            else:
+                tiers = [Tier.CPU] * client.lookup(layout_key, keys)
+            if out is None:
+                out = list(tiers)
+            else:
+                out = [
+                    Tier.DISK if Tier.DISK in (a, b) else a
+                    for a, b in zip(out, tiers, strict=False)
+                ]
+        return out or []
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         if num_external_tokens <= 0:
             self._pending_loads.pop(request.request_id, None)
+            self._pending_reports.pop(request.request_id, None)
             return
         p = self._plan(request)
         numbers = plans.load_blocks(p, num_external_tokens, self._block_size)
@@ -355,6 +402,7 @@ class KvmeshConnector(KVConnectorBase_V1):
             keys=[p.keys[i] for i in numbers],
             trace=trace_metadata(getattr(request, "kv_transfer_params", None)),
         )
+        self._pending_reports[request.request_id] = plans.load_report(p, numbers, self._block_size)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = KvmeshConnectorMetadata()
@@ -362,7 +410,9 @@ class KvmeshConnector(KVConnectorBase_V1):
         for req_id, load in self._pending_loads.items():
             if req_id in scheduled:
                 meta.loads.append(load)
+                self._sent_load(load, self._pending_reports.get(req_id))
         self._pending_loads.clear()
+        self._pending_reports.clear()
         if not self._do_save:
             return meta
         for req_id, n in scheduled.items():
@@ -387,6 +437,23 @@ class KvmeshConnector(KVConnectorBase_V1):
             )
         return meta
 
+    def _sent_load(self, load: BlockTransfer, report: plans.LoadReport | None) -> None:
+        """Remembers a load sent to the workers and reports it: vLLM's stats carry the report
+        to the worker, in the step that runs the load."""
+        entry = self._plans.get(load.req_id)
+        params = getattr(entry[0], "kv_transfer_params", None) if entry else None
+        report_id = plans.request_id_of(params, load.req_id)
+        for rid, r in self._ledger.sent(
+            load.req_id, report_id, report or plans.LoadReport(), load.block_ids
+        ):
+            self._counters.report(rid, r)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """A step's output from the workers: a request whose load names a block that failed
+        recomputes from there (vLLM rolls it back), so it reports nothing loaded."""
+        for rid, r in self._ledger.failed(connector_output.invalid_block_ids):
+            self._counters.report(rid, r)
+
     def _block_ids(self, scheduler_output: SchedulerOutput, req_id: str) -> list[int] | None:
         state = getattr(scheduler_output, "kv_connector_block_state", None)
         groups = state.get_block_ids(req_id) if state is not None else None
@@ -398,11 +465,19 @@ class KvmeshConnector(KVConnectorBase_V1):
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         # Saves were copied out during the steps that computed the blocks: nothing pending.
+        # What it loaded goes back with its final output (RequestOutput.kv_transfer_params).
+        # Its load cannot have failed unnoticed: vLLM rolls a request back in the step whose
+        # output names its failed blocks (that step does not finish it), and
+        # update_connector_output sees those blocks at the end of that step.
         self._plans.pop(request.request_id, None)
         self._pending_loads.pop(request.request_id, None)
+        self._pending_reports.pop(request.request_id, None)
         if self._prefetch is not None:
             self._prefetch.forget(request.request_id)
-        return False, None
+        report = self._ledger.finish(request.request_id)
+        if report is None:
+            return False, None
+        return False, {plans.LOAD_REPORT_PARAM: report.to_dict()}
 
     # ==== worker side =============================================================================
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

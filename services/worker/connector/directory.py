@@ -26,6 +26,8 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvmesh.kv.events import Tier
+
 from .client import BlockBytes
 
 log = logging.getLogger(__name__)
@@ -115,6 +117,10 @@ class DirectoryBlockClient:
                 break
             n += 1
         return n
+
+    def lookup_tiers(self, layout_key: str, block_hashes: Sequence[int]) -> list[Tier]:
+        """Files: every block is on disk (``TieredLookup``)."""
+        return [Tier.DISK] * self.lookup(layout_key, block_hashes)
 
     def load(self, layout_key: str, block_hashes: Sequence[int]) -> list[BlockBytes] | None:
         out: list[BlockBytes] = []

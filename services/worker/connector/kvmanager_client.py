@@ -34,6 +34,8 @@ from typing import Any
 
 import grpc
 
+from kvmesh.kv.events import Tier
+from kvmesh.kv_wire import TIER_OF
 from kvmesh.v1 import kvmanager_pb2, kvmanager_pb2_grpc
 from services.kvmanager.convert import layout_to_pb
 from services.kvmanager.core.layout import KvLayout
@@ -188,8 +190,12 @@ class KvManagerBlockClient:
 
     # ---- KvBlockClient -------------------------------------------------------------------
     def lookup(self, layout_key: str, block_hashes: Sequence[int]) -> int:
+        return len(self.lookup_tiers(layout_key, block_hashes))
+
+    def lookup_tiers(self, layout_key: str, block_hashes: Sequence[int]) -> list[Tier]:
+        """The kvmanager's tier (CPU or disk) of each leading block it holds."""
         if not block_hashes:
-            return 0
+            return []
         try:
             resp = self._stub.Lookup(
                 kvmanager_pb2.LookupRequest(
@@ -200,8 +206,8 @@ class KvManagerBlockClient:
             )
         except grpc.RpcError as exc:
             self._warn("lookup", exc)
-            return 0
-        return len(resp.tiers)
+            return []
+        return [TIER_OF.get(t, Tier.CPU) for t in resp.tiers]
 
     def load(self, layout_key: str, block_hashes: Sequence[int]) -> list[BlockBytes] | None:
         """Blocks loaded through shared memory are views of this client's segment: valid until

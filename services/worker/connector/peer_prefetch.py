@@ -122,6 +122,7 @@ FetchFn = Callable[[str, Sequence[int], PeerSource, float], FetchOutcome]
 class _Fetch:
     future: Future[FetchOutcome] | None  # None: settled (a request fetches once)
     deadline: float
+    fetched: int = 0  # blocks it stored, once settled (0 when it ran out of time)
 
 
 class PeerPrefetcher:
@@ -217,11 +218,18 @@ class PeerPrefetcher:
             log.warning("peer fetch for request %s failed", req_id, exc_info=True)
             outcome = FetchOutcome(0, "INTERNAL")
         f.future = None
+        f.fetched = outcome.fetched
         self._count("peer_fetch_blocks", outcome.fetched)
         if outcome.error:
             self._count("peer_fetch_failures", 1)
         log.debug("request %s: peer fetch %s", req_id, outcome)
         return False
+
+    def fetched(self, req_id: str) -> int:
+        """Blocks the request's settled fetch stored in the local kvmanager (0 while in flight,
+        and for a fetch that outlived its time)."""
+        f = self._fetches.get(req_id)
+        return f.fetched if f is not None else 0
 
     def forget(self, req_id: str) -> None:
         """The request finished: drop its state (a fetch in flight ends on its own deadline)."""

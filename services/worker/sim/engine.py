@@ -28,6 +28,7 @@ from kvmesh import errors
 from kvmesh.kv.events import BlockHash, BlockStored, KvEvent
 
 from ..core import (
+    CachedTokens,
     EngineInfo,
     EngineLoad,
     Finish,
@@ -89,7 +90,7 @@ class SimEngineConfig:
 
 
 class _Stream:
-    __slots__ = ("done", "output", "queue", "request", "stop_reason")
+    __slots__ = ("done", "from_peer", "output", "queue", "request", "stop_reason")
 
     def __init__(self, request: SimRequest, output: list[int], stop_reason: str | None) -> None:
         self.request = request
@@ -97,6 +98,7 @@ class _Stream:
         self.stop_reason = stop_reason  # None: it ends by length
         self.queue: asyncio.Queue[int | SimResult] = asyncio.Queue()  # new tokens, or the end
         self.done = False
+        self.from_peer = False  # its external blocks came from another node's store
 
 
 class SimulatedEngine:
@@ -214,6 +216,7 @@ class SimulatedEngine:
             )
             self.handoffs.append((rid, external, waited))
         stream = self._new_stream(request, tuple(hashes), external)
+        stream.from_peer = source is not None and source.kvmanager_id != self._kvmanager_id
         if rid in self._streams:  # another call with this id won the race while we hashed
             raise errors.InvalidArgument(
                 f"request_id {rid!r} is already running on this worker; use a unique id"
@@ -293,9 +296,17 @@ class SimulatedEngine:
             completion += len(token_ids)
             if token_ids and first_token_s is None:
                 first_token_s = now
-            finish = timing = None
+            finish = timing = split = None
             cached = self._cached_tokens(rid, end)
             if end is not None:
+                # Handed-over blocks were loaded from the node's store (fetched there from the
+                # prefill worker's node when that is another); the rest is the engine's own.
+                loaded = min(end.loaded_tokens, cached)
+                split = CachedTokens(
+                    gpu=cached - loaded,
+                    cpu=0 if stream.from_peer else loaded,
+                    peer=loaded if stream.from_peer else 0,
+                )
                 stream.done = True
                 if end.aborted:
                     finish = Finish(FinishReason.ABORT)
@@ -320,6 +331,7 @@ class SimulatedEngine:
                 completion_tokens=completion,
                 finish=finish,
                 timing=timing,
+                cached_by_tier=split,
             )
             if end is not None:
                 return

@@ -110,6 +110,7 @@ class SimResult:
     cached_tokens: int  # prompt tokens served from the cache at admission
     output_tokens: int  # tokens generated
     aborted: bool = False
+    loaded_tokens: int = 0  # of cached_tokens, those loaded from outside (external_blocks)
 
     @property
     def ttft_s(self) -> float | None:
@@ -138,6 +139,7 @@ class _Run:
         "backlog",
         "computed",
         "done",
+        "external",
         "first_token_s",
         "generated",
         "hit_blocks",
@@ -156,6 +158,7 @@ class _Run:
         self.n_full = min(len(req.block_hashes), req.prompt_tokens // block_size)
         self.hit_blocks = 0
         self.loaded = 0  # tokens loaded from outside at admission, not yet charged to a step
+        self.external = 0  # tokens loaded from outside at admission
         self.computed = 0  # prompt tokens whose KV exists
         self.stored = 0  # leading prompt blocks this request references in the cache
         self.private = 0  # blocks it holds outside the cache (uncomputed, partial, output)
@@ -496,7 +499,7 @@ class SimulatedWorker:
         run.computed = hit * bs
         ext = min(req.external_blocks, run.n_full, (req.prompt_tokens - 1) // bs)
         if ext > hit:  # handed-over blocks: loaded now, cached from the admitting step on
-            run.loaded = (ext - hit) * bs
+            run.loaded = run.external = (ext - hit) * bs
             run.hit_blocks = ext
             run.computed = ext * bs
             self._store(run, ext)
@@ -617,4 +620,5 @@ class SimulatedWorker:
             cached_tokens=run.hit_blocks * self.config.block_size,
             output_tokens=run.generated,
             aborted=aborted,
+            loaded_tokens=run.external,
         )
