@@ -54,6 +54,14 @@ class WorkerMetrics:
             "(local hits, blocks loaded by the KV connector included).",
             registry=r,
         )
+        self.cached_tokens_by_tier = Counter(
+            "kvmesh_worker_cached_prompt_tokens_by_tier",
+            "Cached prompt tokens of finished requests by where their KV came from: gpu (the"
+            " engine's own prefix cache), cpu / disk (loaded from the node kvmanager's tiers),"
+            " peer (fetched from another node's kvmanager, then loaded).",
+            ["tier"],
+            registry=r,
+        )
         self.completion_tokens = Counter(
             "kvmesh_worker_completion_tokens", "Tokens generated and streamed.", registry=r
         )
@@ -128,9 +136,14 @@ class WorkerMetrics:
     def ended(self, code: str) -> None:
         self.requests.labels(code).inc()
 
-    def finished(self, prompt_tokens: int, cached_tokens: int) -> None:
+    def finished(
+        self, prompt_tokens: int, cached_tokens: int, by_tier: dict[str, int] | None = None
+    ) -> None:
         self.prompt_tokens.inc(prompt_tokens)
         self.cached_tokens.inc(cached_tokens)
+        for tier, n in (by_tier or {"gpu": cached_tokens}).items():
+            if n:
+                self.cached_tokens_by_tier.labels(tier).inc(n)
 
     # ---- gauges (on the loop, every few seconds) -----------------------------------------
     def refresh(

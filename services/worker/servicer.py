@@ -210,7 +210,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     last_token_s = now
                     metrics.completion_tokens.inc(len(delta.token_ids))
                 if delta.finish is not None:
-                    metrics.finished(delta.prompt_tokens, delta.cached_tokens)
+                    split = delta.cached_split()
+                    metrics.finished(
+                        delta.prompt_tokens,
+                        delta.cached_tokens,
+                        {
+                            "gpu": split.gpu,
+                            "cpu": split.cpu,
+                            "disk": split.disk,
+                            "peer": split.peer,
+                        },
+                    )
                 yield response_to_pb(delta, self._worker_id)
             code = "OK"
         except errors.KvmeshError as exc:

@@ -106,6 +106,9 @@ async def test_metrics_count_requests_tokens_latency_load_kv_events_and_etcd(etc
         assert value(m, "kvmesh_worker_requests_total", code="CANCELLED") == 1
         assert value(m, "kvmesh_worker_prompt_tokens_total") == 400
         assert value(m, "kvmesh_worker_cached_prompt_tokens_total") == 192
+        # no KV connector here: every cached token is the engine's own prefix cache
+        assert value(m, "kvmesh_worker_cached_prompt_tokens_by_tier_total", tier="gpu") == 192
+        assert value(m, "kvmesh_worker_cached_prompt_tokens_by_tier_total", tier="cpu") is None
         completion = value(m, "kvmesh_worker_completion_tokens_total")
         assert completion is not None and completion >= 15  # + the cancelled request's tokens
         assert value(m, "kvmesh_worker_time_to_first_token_seconds_count") == 3
