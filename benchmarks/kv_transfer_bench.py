@@ -335,7 +335,7 @@ async def _main(args: argparse.Namespace) -> None:
         }[into]
         return Cell("data plane", size, note, run)
 
-    sizes = [256 * KiB, 1 * MiB, 4 * MiB]
+    sizes = [int(x) * KiB for x in args.sizes_kib.split(",")]
     cells = [raw_cell(s) for s in sizes]
     cells += [raw_cell(256 * KiB, verified=True), raw_cell(4 * MiB, verified=True)]
     cells += [grpc_cell(s) for s in (1 * MiB, 4 * MiB, 16 * MiB)]
@@ -388,6 +388,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--total-mib", type=int, default=256, help="payload per cell (MiB)")
     parser.add_argument("--repeats", type=int, default=3, help="round-robin repeats")
+    parser.add_argument(
+        "--sizes-kib", default="256,1024,4096", help="block sizes of the per-size rows, KiB"
+    )
     args = parser.parse_args()
     threading.current_thread().name = "bench"
     asyncio.run(_main(args))

@@ -21,9 +21,10 @@ missing on the peer, bytes): the OpenFetch call to the peer is its child.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -31,7 +32,7 @@ import grpc
 from kvmesh.discovery.etcd import PrefixWatcher
 from kvmesh.discovery.keys import KvManagerRecord, kvmanagers_prefix
 from kvmesh.errors import InvalidArgument
-from kvmesh.kv.events import BlockHash
+from kvmesh.kv.events import BlockHash, Tier
 from kvmesh.telemetry import tracer
 from kvmesh.v1 import kvmanager_pb2, kvmanager_pb2_grpc
 
@@ -53,7 +54,7 @@ from .dataplane_client import (
 )
 from .dataplane_server import DataPlaneServer, DataPlaneStats, PinnedBlock, Ticket
 from .dataplane_wire import TOKEN_BYTES
-from .store import Pins, TieredStore
+from .store import TieredStore
 
 log = logging.getLogger(__name__)
 _tracer = tracer(__name__)
@@ -70,29 +71,30 @@ class StoreBlockSource:
     def pin(
         self, layout_key: str, block_hash: BlockHash
     ) -> PinnedBlock | Awaitable[PinnedBlock | None] | None:
+        pinned = self._store.pin_one(layout_key, block_hash)
+        if pinned is None:
+            return None
+        bid, tier = pinned
+        if tier is Tier.CPU:  # RAM: send the stored bytes themselves, pinned until sent
+            data, checksum = self._store.ram_block(bid)
+            return PinnedBlock(data, checksum, functools.partial(self._store.unpin_one, bid, tier))
         layout = self._store.layout_of(layout_key, block_hash)
-        if layout is None:
+        if layout is None:  # cannot be: a pinned block's layout is known
+            self._store.unpin_one(bid, tier)
             return None
-        pins = self._store.pin(layout, [block_hash])
-        if not pins.blocks:
-            return None
-        data = self._store.ram_bytes(pins)[0]
-        if data is not None:  # RAM: send the stored bytes themselves, pinned until sent
-            return PinnedBlock(
-                memoryview(data),
-                checksum=self._store.checksum(layout_key, block_hash),
-                release=lambda: self._store.unpin(pins),
-            )
-        return self._read_disk(layout, block_hash, pins)
+        return self._read_disk(
+            layout, block_hash, functools.partial(self._store.unpin_one, bid, tier)
+        )
 
     async def _read_disk(
-        self, layout: KvLayout, block_hash: BlockHash, pins: Pins
+        self, layout: KvLayout, block_hash: BlockHash, unpin: Callable[[], None]
     ) -> PinnedBlock | None:
-        """A disk block, read through the store (checks the file, promotes it to RAM)."""
+        """A disk block, pinned meanwhile, read through the store (checks the file, promotes it
+        to RAM)."""
         try:
             read = await self._store.get(layout, block_hash)
         finally:
-            self._store.unpin(pins)
+            unpin()
         return None if read is None else PinnedBlock(read)
 
 
@@ -335,28 +337,39 @@ class PeerService:
         ticket = Ticket(grant.token, layout.key, grant.block_hashes, 0.0)
         block_bytes = layout.block_bytes
 
-        async def on_block(block: FetchedBlock) -> None:
-            if block.data.nbytes != block_bytes:
+        def stored(ok: bool, nbytes: int) -> None:
+            if ok:
+                progress.fetched += 1
+                progress.bytes += nbytes
+                self.stats.blocks_fetched += 1
+                self.stats.bytes_fetched += nbytes
+            else:
+                progress.already_held += 1
+
+        async def stored_later(got: Awaitable[bool], nbytes: int) -> None:
+            stored(await got, nbytes)
+
+        def on_block(block: FetchedBlock) -> Awaitable[None] | None:
+            nbytes = block.data.nbytes
+            if nbytes != block_bytes:
                 raise StreamBroken(
-                    f"{what} sent a {block.data.nbytes}-byte block; layout {layout.describe()}"
+                    f"{what} sent a {nbytes}-byte block; layout {layout.describe()}"
                     f" needs {block_bytes}"
                 )
             # The arena slot the kernel received into, kept as it is with the checksum just
-            # verified: no copy and no second pass on the way.
-            stored = await self._store.put(
+            # verified: no copy and no second pass on the way; no coroutine unless the store
+            # has to make room first.
+            got = self._store.put_nowait(
                 layout,
                 block.block_hash,
                 block.data,
                 parents.get(block.block_hash),
                 checksum=block.checksum,
             )
-            if stored:
-                progress.fetched += 1
-                progress.bytes += block.data.nbytes
-                self.stats.blocks_fetched += 1
-                self.stats.bytes_fetched += block.data.nbytes
-            else:
-                progress.already_held += 1
+            if isinstance(got, bool):
+                stored(got, nbytes)
+                return None
+            return stored_later(got, nbytes)
 
         loop = asyncio.get_running_loop()
         try:

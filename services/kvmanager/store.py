@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Coroutine, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -157,12 +157,56 @@ class TieredStore:
         ``layout`` or a hash is not an unsigned 64-bit int. ``checksum``, when the caller
         verified one (a peer's), is kept with the block. The caller must not write to ``data``
         afterwards (a buffer from ``allocate`` is kept as it is)."""
+        got = self.put_nowait(layout, block_hash, data, parent, checksum)
+        return got if isinstance(got, bool) else await got
+
+    def put_nowait(
+        self,
+        layout: KvLayout,
+        block_hash: int,
+        data: bytes | bytearray | memoryview,
+        parent: int | None = None,
+        checksum: wire.Checksum | None = None,
+    ) -> bool | Awaitable[bool]:
+        """``put`` without a coroutine when it need not wait (RAM has room, no write-through):
+        the answer at once; else an awaitable of it, which the caller must await. For callers
+        storing many small blocks in a row (a peer fetch): a coroutine per block costs more than
+        the store's own bookkeeping."""
         self._check_open()
         h = check_block_hash(block_hash)
         parent_hash = check_block_hash(parent) if parent is not None else None
         layout.check_payload(memoryview(data).nbytes)
         bid = BlockId(layout.key, h)
-        got = await self._reserve(layout, bid, Tier.CPU, parent_hash)
+        got = self._index.request(layout, h, Tier.CPU, parent_hash)
+        self._sync()
+        if got is Grant.QUEUED:  # the waiter now, before anything else can grant it
+            return self._put_when_granted(
+                self._waiter(bid, Tier.CPU), layout, bid, data, parent_hash, checksum
+            )
+        return self._put_granted(got, layout, bid, data, parent_hash, checksum)
+
+    async def _put_when_granted(
+        self,
+        fut: asyncio.Future[None],
+        layout: KvLayout,
+        bid: BlockId,
+        data: bytes | bytearray | memoryview,
+        parent: BlockHash | None,
+        checksum: wire.Checksum | None,
+    ) -> bool:
+        await self._granted(fut, bid, Tier.CPU)
+        got = self._put_granted(Grant.GRANTED, layout, bid, data, parent, checksum)
+        return got if isinstance(got, bool) else await got
+
+    def _put_granted(
+        self,
+        got: Grant,
+        layout: KvLayout,
+        bid: BlockId,
+        data: bytes | bytearray | memoryview,
+        parent: BlockHash | None,
+        checksum: wire.Checksum | None,
+    ) -> bool | Awaitable[bool]:
         if got is Grant.REFUSED:
             usage = self._index.usage(Tier.CPU)
             raise StoreFull(
@@ -180,9 +224,15 @@ class TieredStore:
         self._index.write_done(bid, Tier.CPU, ok=True)
         self._sync()
         if self._config.write_through and self._root is not None:
-            if await self._reserve(layout, bid, Tier.DISK, parent_hash) is Grant.GRANTED:
-                write = self._spawn(self._write_file(layout, bid, parent_hash, payload))
-                await asyncio.shield(write)
+            return self._write_through(layout, bid, parent, payload)
+        return True
+
+    async def _write_through(
+        self, layout: KvLayout, bid: BlockId, parent: BlockHash | None, payload: RamBlock
+    ) -> bool:
+        if await self._reserve(layout, bid, Tier.DISK, parent) is Grant.GRANTED:
+            write = self._spawn(self._write_file(layout, bid, parent, payload))
+            await asyncio.shield(write)
         return True
 
     async def get(self, layout: KvLayout, block_hash: int) -> RamBlock | None:
@@ -225,6 +275,21 @@ class TieredStore:
                 break
             pinned.append((bid, tier))
         return Pins(tuple(pinned))
+
+    def pin_one(self, layout_key: str, block_hash: BlockHash) -> tuple[BlockId, Tier] | None:
+        """Pins one block (``unpin_one`` releases it): the data plane's per-block path, with
+        no per-call tuples of ``pin``. ``block_hash`` must be a valid hash already (a ticket's)."""
+        bid = BlockId(layout_key, block_hash)
+        tier = self._index.pin(bid)
+        return None if tier is None else (bid, tier)
+
+    def ram_block(self, bid: BlockId) -> tuple[RamBlock, wire.Checksum | None]:
+        """A block pinned on the CPU tier by ``pin_one``: its payload and kept checksum."""
+        return self._ram[bid], self._sums.get(bid)
+
+    def unpin_one(self, bid: BlockId, tier: Tier) -> None:
+        self._index.unpin(bid, tier)
+        self._sync()
 
     def unpin(self, pins: Pins) -> None:
         """Releases ``pin``'s pins (once: a second unpin raises NotPinned)."""

@@ -193,6 +193,17 @@ async def test_prompt_blocks_stream_with_vllms_hashes_and_later_subscribers_get_
         first.close()
 
 
+async def settled(log, quiet_s: float = 0.3, timeout_s: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+    """Waits until the event log's sequence number has not moved for ``quiet_s``."""
+    deadline = time.monotonic() + timeout_s
+    seq, since = log.seq, time.monotonic()
+    while time.monotonic() - since < quiet_s:
+        assert time.monotonic() < deadline, "the KV event log kept moving"
+        await asyncio.sleep(0.02)
+        if log.seq != seq:
+            seq, since = log.seq, time.monotonic()
+
+
 async def test_resume_replays_only_the_missed_batches(h: Harness) -> None:
     s = Stream(h)
     snap = await s.read()
@@ -201,6 +212,7 @@ async def test_resume_replays_only_the_missed_batches(h: Harness) -> None:
     await generate(h, "kv-2", p1)
     await generate(h, "kv-3", p2)
     log = h.worker.kv_events.log
+    await settled(log)  # vLLM's last KV events may arrive just after the stream ended
     resumed = Stream(h, snap.epoch, snap.seq + 1)
     try:
         md = await resumed.metadata()

@@ -525,3 +525,23 @@ async def test_ram_blocks_keep_a_checksum_for_peers(tmp_path: Path, opened) -> N
     await store.wait_idle()
     promoted = store.checksum(L.key, 0)
     assert promoted is not None and promoted.value == wire.checksum(promoted.algo, payload(0))
+
+
+async def test_put_nowait_answers_at_once_unless_it_must_wait(tmp_path: Path, opened) -> None:
+    """The fast path of a peer fetch: a bool when RAM has room (or the block is held), an
+    awaitable when room must first be made (a dirty block written back) or with write-through."""
+    store = await opened(config(tmp_path, 1, 4))
+    assert store.put_nowait(L, 0, payload(0)) is True
+    assert store.put_nowait(L, 0, payload(0)) is False  # held
+    later = store.put_nowait(L, 1, payload(1), parent=0)  # RAM full of a dirty block: demote it
+    assert not isinstance(later, bool)
+    assert await later is True
+    await store.wait_idle()
+    assert store.lookup(L, [0, 1]) == [DISK, CPU]
+    wt = await opened(config(tmp_path / "wt", 2, 4, write_through=True))
+    got = wt.put_nowait(L, 5, payload(5))
+    assert not isinstance(got, bool) and await got is True
+    assert (
+        wt.lookup(L, [5]) == [CPU]
+        and len(list((tmp_path / "wt").rglob(f"*{diskfile.SUFFIX}"))) == 1
+    )
