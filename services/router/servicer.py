@@ -381,16 +381,14 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         """An overlapped hand-off: the prefill as a task, and the decode call's ``kv_source``
         at once, telling the decode worker to wait for the blocks as long as the prefill may
         take. (None, None) when there is nothing to hand over (counted as a fallback)."""
-        if self._pool.stub(decision.worker_id) is None or (
-            handoff_source(route, decision.worker_id, self._linked) is None
-        ):
-            return self._prefill_fallback(route, decision.worker_id), None
+        source = handoff_source(route, decision.worker_id, self._linked)
+        if source is None or self._pool.stub(decision.worker_id) is None:
+            self._prefill_fallback(route, decision.worker_id)
+            return None, None
         task = asyncio.create_task(
             self._prefill(route, decision, sampling, deadline, track=False),
             name=f"prefill-{route.request_id}",
         )
-        source = handoff_source(route, decision.worker_id, self._linked)
-        assert source is not None
         # The router ends the wait itself when the prefill falls back (it sends the decode
         # request again without the hint); the worker's own bound is a backstop past that.
         left = deadline - time.monotonic()
