@@ -10,7 +10,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
 log = logging.getLogger(__name__)
 
@@ -23,6 +23,36 @@ TTFT_BUCKETS_S = (
 ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 # Fast in-process decisions: 10 us .. 1 s.
 DECISION_BUCKETS_S = (1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1, 1.0)
+
+
+class EtcdGauges:
+    """A service's etcd session as ``<prefix>_etcd_connected`` (the last exchange with etcd
+    succeeded) and ``<prefix>_etcd_registered`` (a lease is held, the record put under it),
+    made on the first ``refresh``: a service running without etcd exports neither."""
+
+    def __init__(self, registry: CollectorRegistry, prefix: str, what: str) -> None:
+        self._registry = registry
+        self._prefix = prefix
+        self._what = what
+        self._gauges: tuple[Gauge, Gauge] | None = None
+
+    def refresh(self, connected: bool, registered: bool) -> None:
+        if self._gauges is None:
+            self._gauges = (
+                Gauge(
+                    f"{self._prefix}_etcd_connected",
+                    "1 while the last exchange with etcd succeeded; 0 while etcd is unreachable.",
+                    registry=self._registry,
+                ),
+                Gauge(
+                    f"{self._prefix}_etcd_registered",
+                    f"1 while the {self._what} holds an etcd lease with its record put under it;"
+                    " 0 once the lease is lost (until a new one is granted) or revoked.",
+                    registry=self._registry,
+                ),
+            )
+        self._gauges[0].set(1.0 if connected else 0.0)
+        self._gauges[1].set(1.0 if registered else 0.0)
 
 
 @dataclass

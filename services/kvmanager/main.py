@@ -208,7 +208,11 @@ async def start_kvmanager(
             metrics_server = serve_metrics(
                 metrics.registry, config.metrics_host, config.metrics_port
             )
-        tasks.append(asyncio.get_running_loop().create_task(_refresh(metrics, store, peers)))
+        tasks.append(
+            asyncio.get_running_loop().create_task(
+                _refresh(metrics, store, peers, lambda: registrar)
+            )
+        )
         if config.etcd_endpoints:
             record = KvManagerRecord(
                 kvmanager_id=kvmanager_id,
@@ -277,10 +281,16 @@ async def start_kvmanager(
 
 
 async def _refresh(
-    metrics: KvManagerMetrics, store: TieredStore, peers: PeerService, every_s: float = 2.0
+    metrics: KvManagerMetrics,
+    store: TieredStore,
+    peers: PeerService,
+    registrar: Callable[[], Registrar | None],
+    every_s: float = 2.0,
 ) -> None:
     while True:
         metrics.refresh(store, peers)
+        if (reg := registrar()) is not None:  # registered once started; none without etcd
+            metrics.etcd.refresh(reg.connected, reg.lease_id is not None)
         await asyncio.sleep(every_s)
 
 

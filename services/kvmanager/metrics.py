@@ -11,6 +11,7 @@ from dataclasses import fields
 from prometheus_client import CollectorRegistry, Gauge
 
 from kvmesh.kv.events import Tier
+from kvmesh.metrics import EtcdGauges
 
 from .arena import ArenaStats
 from .dataplane_server import DataPlaneStats
@@ -23,6 +24,7 @@ _TIERS = (Tier.CPU, Tier.DISK)
 class KvManagerMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = r = registry or CollectorRegistry()
+        self.etcd = EtcdGauges(r, "kvmesh_kvmanager", "kvmanager")
         self.capacity = Gauge(
             "kvmesh_kvmanager_tier_capacity_bytes", "Tier budget.", ["tier"], registry=r
         )

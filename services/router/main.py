@@ -175,7 +175,7 @@ async def start_router(config: RouterConfig) -> RunningRouter:
     if config.metrics_port >= 0:
         metrics_server = serve_metrics(metrics.registry, config.metrics_host, config.metrics_port)
     metrics_task = asyncio.get_running_loop().create_task(
-        _refresh_metrics(metrics, kv_sync, tier_sync, index, config.metrics_refresh_s),
+        _refresh_metrics(metrics, kv_sync, tier_sync, index, registrar, config.metrics_refresh_s),
         name="metrics",
     )
     http = None
@@ -222,11 +222,13 @@ async def _refresh_metrics(
     kv_sync: KvEventSync,
     tier_sync: TierSync,
     index: KvIndex,
+    registrar: Registrar,
     every_s: float,
 ) -> None:
     while True:
         metrics.refresh_kv(kv_sync.stats(), index)
         metrics.refresh_tiers(tier_sync.stats(), index)
+        metrics.etcd.refresh(registrar.connected, registrar.lease_id is not None)
         await asyncio.sleep(every_s)
 
 

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvmesh.discovery.keys import WorkerId
-from kvmesh.metrics import DECISION_BUCKETS_S, ITL_BUCKETS_S, TTFT_BUCKETS_S
+from kvmesh.metrics import DECISION_BUCKETS_S, ITL_BUCKETS_S, TTFT_BUCKETS_S, EtcdGauges
 
 from .core.index import KvIndex
 from .core.index_types import HolderId, StoreId, ViewState
@@ -85,6 +85,7 @@ class _StreamGauges:
 class RouterMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = r = registry or CollectorRegistry()
+        self.etcd = EtcdGauges(r, "kvmesh_router", "router")
         self.requests = Counter(
             "kvmesh_router_requests",
             "Generate calls ended, by model and gRPC status code (OK, INVALID_ARGUMENT, ...).",

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from kvmesh.metrics import ITL_BUCKETS_S, TTFT_BUCKETS_S
+from kvmesh.metrics import ITL_BUCKETS_S, TTFT_BUCKETS_S, EtcdGauges
 
 from .core import EngineLoad
 
@@ -130,7 +130,7 @@ class WorkerMetrics:
         self.draining = Gauge(
             "kvmesh_worker_draining", "1 once the worker is draining, else 0.", registry=r
         )
-        self._etcd: tuple[Gauge, Gauge] | None = None
+        self._etcd = EtcdGauges(r, "kvmesh_worker", "worker")
 
     # ---- per request (on the loop) --------------------------------------------------------
     def ended(self, code: str) -> None:
@@ -167,23 +167,4 @@ class WorkerMetrics:
             self.kv_event_cut_off.set(kv.cut_off)
             self.kv_blocks.set(kv.gpu_blocks)
         if etcd is not None:
-            connected, registered = self._etcd_gauges()
-            connected.set(1.0 if etcd.connected else 0.0)
-            registered.set(1.0 if etcd.registered else 0.0)
-
-    def _etcd_gauges(self) -> tuple[Gauge, Gauge]:
-        """(connected, registered), made on first use: none when the worker runs standalone."""
-        if self._etcd is None:
-            connected = Gauge(
-                "kvmesh_worker_etcd_connected",
-                "1 while the last exchange with etcd succeeded; 0 while etcd is unreachable.",
-                registry=self.registry,
-            )
-            registered = Gauge(
-                "kvmesh_worker_etcd_registered",
-                "1 while the worker holds an etcd lease with its record put under it; 0 once "
-                "the lease is lost (until a new one is granted) or revoked.",
-                registry=self.registry,
-            )
-            self._etcd = (connected, registered)
-        return self._etcd
+            self._etcd.refresh(etcd.connected, etcd.registered)

@@ -228,6 +228,14 @@ async def test_registers_in_etcd_and_leaves_on_stop(kvm, etcd_client):
     assert stored is not None
     rec = KvManagerRecord.from_json(stored.value)
     assert (rec.kvmanager_id, rec.node, rec.address) == ("node-a", "node-a", running.address)
+    # The etcd session on /metrics, once the first refresh ran (at start, then every 2 s).
+    sample = running.metrics.registry.get_sample_value
+    for _ in range(150):
+        if sample("kvmesh_kvmanager_etcd_registered") == 1:
+            break
+        await asyncio.sleep(0.02)
+    assert sample("kvmesh_kvmanager_etcd_connected") == 1
+    assert sample("kvmesh_kvmanager_etcd_registered") == 1
     await running.stop()
     assert await etcd_client.get(key.encode()) is None
 

@@ -136,6 +136,8 @@ async def test_metrics_count_requests_decisions_and_cache_hits(mesh):
     gaps = sum(n - 1 for n in token_chunks)
     assert total(m, "kvmesh_router_inter_token_latency_seconds_count", model="sim") == gaps
     assert total(m, "kvmesh_router_in_flight_requests") == 0
+    assert total(m, "kvmesh_router_etcd_connected") == 1
+    assert total(m, "kvmesh_router_etcd_registered") == 1
     assert total(m, "kvmesh_router_kv_index_blocks") >= PREFIX // 32
     for w in ("sim-0", "sim-1"):
         assert total(m, "kvmesh_router_kv_stream_live", worker=w) == 1
