@@ -308,12 +308,6 @@ class TieredStore:
         finally:
             self.unpin(pins)
 
-    def ram_bytes(self, pins: Pins) -> list[RamBlock | None]:
-        """The RAM payload of each block of ``pins``, the stored object itself (read-only, no
-        copy), or None for a block pinned on disk (``get`` reads it). The pin keeps each one
-        counted against its tier until ``unpin``."""
-        return [self._ram[bid] if tier is Tier.CPU else None for bid, tier in pins.blocks]
-
     def checksum(self, layout_key: str, block_hash: int) -> wire.Checksum | None:
         """The kept checksum of a RAM block (None: not in RAM, or none known)."""
         return self._sums.get(BlockId(layout_key, check_block_hash(block_hash)))
