@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 
 import grpc
@@ -46,3 +48,15 @@ def from_rpc_error(exc: grpc.aio.AioRpcError) -> errors.KvmeshError | None:
     """The domain error a downstream status stands for, so a proxy can pass it on unchanged."""
     cls = ERROR_OF.get(exc.code())
     return cls(exc.details() or exc.code().name) if cls else None
+
+
+STATUS_WAIT_S = 5.0  # how long a stream's status is awaited after its last message (it follows)
+
+
+async def await_status(call: grpc.aio.Call, timeout_s: float = STATUS_WAIT_S) -> None:
+    """Waits (at most ``timeout_s``) for the status of a streaming call whose finished message
+    has come. A proxy that passes its own last message on only after this leaves nothing to
+    wait for once that message is sent: a client hanging up on the last message then cancels
+    nothing, and a finished request is OK on every hop."""
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(call.code(), timeout_s)

@@ -14,7 +14,7 @@ from opentelemetry import trace
 
 from kvmesh import errors
 from kvmesh.discovery.keys import WorkerId
-from kvmesh.grpc_errors import abort_with, from_rpc_error, status_for
+from kvmesh.grpc_errors import abort_with, await_status, from_rpc_error, status_for
 from kvmesh.sampling import check_prompt, check_sampling, sampling_from_pb
 from kvmesh.telemetry import tracer
 from kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2
@@ -316,6 +316,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     if msg.token_ids:
                         last_token_s = now
                         streamed += len(msg.token_ids)
+                    if finished:  # the worker's status first: this RPC ends with its message
+                        await await_status(call)
                     yield out
                 return
             except _NoFirstToken:

@@ -11,7 +11,7 @@ from typing import Protocol
 import grpc
 
 from kvmesh import errors
-from kvmesh.grpc_errors import from_rpc_error
+from kvmesh.grpc_errors import await_status, from_rpc_error
 from kvmesh.v1 import router_pb2, router_pb2_grpc
 
 
@@ -19,8 +19,10 @@ class RouterBackend(Protocol):
     def generate(
         self, request: router_pb2.GenerateRequest, timeout_s: float
     ) -> AsyncGenerator[router_pb2.GenerateResponse, None]:
-        """An async generator over the router's stream. Closing it early (``aclose``, or the
-        consuming task being cancelled) cancels the request, so the worker aborts it."""
+        """An async generator over the router's stream. Closing it before the finished message
+        (``aclose``, or the consuming task being cancelled) cancels the request, so the worker
+        aborts it. The finished message comes once the call has ended (OK): a consumer that
+        stops there, or goes away after it, cancels nothing."""
         ...
 
     async def list_models(self, timeout_s: float) -> router_pb2.ListModelsResponse: ...
@@ -52,6 +54,8 @@ class GrpcRouterBackend:
         call = self._stub.Generate(request, timeout=timeout_s)
         try:
             async for msg in call:
+                if msg.HasField("finished"):  # its status first: nothing is left to cancel
+                    await await_status(call)
                 yield msg
         except grpc.aio.AioRpcError as exc:
             raise error_from_rpc(exc) from None
