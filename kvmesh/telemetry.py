@@ -8,6 +8,7 @@ docs/tracing.md). Library code only calls ``tracer(__name__)``; it never configu
 
 from __future__ import annotations
 
+import inspect
 import logging
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -132,7 +133,9 @@ class ServerSpans(grpc.aio.ServerInterceptor):
     from a task of its own, where that detach fails (OpenTelemetry logs "Failed to detach
     context" at ERROR; every disconnect mid-stream did it). Here the context is attached only
     while the handler runs one step (an ``await`` of a unary handler, one ``anext`` of a
-    stream), never across a ``yield``, and the span is ended explicitly.
+    stream), never across a ``yield``, and the span is ended explicitly. A streaming handler
+    written as a coroutine (``context.write``, like ``grpc.health.v1.Health/Watch``) is awaited
+    whole, as a unary one is.
     """
 
     def __init__(self) -> None:
@@ -154,7 +157,12 @@ class ServerSpans(grpc.aio.ServerInterceptor):
                 behavior, factory = handler.stream_stream, grpc.stream_stream_rpc_method_handler
             else:
                 behavior, factory = handler.unary_stream, grpc.unary_stream_rpc_method_handler
-            wrapped: Any = self._stream(method, behavior)
+            # A coroutine handler streams with ``context.write`` (the health service's Watch
+            # does); gRPC tells the two kinds apart by the function, so the wrapper is one too.
+            if inspect.iscoroutinefunction(behavior):
+                wrapped: Any = self._unary(method, behavior)
+            else:
+                wrapped = self._stream(method, behavior)
         else:
             if handler.request_streaming:
                 behavior, factory = handler.stream_unary, grpc.stream_unary_rpc_method_handler
