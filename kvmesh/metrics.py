@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +56,66 @@ class EtcdGauges:
             )
         self._gauges[0].set(1.0 if connected else 0.0)
         self._gauges[1].set(1.0 if registered else 0.0)
+
+
+class MirroredCounter(Collector):
+    """A Prometheus counter (``# TYPE <name> counter``, samples ``<name>_total``) whose totals
+    are counted elsewhere, such as a store's cumulative stats: ``set`` (``labels(...).set``
+    when it has labels) records the latest total on the loop, and a scrape, on the HTTP
+    thread, reads the last one recorded. prometheus_client's ``Counter`` can only add, and a
+    ``Gauge`` named ``*_total`` is typed gauge. ``name`` ends in ``_total``."""
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        labelnames: Sequence[str] = (),
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        if not name.endswith("_total"):
+            raise ValueError(f"counter {name!r} must end in _total")
+        self._name = name.removesuffix("_total")
+        self._doc = documentation
+        self._labelnames = tuple(labelnames)
+        self._lock = threading.Lock()
+        # Without labels it is exported from the start, as 0 (prometheus_client's counters are).
+        self._totals: dict[tuple[str, ...], float] = {} if self._labelnames else {(): 0.0}
+        if registry is not None:
+            registry.register(self)
+
+    def labels(self, *values: str) -> _MirroredChild:
+        if len(values) != len(self._labelnames):
+            raise ValueError(f"{self._name}: labels {self._labelnames}, got {values}")
+        return _MirroredChild(self, tuple(values))
+
+    def set(self, total: float) -> None:
+        if self._labelnames:
+            raise ValueError(f"{self._name} has labels {self._labelnames}; use labels(...).set")
+        self._set((), total)
+
+    def _set(self, key: tuple[str, ...], total: float) -> None:
+        with self._lock:
+            self._totals[key] = float(total)
+
+    def describe(self) -> list[CounterMetricFamily]:
+        return [CounterMetricFamily(self._name, self._doc, labels=self._labelnames)]
+
+    def collect(self) -> list[CounterMetricFamily]:
+        family = CounterMetricFamily(self._name, self._doc, labels=self._labelnames)
+        with self._lock:
+            totals = list(self._totals.items())
+        for key, total in totals:
+            family.add_metric(list(key), total)
+        return [family]
+
+
+@dataclass(frozen=True, slots=True)
+class _MirroredChild:
+    counter: MirroredCounter
+    key: tuple[str, ...]
+
+    def set(self, total: float) -> None:
+        self.counter._set(self.key, total)
 
 
 @dataclass

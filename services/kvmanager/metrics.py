@@ -2,7 +2,8 @@
 peer fetch (blocks and bytes fetched, failures) and the data plane (blocks and bytes served).
 
 Refreshed on the event loop every few seconds from the store's counters (the HTTP thread never
-reads the store, which the loop mutates)."""
+reads the store, which the loop mutates). The ``*_total`` ones are Prometheus counters
+(``MirroredCounter``: the store counts, the metric mirrors its totals), the rest gauges."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from dataclasses import fields
 from prometheus_client import CollectorRegistry, Gauge
 
 from kvmesh.kv.events import Tier
-from kvmesh.metrics import EtcdGauges
+from kvmesh.metrics import EtcdGauges, MirroredCounter
 
 from .arena import ArenaStats
 from .dataplane_server import DataPlaneStats
@@ -19,6 +20,7 @@ from .peer import PeerService, PeerStats
 from .store import StoreStats, TieredStore
 
 _TIERS = (Tier.CPU, Tier.DISK)
+_ARENA_COUNTERS = ("allocations", "fallbacks")  # the arena's cumulative stats
 
 
 class KvManagerMetrics:
@@ -45,34 +47,34 @@ class KvManagerMetrics:
         )
         # Per tier, for a dashboard's one query per panel. A get looks in RAM, then on disk:
         # a RAM miss is a disk hit or a miss; a disk miss is a miss (bad files included).
-        self.tier_hits = Gauge(
+        self.tier_hits = MirroredCounter(
             "kvmesh_kvmanager_tier_hits_total",
             "Gets served from the tier since start.",
             ["tier"],
             registry=r,
         )
-        self.tier_misses = Gauge(
+        self.tier_misses = MirroredCounter(
             "kvmesh_kvmanager_tier_misses_total",
             "Gets that looked in the tier and did not find the block there, since start.",
             ["tier"],
             registry=r,
         )
-        self.evictions = Gauge(
+        self.evictions = MirroredCounter(
             "kvmesh_kvmanager_evictions_total",
             "Blocks removed from the tier to make room since start (demotions RAM -> disk and"
             " bad files dropped are not evictions).",
             ["tier"],
             registry=r,
         )
-        self.evicted_bytes = Gauge(
+        self.evicted_bytes = MirroredCounter(
             "kvmesh_kvmanager_evicted_bytes_total",
             "Bytes of the blocks counted by kvmesh_kvmanager_evictions_total.",
             ["tier"],
             registry=r,
         )
-        # The store's cumulative counters, mirrored as gauges named *_total (they only grow).
+        # The store's cumulative counters, mirrored as counters.
         self.counters = {
-            f.name: Gauge(
+            f.name: MirroredCounter(
                 f"kvmesh_kvmanager_{f.name}_total",
                 f"Store counter {f.name} since start.",
                 registry=r,
@@ -80,7 +82,7 @@ class KvManagerMetrics:
             for f in fields(StoreStats)
         }
         self.peer = {
-            f.name: Gauge(
+            f.name: MirroredCounter(
                 f"kvmesh_kvmanager_peer_{f.name}_total",
                 f"Peer fetch counter {f.name} since start.",
                 registry=r,
@@ -88,18 +90,25 @@ class KvManagerMetrics:
             for f in fields(PeerStats)
         }
         # The CPU tier's arena: capacity_bytes, populated_bytes, in_use_bytes as they are;
-        # allocations and fallbacks (no slot free: a heap buffer instead) as *_total.
-        self.arena = {
-            f.name: Gauge(
-                f"kvmesh_kvmanager_arena_{f.name}"
-                + ("_total" if f.name in ("allocations", "fallbacks") else ""),
-                f"CPU tier arena: {f.name.replace('_', ' ')}.",
-                registry=r,
+        # allocations and fallbacks (no slot free: a heap buffer instead) as counters.
+        self.arena: dict[str, Gauge | MirroredCounter] = {
+            f.name: (
+                MirroredCounter(
+                    f"kvmesh_kvmanager_arena_{f.name}_total",
+                    f"CPU tier arena: {f.name} since start.",
+                    registry=r,
+                )
+                if f.name in _ARENA_COUNTERS
+                else Gauge(
+                    f"kvmesh_kvmanager_arena_{f.name}",
+                    f"CPU tier arena: {f.name.replace('_', ' ')}.",
+                    registry=r,
+                )
             )
             for f in fields(ArenaStats)
         }
         self.data_plane = {
-            f.name: Gauge(
+            f.name: MirroredCounter(
                 f"kvmesh_kvmanager_data_plane_{f.name}_total",
                 f"Data plane (serving peers) counter {f.name} since start.",
                 registry=r,

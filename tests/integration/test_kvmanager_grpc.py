@@ -1,15 +1,18 @@
 """The kvmanager daemon over real gRPC on loopback with a real etcd: store, look up and read
 blocks; refuse bad layouts and sizes with the right status; stream per-layout tier events with
-snapshot and resume; keep the disk tier across a restart; register in and leave etcd."""
+snapshot and resume; keep the disk tier across a restart; register in and leave etcd; its
+``*_total`` metrics are Prometheus counters on its /metrics."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import urllib.request
 from pathlib import Path
 
 import grpc
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvmesh.discovery.keys import KvManagerRecord, kvmanager_key
 from kvmesh.kv.events import BlockRemoved, BlockStored, Tier
@@ -238,6 +241,53 @@ async def test_registers_in_etcd_and_leaves_on_stop(kvm, etcd_client):
     assert sample("kvmesh_kvmanager_etcd_registered") == 1
     await running.stop()
     assert await etcd_client.get(key.encode()) is None
+
+
+def families(url: str) -> dict[str, tuple[str, dict[str, float]]]:
+    """name -> (type, {sample name with its labels: value}) from a /metrics scrape."""
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        text = resp.read().decode()
+    return {
+        f.name: (
+            f.type,
+            {s.name + str(sorted(s.labels.items())): s.value for s in f.samples},
+        )
+        for f in text_string_to_metric_families(text)
+    }
+
+
+async def test_totals_are_counters_on_metrics(kvm):
+    running, stub, _ = kvm
+    assert running.metrics_server is not None
+    hashes = [201, 202, 203, 204, 205, 206]  # room for 4 in RAM: evictions or demotions
+    assert await put(stub, hashes) == 6
+    await get(stub, [201, 999])
+    running.metrics.refresh(running.store, running.peers)  # as the 2 s refresh task does
+    got = await asyncio.to_thread(families, running.metrics_server.url)
+    totals = {
+        name: kind for name, (kind, samples) in got.items() if any("_total" in k for k in samples)
+    }
+    # Every family with *_total samples is a counter, the names those of before.
+    assert totals and set(totals.values()) == {"counter"}, totals
+    for name in (
+        "kvmesh_kvmanager_tier_hits",
+        "kvmesh_kvmanager_tier_misses",
+        "kvmesh_kvmanager_evictions",
+        "kvmesh_kvmanager_evicted_bytes",
+        "kvmesh_kvmanager_hits_cpu",
+        "kvmesh_kvmanager_misses",
+        "kvmesh_kvmanager_disk_writes",
+        "kvmesh_kvmanager_peer_fetches",
+        "kvmesh_kvmanager_arena_allocations",
+        "kvmesh_kvmanager_arena_fallbacks",
+    ):
+        assert totals.get(name) == "counter", name
+    stats = running.store.stats
+    assert got["kvmesh_kvmanager_misses"][1]["kvmesh_kvmanager_misses_total[]"] == stats.misses
+    assert stats.misses == 1
+    hits = got["kvmesh_kvmanager_tier_hits"][1]
+    assert hits["kvmesh_kvmanager_tier_hits_total[('tier', 'cpu')]"] == stats.hits_cpu
+    assert got["kvmesh_kvmanager_tier_used_bytes"][0] == "gauge"  # levels stay gauges
 
 
 def test_flags():
