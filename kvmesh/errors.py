@@ -12,7 +12,15 @@ class KvmeshError(Exception):
 
 
 class InvalidArgument(KvmeshError):
-    """The request is malformed or out of range; retrying it unchanged will fail again."""
+    """The request is malformed or out of range; retrying it unchanged will fail again.
+    ``field``, when known, names the request field at fault as its path in the kvmesh.v1
+    request message (``sampling.temperature``, ``model``; ``input`` for the prompt); it travels
+    with the gRPC status (``kvmesh.grpc_errors``), so the OpenAI front door can name the
+    parameter."""
+
+    def __init__(self, message: str = "", field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class NotFound(KvmeshError):

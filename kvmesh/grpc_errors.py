@@ -22,6 +22,10 @@ STATUS_OF: dict[type[errors.KvmeshError], grpc.StatusCode] = {
 
 ERROR_OF: dict[grpc.StatusCode, type[errors.KvmeshError]] = {v: k for k, v in STATUS_OF.items()}
 
+# Trailing metadata of an INVALID_ARGUMENT status: the request field at fault
+# (``errors.InvalidArgument.field``), e.g. ``sampling.temperature``.
+FIELD_KEY = "kvmesh-field"
+
 
 def status_for(exc: BaseException) -> grpc.StatusCode:
     for cls in type(exc).__mro__:
@@ -41,13 +45,28 @@ async def abort_with(
         message = f"internal error (request_id={request_id}); see the service log"
     else:
         message = str(exc)
-    await context.abort(code, message)
+    field = getattr(exc, "field", None)
+    trailers = ((FIELD_KEY, field),) if isinstance(field, str) and field else ()
+    await context.abort(code, message, trailers)
 
 
 def from_rpc_error(exc: grpc.aio.AioRpcError) -> errors.KvmeshError | None:
-    """The domain error a downstream status stands for, so a proxy can pass it on unchanged."""
+    """The domain error a downstream status stands for, so a proxy can pass it on unchanged
+    (an INVALID_ARGUMENT's field included)."""
     cls = ERROR_OF.get(exc.code())
-    return cls(exc.details() or exc.code().name) if cls else None
+    if cls is None:
+        return None
+    details = exc.details() or exc.code().name
+    if issubclass(cls, errors.InvalidArgument):
+        return cls(details, field=_field(exc))
+    return cls(details)
+
+
+def _field(exc: grpc.aio.AioRpcError) -> str | None:
+    for key, value in exc.trailing_metadata() or ():
+        if key == FIELD_KEY and isinstance(value, str) and value:
+            return value
+    return None
 
 
 STATUS_WAIT_S = 5.0  # how long a stream's status is awaited after its last message (it follows)

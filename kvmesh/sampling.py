@@ -31,28 +31,39 @@ class Sampling:
 
 
 def check_sampling(s: Sampling, vocab_size: int = 0) -> None:
-    """Raises ``InvalidArgument`` for the first rule ``s`` breaks (vocab_size 0: not checked)."""
+    """Raises ``InvalidArgument`` for the first rule ``s`` breaks (vocab_size 0: not checked),
+    its ``field`` the one at fault (``sampling.<name>``)."""
     if s.max_tokens <= 0:
-        raise InvalidArgument(f"sampling.max_tokens must be > 0 (got {s.max_tokens})")
+        raise InvalidArgument(
+            f"sampling.max_tokens must be > 0 (got {s.max_tokens})", "sampling.max_tokens"
+        )
     if s.temperature is not None and not 0.0 <= s.temperature <= 2.0:
-        raise InvalidArgument(f"sampling.temperature must be in [0, 2] (got {s.temperature:g})")
+        raise InvalidArgument(
+            f"sampling.temperature must be in [0, 2] (got {s.temperature:g})",
+            "sampling.temperature",
+        )
     if s.top_p is not None and not 0.0 < s.top_p <= 1.0:
-        raise InvalidArgument(f"sampling.top_p must be in (0, 1] (got {s.top_p:g})")
+        raise InvalidArgument(
+            f"sampling.top_p must be in (0, 1] (got {s.top_p:g})", "sampling.top_p"
+        )
     if s.top_k is not None and s.top_k < -1:
         raise InvalidArgument(
-            f"sampling.top_k must be -1 or 0 (both disable it) or > 0 (got {s.top_k})"
+            f"sampling.top_k must be -1 or 0 (both disable it) or > 0 (got {s.top_k})",
+            "sampling.top_k",
         )
     if len(s.stop) > MAX_STOP_STRINGS:
         raise InvalidArgument(
-            f"sampling.stop has {len(s.stop)} strings; use at most {MAX_STOP_STRINGS}"
+            f"sampling.stop has {len(s.stop)} strings; use at most {MAX_STOP_STRINGS}",
+            "sampling.stop",
         )
     if any(not x for x in s.stop):
-        raise InvalidArgument("sampling.stop contains an empty string; remove it")
+        raise InvalidArgument("sampling.stop contains an empty string; remove it", "sampling.stop")
     if vocab_size > 0:
         bad = next((t for t in s.stop_token_ids if not 0 <= t < vocab_size), None)
         if bad is not None:
             raise InvalidArgument(
-                f"sampling.stop_token_ids has {bad}, outside the vocabulary [0, {vocab_size})"
+                f"sampling.stop_token_ids has {bad}, outside the vocabulary [0, {vocab_size})",
+                "sampling.stop_token_ids",
             )
 
 
@@ -60,23 +71,28 @@ def check_prompt(
     token_ids: Sequence[int], max_tokens: int, vocab_size: int, max_model_len: int
 ) -> None:
     """The tokenized prompt against the model: non-empty, inside the vocabulary, fits the
-    context with room for ``max_tokens``."""
+    context with room for ``max_tokens`` (field ``input``, or ``sampling.max_tokens`` when the
+    prompt alone fits)."""
     n = len(token_ids)
     if n == 0:
-        raise InvalidArgument("the prompt has no tokens; send a non-empty prompt")
+        raise InvalidArgument("the prompt has no tokens; send a non-empty prompt", "input")
     bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
     if bad is not None:
-        raise InvalidArgument(f"token id {bad} is outside the model's vocabulary [0, {vocab_size})")
+        raise InvalidArgument(
+            f"token id {bad} is outside the model's vocabulary [0, {vocab_size})", "input"
+        )
     if n >= max_model_len:
         raise InvalidArgument(
             f"the prompt has {n} tokens but the model's context is {max_model_len} tokens; "
-            "shorten the prompt"
+            "shorten the prompt",
+            "input",
         )
     if n + max_tokens > max_model_len:
         raise InvalidArgument(
             f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} exceeds the "
             f"model's context of {max_model_len} tokens; lower max_tokens to at most "
-            f"{max_model_len - n} or shorten the prompt"
+            f"{max_model_len - n} or shorten the prompt",
+            "sampling.max_tokens",
         )
 
 

@@ -157,7 +157,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             if len(models) == 1:
                 return models[0]
             raise errors.InvalidArgument(
-                f"several models are served ({', '.join(m.name for m in models)}); set model"
+                f"several models are served ({', '.join(m.name for m in models)}); set model",
+                "model",
             )
         for m in models:
             if m.name == name:

@@ -96,7 +96,8 @@ class Tokenizers:
                 raise
             except TemplateError as exc:  # the template's raise_exception: a caller's mistake
                 raise InvalidArgument(
-                    f"the chat template of model {model!r} refused the messages: {exc}"
+                    f"the chat template of model {model!r} refused the messages: {exc}",
+                    "chat.messages",
                 ) from None
             # The template already holds the special tokens (BOS included), as vLLM does.
             return list(tok(rendered, add_special_tokens=False)["input_ids"])
