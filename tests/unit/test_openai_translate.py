@@ -293,6 +293,9 @@ BAD = [
     ),
     pytest.param(Kind.CHAT, {"messages": USER, "stop": [1]}, "stop", "strings", id="stop-ints"),
     pytest.param(
+        Kind.COMPLETION, {"prompt": "x", "stop": list("abcde")}, "stop", "at most 4", id="5-stops"
+    ),
+    pytest.param(
         Kind.CHAT, {"messages": USER, "stream": "yes"}, "stream", "true or false", id="stream-str"
     ),
     pytest.param(
@@ -744,3 +747,59 @@ def test_local_errors_to_http(exc: Exception, status: int):
     if status == 500:
         assert "secret" not in body["error"]["message"] and "rid" in body["error"]["message"]
     assert set(body["error"]) == {"message", "type", "param", "code"}
+
+
+# ---- router errors naming a field ------------------------------------------------------------
+def request_of(kind: Kind, **body: Any) -> translate.ParsedRequest:
+    parse = translate.parse_chat if kind is Kind.CHAT else translate.parse_completion
+    base = {"messages": USER} if kind is Kind.CHAT else {"prompt": "x"}
+    return parse({**base, **body}, EXT, "rid", 64)
+
+
+@pytest.mark.parametrize(
+    ("kind", "body", "field", "param"),
+    [
+        pytest.param(Kind.CHAT, {}, "sampling.temperature", "temperature", id="temperature"),
+        pytest.param(Kind.CHAT, {}, "sampling.top_p", "top_p", id="top_p"),
+        pytest.param(Kind.CHAT, {}, "sampling.max_tokens", "max_tokens", id="max_tokens"),
+        pytest.param(
+            Kind.CHAT,
+            {"max_completion_tokens": 5},
+            "sampling.max_tokens",
+            "max_completion_tokens",
+            id="max_completion_tokens",
+        ),
+        pytest.param(Kind.CHAT, {}, "model", "model", id="model"),
+        pytest.param(Kind.CHAT, {}, "input", "messages", id="chat-prompt"),
+        pytest.param(Kind.COMPLETION, {}, "input", "prompt", id="completion-prompt"),
+        pytest.param(Kind.COMPLETION, {}, "text", "prompt", id="text"),
+        pytest.param(
+            Kind.CHAT, {}, "chat.messages[1].role", "messages[1].role", id="message-field"
+        ),
+        pytest.param(Kind.CHAT, {}, "sampling.ignore_eos", None, id="unmapped"),
+        pytest.param(Kind.CHAT, {}, None, None, id="no-field"),
+    ],
+)
+def test_router_errors_name_the_param(
+    kind: Kind, body: dict[str, Any], field: str | None, param: str | None
+):
+    exc = translate.router_error(
+        errors.InvalidArgument("out of range", field), request_of(kind, **body)
+    )
+    status, shape = error_body(exc)
+    assert (status, shape["error"]["param"], shape["error"]["message"]) == (
+        400,
+        param,
+        "out of range",
+    )
+
+
+def test_other_router_errors_pass_unchanged():
+    exc = errors.NotFound("model 'x' is not served")
+    assert translate.router_error(exc, request_of(Kind.CHAT)) is exc
+
+
+def test_with_model_names_the_request_and_the_answer():
+    p = translate.with_model(request_of(Kind.COMPLETION), "tiny")
+    assert (p.model, p.generate.model) == ("tiny", "tiny")
+    assert translate.with_model(p, "") is p

@@ -229,6 +229,12 @@ class OpenAIServer:
             return error_response(exc)
         return _json_response(200, translate.model_json(found, self._created))
 
+    async def _only_model(self) -> str:
+        """The model served when it is the only one; empty otherwise (the router then says
+        that several are served, or none)."""
+        models = (await self.backend.list_models(self._models_timeout_s)).models
+        return models[0].name if len(models) == 1 else ""
+
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, translate.parse_chat, "chatcmpl-")
 
@@ -260,6 +266,8 @@ class OpenAIServer:
             ext = translate.extensions_from_headers(request.headers, self._api_keys)
             body = await self._read_json(request)
             parsed = parse(body, ext, rid, self._default_max_tokens)
+            if not parsed.model:  # answered with the served name, as vLLM does
+                parsed = translate.with_model(parsed, await self._only_model())
         except errors.KvmeshError as exc:
             return error_response(exc, rid)
         out = translate.ResponseTranslator(parsed, int(time.time()))
@@ -270,7 +278,7 @@ class OpenAIServer:
                 # their own HTTP status, streaming or not.
                 first = await anext(stream)
             except errors.KvmeshError as exc:
-                return error_response(exc, rid)
+                return error_response(translate.router_error(exc, parsed), rid)
             except StopAsyncIteration:
                 return error_response(
                     errors.Unavailable("the router ended the stream without an answer"), rid

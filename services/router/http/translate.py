@@ -15,10 +15,11 @@ import hashlib
 import json
 import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
+from kvmesh.errors import InvalidArgument, KvmeshError
 from kvmesh.v1 import common_pb2, router_pb2
 
 from . import toolcalls
@@ -30,6 +31,8 @@ TENANT_HEADER = "x-kvmesh-tenant"
 PRIORITY_HEADER = "x-kvmesh-priority"
 
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+MAX_STOP = 4  # stop sequences per request, as the OpenAI API allows
 
 FINISH_REASONS = {
     common_pb2.FINISH_REASON_STOP: "stop",
@@ -62,6 +65,7 @@ class ParsedRequest:
     generate: router_pb2.GenerateRequest
     # The request gave tools and tool_choice is not "none": the answer is read for tool calls.
     parse_tool_calls: bool = False
+    max_tokens_param: str = "max_tokens"  # or max_completion_tokens, whichever bounds it
 
 
 # ---- headers ---------------------------------------------------------------------------------
@@ -169,11 +173,16 @@ def _reject_unsupported(body: Mapping[str, Any], kind: Kind) -> None:
             raise BadRequest("suffix is not supported; omit it", "suffix")
 
 
+def _max_tokens_param(body: Mapping[str, Any]) -> str:
+    """The field bounding the answer's length: max_completion_tokens wins over max_tokens."""
+    return (
+        "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    )
+
+
 def _sampling(body: Mapping[str, Any], default_max_tokens: int) -> common_pb2.SamplingParams:
-    max_tokens = _int(body, "max_completion_tokens")
-    param = "max_completion_tokens"
-    if max_tokens is None:
-        max_tokens, param = _int(body, "max_tokens"), "max_tokens"
+    param = _max_tokens_param(body)
+    max_tokens = _int(body, param)
     if max_tokens is None:
         max_tokens = default_max_tokens
     if max_tokens <= 0:
@@ -189,6 +198,8 @@ def _sampling(body: Mapping[str, Any], default_max_tokens: int) -> common_pb2.Sa
         stops = list(stop)
     else:
         raise BadRequest("stop must be a string or a list of strings", "stop")
+    if len(stops) > MAX_STOP:
+        raise BadRequest(f"stop has {len(stops)} strings; send at most {MAX_STOP}", "stop")
     stop_token_ids = body.get("stop_token_ids") or []  # vLLM extension
     if not isinstance(stop_token_ids, list) or not all(
         isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in stop_token_ids
@@ -328,7 +339,14 @@ def parse_chat(
     if tools.choice is not None:
         req.chat.tool_choice.CopyFrom(tools.choice)
     return ParsedRequest(
-        Kind.CHAT, request_id, model, stream, include_usage, req, tools.parse_calls
+        Kind.CHAT,
+        request_id,
+        model,
+        stream,
+        include_usage,
+        req,
+        tools.parse_calls,
+        _max_tokens_param(data),
     )
 
 
@@ -371,7 +389,58 @@ def parse_completion(
             "prompt must be a string, a list of token ids, or a list holding one of those",
             "prompt",
         )
-    return ParsedRequest(Kind.COMPLETION, request_id, model, stream, include_usage, req)
+    return ParsedRequest(
+        Kind.COMPLETION,
+        request_id,
+        model,
+        stream,
+        include_usage,
+        req,
+        max_tokens_param=_max_tokens_param(data),
+    )
+
+
+# ---- what the router says back ---------------------------------------------------------------
+def with_model(request: ParsedRequest, name: str) -> ParsedRequest:
+    """``request`` (sent without a model) for the model ``name``: the router serves that one and
+    the answer names it, as vLLM's does. An empty ``name`` changes nothing."""
+    if not name:
+        return request
+    request.generate.model = name
+    return replace(request, model=name)
+
+
+# kvmesh.v1 request fields (``InvalidArgument.field``) -> the OpenAI parameter.
+_PARAMS = {
+    "model": "model",
+    "sampling.temperature": "temperature",
+    "sampling.top_p": "top_p",
+    "sampling.top_k": "top_k",
+    "sampling.seed": "seed",
+    "sampling.stop": "stop",
+    "sampling.stop_token_ids": "stop_token_ids",
+}
+
+
+def param_of(path: str, request: ParsedRequest) -> str | None:
+    """The OpenAI parameter of ``request`` that the kvmesh.v1 field ``path`` stands for, or None."""
+    if path in _PARAMS:
+        return _PARAMS[path]
+    if path == "sampling.max_tokens":
+        return request.max_tokens_param
+    if path.startswith("chat.messages"):  # chat.messages[2].role -> messages[2].role
+        return path.removeprefix("chat.")
+    if path in ("input", "text", "token_ids", "chat"):  # the prompt
+        return "messages" if request.kind is Kind.CHAT else "prompt"
+    return None
+
+
+def router_error(exc: KvmeshError, request: ParsedRequest) -> KvmeshError:
+    """A router error about ``request`` as the OpenAI error: an INVALID_ARGUMENT naming a field
+    becomes a ``BadRequest`` naming the parameter (the error body's ``param``)."""
+    path = exc.field if isinstance(exc, InvalidArgument) else None
+    param = param_of(path, request) if path else None
+    return BadRequest(str(exc), param) if param is not None else exc
 
 
 # ---- responses -------------------------------------------------------------------------------
