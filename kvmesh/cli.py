@@ -94,6 +94,15 @@ def _add_mesh_flags(p: argparse.ArgumentParser, default_port: int) -> None:
         "--etcd", default="", help="etcd endpoints host:port,...; empty starts a local etcd"
     )
     p.add_argument("--cluster", default="default", help="etcd cluster name")
+    p.add_argument(
+        "--policy",
+        type=policy_arg,
+        default=None,
+        metavar="NAME|FILE.yaml",
+        help=f"the router's scheduler profile, as kvmesh router --policy: one of "
+        f"{', '.join(sorted(_policies()))}, or a profile YAML file (default: the router's, "
+        "precise-sticky)",
+    )
     p.add_argument("--max-model-len", type=int, default=4096, help="context length in tokens")
     p.add_argument(
         "--kv-cache-bytes", type=int, default=256 << 20, help="KV cache per worker, bytes"
@@ -128,6 +137,28 @@ def _add_mesh_flags(p: argparse.ArgumentParser, default_port: int) -> None:
         "https://host:port (default: OTEL_EXPORTER_OTLP_ENDPOINT from the environment)",
     )
     p.set_defaults(mesh_parser=p)
+
+
+def _policies() -> dict[str, str]:
+    from services.router.core.routing import POLICIES  # the router's own registry of profiles
+
+    return POLICIES
+
+
+def policy_arg(value: str) -> str:
+    """``--policy``: a built-in profile name (the router's registry), or an existing profile
+    file, made absolute."""
+    if value.endswith((".yaml", ".yml")):
+        path = Path(value)
+        if not path.is_file():
+            raise argparse.ArgumentTypeError(f"no profile file {value!r}")
+        return str(path.resolve())
+    if value not in _policies():
+        raise argparse.ArgumentTypeError(
+            f"unknown profile {value!r}; choose one of {', '.join(sorted(_policies()))} or give "
+            "a profile file (.yaml)"
+        )
+    return value
 
 
 def check_tracing(
@@ -185,6 +216,17 @@ def _describe_tracing(spec) -> str:  # type: ignore[no-untyped-def]
     return f"  traces  otlp: {spec.otlp_endpoint or 'the OTEL_EXPORTER_OTLP_* environment'}\n"
 
 
+def describe_metrics(mesh) -> str:  # type: ignore[no-untyped-def]
+    """Each child's Prometheus endpoint, as its ready line says (``metrics=``)."""
+    children = [c for c in (mesh.router, mesh.kvmanager, *mesh.workers) if c is not None]
+    urls = [(c.name, c.ready["metrics"]) for c in children if c.ready.get("metrics")]
+    if not urls:
+        return ""
+    width = max(len(name) for name, _ in urls)
+    lines = [f"{name:<{width}}  {url}" for name, url in urls]
+    return "  metrics " + "\n          ".join(lines) + "\n"
+
+
 def _mesh_spec(a: argparse.Namespace):  # type: ignore[no-untyped-def]
     from kvmesh.launcher import MeshSpec
 
@@ -197,6 +239,7 @@ def _mesh_spec(a: argparse.Namespace):  # type: ignore[no-untyped-def]
         decode_workers=a.decode,
         router_port=a.port,
         router_http_port=a.http_port,
+        router_policy=a.policy or "",
         etcd_endpoints=tuple(e for e in a.etcd.split(",") if e),
         cluster=a.cluster,
         max_model_len=a.max_model_len,
@@ -235,6 +278,7 @@ def cmd_up(a: argparse.Namespace) -> int:
         f"  etcd    {','.join(mesh.etcd_endpoints)}\n"
         f"  workers {', '.join(w.ready.get('address', '?') for w in mesh.workers)}\n"
         f"  logs    {mesh.log_dir}\n"
+        f"{describe_metrics(mesh)}"
         f"{_describe_tracing(spec)}"
         "Ctrl-C stops everything.",
         flush=True,

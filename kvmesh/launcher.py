@@ -43,6 +43,7 @@ class MeshSpec:
     router_host: str = "127.0.0.1"
     router_port: int = 0  # 0: the OS picks
     router_http_port: int = 0  # the router's OpenAI-compatible HTTP port; 0: the OS picks
+    router_policy: str = ""  # the router's --policy (profile name or YAML); empty: its default
     etcd_endpoints: tuple[str, ...] = ()  # empty: start a local etcd child
     cluster: str = "default"
     max_model_len: int = 4096
@@ -180,6 +181,7 @@ class Mesh:
             "--http-port", str(spec.router_http_port),
             "--cluster", spec.cluster,
             "--etcd", ",".join(self.etcd_endpoints),
+            *(["--policy", spec.router_policy] if spec.router_policy else []),
             *self.trace_args(),
             *spec.router_args,
             *extra_args,
