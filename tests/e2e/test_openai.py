@@ -150,8 +150,14 @@ async def test_errors_map(aclient: openai.AsyncOpenAI, stream: bool):
     with pytest.raises(openai.BadRequestError) as n2:
         await aclient.chat.completions.create(model="tiny", messages=HI, n=2, stream=stream)
     assert n2.value.body["param"] == "n"  # type: ignore[index]
-    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+    with pytest.raises(openai.BadRequestError, match="max_tokens") as long:
         await aclient.completions.create(model="tiny", prompt="x", max_tokens=5000, stream=stream)
+    assert long.value.body["param"] == "max_tokens"  # type: ignore[index]  # found by the router
+    with pytest.raises(openai.BadRequestError) as hot:
+        await aclient.chat.completions.create(
+            model="tiny", messages=HI, temperature=2.5, stream=stream
+        )
+    assert hot.value.body["param"] == "temperature"  # type: ignore[index]
 
 
 async def test_agent_loop_cached_tokens_rise(aclient: openai.AsyncOpenAI):
