@@ -1,0 +1,1 @@
+"""``kvmesh bench serve``: kvmesh against plain ``vllm serve`` under vLLM's own load client."""
