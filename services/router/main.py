@@ -17,7 +17,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvmesh import __version__, errors
 from kvmesh.discovery.etcd import PrefixWatcher, Registrar
-from kvmesh.discovery.hosts import WILDCARD_HOSTS, advertised_host
+from kvmesh.discovery.hosts import advertised_host
 from kvmesh.discovery.keys import RouterRecord, kvmanagers_prefix, router_key, workers_prefix
 from kvmesh.metrics import MetricsServer, serve_metrics
 from kvmesh.telemetry import Exporter, server_interceptors, setup_logging, setup_tracing
@@ -33,6 +33,7 @@ from .core.routing import POLICIES, make_policy
 from .core.workers import Change, WorkerSet
 from .hashing import PromptHasher
 from .http import OpenAIServer
+from .http.backend import InProcessRouterBackend
 from .kvsync import KvEventSync
 from .metrics import RouterMetrics
 from .pool import WorkerPool
@@ -180,16 +181,16 @@ async def start_router(config: RouterConfig) -> RunningRouter:
     )
     http = None
     if config.http_port >= 0:
-        # The front door speaks to this router's own gRPC API on loopback.
-        dial = "127.0.0.1" if config.host in (*WILDCARD_HOSTS, "localhost") else config.host
+        # The front door calls this router's servicer in-process (no loopback gRPC hop).
         http = OpenAIServer(
-            f"{dial}:{port}",
+            "",
             config.http_host,
             config.http_port,
             api_keys=config.api_keys or None,
             max_body_bytes=config.http_max_body_bytes,
             request_timeout_s=config.default_timeout_s,
             metrics=metrics,
+            backend=InProcessRouterBackend(servicer),
         )
         await http.start()
     for name in ("", SERVICE_NAME):
@@ -340,6 +341,13 @@ def parse_args(argv: list[str] | None) -> RouterConfig:
         help="give a worker up (retry elsewhere) when it sends no token for this long "
         "(default %(default)s)",
     )
+    p.add_argument(
+        "--no-worker-mux",
+        dest="worker_mux",
+        action="store_false",
+        help="one Worker.Generate call per request instead of one Worker.GenerateMany stream "
+        "per worker with outputs batched per engine step (for comparison)",
+    )
     p.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes)
     p.add_argument("--drain-grace-s", type=float, default=d.drain_grace_s)
     p.add_argument(
@@ -413,6 +421,7 @@ def parse_args(argv: list[str] | None) -> RouterConfig:
         tokenizer_overrides=overrides,
         default_timeout_s=a.default_timeout_s,
         first_token_timeout_s=a.first_token_timeout_s,
+        worker_mux=a.worker_mux,
         max_request_bytes=a.max_request_bytes,
         drain_grace_s=a.drain_grace_s,
         http_host=a.http_host,

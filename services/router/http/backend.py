@@ -1,18 +1,25 @@
 """How the HTTP front door reaches the router: a small protocol, and its gRPC implementation on
-a channel it owns. An in-process implementation (calling the servicer directly) can replace it
-without touching the HTTP side. Implementations raise domain errors (``kvmesh.errors``), never
+a channel it owns (for a front door in another process), and the in-process one the router
+serves HTTP with (calling its servicer directly). Implementations raise domain errors (``kvmesh.errors``), never
 transport errors."""
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import AsyncGenerator
 from typing import Protocol
 
 import grpc
+from opentelemetry import context as otel_context
+from opentelemetry import trace
 
 from kvmesh import errors
 from kvmesh.grpc_errors import await_status, from_rpc_error
+from kvmesh.telemetry import tracer
 from kvmesh.v1 import router_pb2, router_pb2_grpc
+
+_tracer = tracer(__name__)
+GENERATE_SPAN = "/kvmesh.v1.Router/Generate"  # the name the gRPC API's server span has
 
 
 class RouterBackend(Protocol):
@@ -70,3 +77,62 @@ class GrpcRouterBackend:
 
     async def close(self) -> None:
         await self._channel.close()
+
+
+class RouterStream(Protocol):
+    """What ``InProcessRouterBackend`` calls: ``services.router.servicer.RouterServicer``."""
+
+    def stream(
+        self, request: router_pb2.GenerateRequest, rid: str, time_remaining_s: float | None
+    ) -> AsyncGenerator[router_pb2.GenerateResponse, None]: ...
+
+    def models(self) -> router_pb2.ListModelsResponse: ...
+
+
+class InProcessRouterBackend:
+    """The router's own servicer, called in its process: what ``kvmesh router`` serves HTTP
+    with. No loopback gRPC hop: per streamed chunk it saves a protobuf encode and decode and
+    two passes through gRPC's stack (the router's CPU per token, see BENCHMARKS.md). Each
+    request gets a server span of its own (``Router/Generate``, as the gRPC API's)."""
+
+    def __init__(self, servicer: RouterStream) -> None:
+        self._servicer = servicer
+
+    async def generate(
+        self, request: router_pb2.GenerateRequest, timeout_s: float
+    ) -> AsyncGenerator[router_pb2.GenerateResponse, None]:
+        rid = request.request_id or uuid.uuid4().hex
+        span = _tracer.start_span(GENERATE_SPAN, kind=trace.SpanKind.SERVER)
+        ctx = trace.set_span_in_context(span)
+        # The span is current only while the servicer runs (around each step), never across a
+        # yield: the consumer's context stays its own.
+        chunks = self._servicer.stream(request, rid, timeout_s)
+        failure: BaseException | None = None
+        try:
+            while True:
+                token = otel_context.attach(ctx)
+                try:
+                    chunk = await anext(chunks)
+                except StopAsyncIteration:
+                    break
+                finally:
+                    otel_context.detach(token)
+                yield chunk
+        except BaseException as exc:
+            failure = exc
+            raise
+        finally:
+            token = otel_context.attach(ctx)
+            try:
+                await chunks.aclose()
+            finally:
+                otel_context.detach(token)
+                if isinstance(failure, errors.KvmeshError):
+                    span.set_status(trace.Status(trace.StatusCode.ERROR, type(failure).__name__))
+                span.end()
+
+    async def list_models(self, timeout_s: float) -> router_pb2.ListModelsResponse:
+        return self._servicer.models()
+
+    async def close(self) -> None:
+        pass
