@@ -39,15 +39,25 @@ async def abort_with(
 ) -> None:
     """Ends the call with the status for ``exc``. Unexpected errors become INTERNAL with the
     request id and no stack trace on the wire (the trace goes to the log)."""
+    code, message = status_of(exc, request_id)
+    field = field_of(exc)
+    await context.abort(code, message, ((FIELD_KEY, field),) if field else ())
+
+
+def field_of(exc: BaseException) -> str:
+    """The request field an ``InvalidArgument`` names (``sampling.temperature``), or ""."""
+    field = getattr(exc, "field", None)
+    return field if isinstance(field, str) else ""
+
+
+def status_of(exc: BaseException, request_id: str = "") -> tuple[grpc.StatusCode, str]:
+    """The status code and message that ``exc`` is sent as (``abort_with``, and the per-request
+    ends of a ``GenerateMany`` stream); an unexpected error is logged with its trace."""
     code = status_for(exc)
     if code is grpc.StatusCode.INTERNAL:
         log.exception("internal error request_id=%s", request_id, exc_info=exc)
-        message = f"internal error (request_id={request_id}); see the service log"
-    else:
-        message = str(exc)
-    field = getattr(exc, "field", None)
-    trailers = ((FIELD_KEY, field),) if isinstance(field, str) and field else ()
-    await context.abort(code, message, trailers)
+        return code, f"internal error (request_id={request_id}); see the service log"
+    return code, str(exc)
 
 
 def from_rpc_error(exc: grpc.aio.AioRpcError) -> errors.KvmeshError | None:

@@ -53,6 +53,49 @@ class WorkerGenerateResponse(_message.Message):
     finished: _common_pb2.Finished
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[_Union[_common_pb2.Finished, _Mapping]] = ...) -> None: ...
 
+class WorkerStreamIn(_message.Message):
+    __slots__ = ("call", "generate", "abort", "timeout_s", "trace_context")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    CALL_FIELD_NUMBER: _ClassVar[int]
+    GENERATE_FIELD_NUMBER: _ClassVar[int]
+    ABORT_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    call: int
+    generate: WorkerGenerateRequest
+    abort: bool
+    timeout_s: float
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, call: _Optional[int] = ..., generate: _Optional[_Union[WorkerGenerateRequest, _Mapping]] = ..., abort: bool = ..., timeout_s: _Optional[float] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class WorkerStreamOut(_message.Message):
+    __slots__ = ("outputs", "output_calls", "ends")
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_CALLS_FIELD_NUMBER: _ClassVar[int]
+    ENDS_FIELD_NUMBER: _ClassVar[int]
+    outputs: _containers.RepeatedCompositeFieldContainer[WorkerGenerateResponse]
+    output_calls: _containers.RepeatedScalarFieldContainer[int]
+    ends: _containers.RepeatedCompositeFieldContainer[WorkerStreamEnd]
+    def __init__(self, outputs: _Optional[_Iterable[_Union[WorkerGenerateResponse, _Mapping]]] = ..., output_calls: _Optional[_Iterable[int]] = ..., ends: _Optional[_Iterable[_Union[WorkerStreamEnd, _Mapping]]] = ...) -> None: ...
+
+class WorkerStreamEnd(_message.Message):
+    __slots__ = ("call", "code", "message", "field")
+    CALL_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    FIELD_FIELD_NUMBER: _ClassVar[int]
+    call: int
+    code: int
+    message: str
+    field: str
+    def __init__(self, call: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., field: _Optional[str] = ...) -> None: ...
+
 class GetLoadRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

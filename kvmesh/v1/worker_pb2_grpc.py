@@ -40,6 +40,11 @@ class WorkerStub(object):
                 request_serializer=kvmesh_dot_v1_dot_worker__pb2.WorkerGenerateRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_worker__pb2.WorkerGenerateResponse.FromString,
                 _registered_method=True)
+        self.GenerateMany = channel.stream_stream(
+                '/kvmesh.v1.Worker/GenerateMany',
+                request_serializer=kvmesh_dot_v1_dot_worker__pb2.WorkerStreamIn.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_worker__pb2.WorkerStreamOut.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/kvmesh.v1.Worker/Abort',
                 request_serializer=kvmesh_dot_v1_dot_common__pb2.AbortRequest.SerializeToString,
@@ -73,6 +78,16 @@ class WorkerServicer(object):
     def Generate(self, request, context):
         """Generates from token ids, streaming new tokens as the engine produces them. Cancelling the
         call aborts the request inside the engine. Same status codes as Router.Generate.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateMany(self, request_iterator, context):
+        """Many requests on one stream: the router's data path. Requests and aborts go up; the outputs
+        of this stream's requests come down batched, one message per engine step rather than one
+        per request per token. A request ends with one entry in `ends` (OK or its error); the
+        stream breaking ends all of its requests (the router treats that as UNAVAILABLE).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -125,6 +140,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=kvmesh_dot_v1_dot_worker__pb2.WorkerGenerateRequest.FromString,
                     response_serializer=kvmesh_dot_v1_dot_worker__pb2.WorkerGenerateResponse.SerializeToString,
+            ),
+            'GenerateMany': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateMany,
+                    request_deserializer=kvmesh_dot_v1_dot_worker__pb2.WorkerStreamIn.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_worker__pb2.WorkerStreamOut.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -179,6 +199,33 @@ class Worker(object):
             '/kvmesh.v1.Worker/Generate',
             kvmesh_dot_v1_dot_worker__pb2.WorkerGenerateRequest.SerializeToString,
             kvmesh_dot_v1_dot_worker__pb2.WorkerGenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateMany(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvmesh.v1.Worker/GenerateMany',
+            kvmesh_dot_v1_dot_worker__pb2.WorkerStreamIn.SerializeToString,
+            kvmesh_dot_v1_dot_worker__pb2.WorkerStreamOut.FromString,
             options,
             channel_credentials,
             insecure,

@@ -35,6 +35,10 @@ class RouterConfig:
     # wait for the prefill) is given up for the request: hung, or stuck behind a queue. The
     # request goes to another worker (within max_retries), else UNAVAILABLE.
     first_token_timeout_s: float = 300.0
+    # The data path to each worker: one Worker.GenerateMany stream carrying all its requests,
+    # outputs batched per engine step (services/router/mux.py); False: a Worker.Generate call
+    # per request (one gRPC message per request per token).
+    worker_mux: bool = True
     load_interval_s: float = 0.25  # WatchLoad push interval asked of workers
     worker_call_timeout_s: float = 5.0  # deadline of unary calls to workers (Abort)
     drain_grace_s: float = 10.0  # on SIGTERM, time given to in-flight streams

@@ -15,6 +15,7 @@ from kvmesh.v1 import worker_pb2, worker_pb2_grpc
 from .connections import ConnectionMap
 from .core.types import LoadSnapshot
 from .core.workers import Change, WorkerSet
+from .mux import WorkerMux
 
 log = logging.getLogger(__name__)
 
@@ -39,12 +40,18 @@ class WorkerPool:
             task = asyncio.create_task(
                 self._watch_load(rec.worker_id, channel), name=f"load-{rec.worker_id}"
             )
-            self._conns.put(rec.worker_id, rec.address, _Conn(channel, task))
+            mux = WorkerMux(worker_pb2_grpc.WorkerStub(channel), rec.worker_id)
+            self._conns.put(rec.worker_id, rec.address, _Conn(channel, task, mux))
             log.info("worker %s at %s joined", rec.worker_id, rec.address)
 
     def stub(self, worker_id: WorkerId) -> worker_pb2_grpc.WorkerStub | None:
         conn = self._conns.get(worker_id)
         return worker_pb2_grpc.WorkerStub(conn.channel) if conn else None
+
+    def mux(self, worker_id: WorkerId) -> WorkerMux | None:
+        """The worker's ``GenerateMany`` data path (one stream for all requests)."""
+        conn = self._conns.get(worker_id)
+        return conn.mux if conn else None
 
     def _drop(self, worker_id: WorkerId) -> None:
         address = self._conns.address(worker_id)
@@ -75,6 +82,7 @@ class WorkerPool:
 class _Conn:
     channel: grpc.aio.Channel
     load_task: asyncio.Task[None]
+    mux: WorkerMux
 
 
 async def _close_later(conn: _Conn) -> None:
@@ -82,6 +90,7 @@ async def _close_later(conn: _Conn) -> None:
     conn.load_task.cancel()
     await asyncio.gather(conn.load_task, return_exceptions=True)
     await conn.channel.close(grace=5.0)
+    await conn.mux.close()
 
 
 def load_from_pb(msg: worker_pb2.WorkerLoad) -> LoadSnapshot:

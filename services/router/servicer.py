@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -17,7 +18,7 @@ from kvmesh.discovery.keys import WorkerId
 from kvmesh.grpc_errors import abort_with, await_status, from_rpc_error, status_for
 from kvmesh.sampling import check_prompt, check_sampling, sampling_from_pb
 from kvmesh.telemetry import tracer
-from kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2
+from kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 from .config import RouterConfig
 from .core import validation
@@ -30,6 +31,7 @@ from .core.workers import ModelSummary, WorkerSet
 from .disagg import Fallback, decode_failed, handoff_source, run_prefill
 from .hashing import PromptHasher
 from .metrics import RouterMetrics
+from .mux import MuxCall
 from .pool import WorkerPool
 from .tokenizer import Tokenizers, template_input
 
@@ -94,14 +96,30 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def Generate(
         self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[router_pb2.GenerateResponse]:
-        arrived = time.monotonic()
         rid = request.request_id or uuid.uuid4().hex
-        # The request's span: the RPC's server span (kvmesh.telemetry.ServerSpans), the trace's
-        # root unless the client sent a trace context.
+        try:
+            async for chunk in self.stream(request, rid, context.time_remaining()):
+                yield chunk
+        except errors.KvmeshError as exc:
+            await abort_with(context, exc, rid)
+
+    async def stream(
+        self,
+        request: router_pb2.GenerateRequest,
+        rid: str,
+        time_remaining_s: float | None,
+    ) -> AsyncIterator[router_pb2.GenerateResponse]:
+        """One request, transport-free: what ``Generate`` serves over gRPC and what the HTTP
+        front door calls in-process (``http.backend.InProcessRouterBackend``). Raises domain
+        errors; closing the generator early cancels the worker call (the engine aborts)."""
+        arrived = time.monotonic()
+        # The request's span: the RPC's server span (kvmesh.telemetry.ServerSpans), or the HTTP
+        # front door's; the trace's root unless the client sent a trace context.
         request_span = trace.get_current_span()
         request_span.set_attribute("request_id", rid)
         model_name = ""
         code = "OK"
+        finished = False  # the final chunk was handed out
         try:
             if rid in self._active:
                 raise errors.InvalidArgument(
@@ -131,15 +149,21 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 priority=request.priority,
                 block_hashes=hashed.hashes,
             )
-            async for chunk in self._proxy(route, request.sampling, context, arrived):
-                yield chunk
+            chunks = self._proxy(route, request.sampling, time_remaining_s, arrived)
+            async with contextlib.aclosing(chunks):
+                async for chunk in chunks:
+                    finished = chunk.HasField("finished")
+                    yield chunk
         except errors.KvmeshError as exc:
             code = status_for(exc).name
             log.info("request %s rejected: %s: %s", rid, type(exc).__name__, exc)
-            await abort_with(context, exc, rid)
-        except asyncio.CancelledError:
-            code = "CANCELLED"
-            log.info("request %s cancelled by the client", rid)
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            # A caller that stops reading after the final chunk (the HTTP front door) ends a
+            # finished request: that is OK, not a cancel.
+            if not finished:
+                code = "CANCELLED"
+                log.info("request %s cancelled by the client", rid)
             raise
         except Exception:
             code = "INTERNAL"
@@ -190,12 +214,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self,
         route: RouteRequest,
         sampling: common_pb2.SamplingParams,
-        context: grpc.aio.ServicerContext,
+        time_remaining_s: float | None,
         arrived: float,
     ) -> AsyncIterator[router_pb2.GenerateResponse]:
         overlap = _Overlap()
         try:
-            async for out in self._proxy_loop(route, sampling, context, arrived, overlap):
+            async for out in self._proxy_loop(route, sampling, time_remaining_s, arrived, overlap):
                 yield out
         finally:
             if overlap.task is not None and not overlap.task.done():
@@ -205,13 +229,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self,
         route: RouteRequest,
         sampling: common_pb2.SamplingParams,
-        context: grpc.aio.ServicerContext,
+        time_remaining_s: float | None,
         arrived: float,
         overlap: _Overlap,
     ) -> AsyncIterator[router_pb2.GenerateResponse]:
-        remaining = context.time_remaining()
         deadline = arrived + (
-            remaining if remaining is not None else self._config.default_timeout_s
+            time_remaining_s if time_remaining_s is not None else self._config.default_timeout_s
         )
         tried: set[WorkerId] = set()
         last_failure = ""
@@ -278,14 +301,16 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             self._active[route.request_id] = _Active(decision.worker_id)
             self._workers.started(decision.worker_id)
             self._policy.on_routed(route, decision)
-            call = stub.Generate(
+            call = self._call_worker(
+                decision.worker_id,
+                stub,
                 worker_pb2.WorkerGenerateRequest(
                     request_id=route.request_id,
                     prompt_token_ids=route.prompt_token_ids,
                     sampling=sampling,
                     kv_source=handoff if handoff is not None else kv_source_pb(peer),
                 ),
-                timeout=max(deadline - time.monotonic(), 0.001),
+                max(deadline - time.monotonic(), 0.001),
             )
             try:
                 first_token_s = self._config.first_token_timeout_s
@@ -373,6 +398,20 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 self._workers.finished(decision.worker_id)
                 self._policy.on_finished(route, decision.worker_id)
                 self._active.pop(route.request_id, None)
+
+    def _call_worker(
+        self,
+        wid: WorkerId,
+        stub: worker_pb2_grpc.WorkerStub,
+        request: worker_pb2.WorkerGenerateRequest,
+        timeout_s: float,
+    ) -> MuxCall | grpc.aio.UnaryStreamCall:
+        """The worker call of one request: on the worker's ``GenerateMany`` stream (outputs
+        batched per engine step), or its own ``Generate`` call (``--no-worker-mux``)."""
+        mux = self._pool.mux(wid) if self._config.worker_mux else None
+        if mux is not None:
+            return mux.generate(request, timeout_s)
+        return stub.Generate(request, timeout=timeout_s)
 
     def _start_prefill(
         self,
@@ -500,6 +539,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def ListModels(
         self, request: router_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> router_pb2.ListModelsResponse:
+        return self.models()
+
+    def models(self) -> router_pb2.ListModelsResponse:
+        """The served models (``ListModels``; the HTTP front door's ``/v1/models``)."""
         return router_pb2.ListModelsResponse(
             models=[
                 router_pb2.ModelInfo(

@@ -175,7 +175,37 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self, request: worker_pb2.WorkerGenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.WorkerGenerateResponse]:
         rid = request.request_id
-        metrics = self.metrics
+        try:
+            req = self.admit(request)
+        except errors.KvmeshError as exc:
+            await abort_with(context, exc, rid)
+            return
+        token = object()
+        self._start(rid, token)
+        context.add_done_callback(lambda _ctx: self._on_rpc_done(rid, token))
+        try:
+            async for msg in self.outputs(req):
+                yield msg
+        except Exception as exc:  # domain errors with their code; anything else INTERNAL
+            await abort_with(context, exc, rid)
+        finally:
+            self._finish(rid, token)
+
+    async def GenerateMany(
+        self,
+        requests: AsyncIterator[worker_pb2.WorkerStreamIn],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[worker_pb2.WorkerStreamOut]:
+        """Many requests on one stream, outputs batched (``mux.WorkerStreamServer``)."""
+        from .mux import WorkerStreamServer
+
+        async for batch in WorkerStreamServer(self).serve(requests):
+            yield batch
+
+    def admit(self, request: worker_pb2.WorkerGenerateRequest) -> GenerateRequest:
+        """The request as a core value, if this worker takes it; else a domain error (counted
+        and logged)."""
+        rid = request.request_id
         try:
             if self.draining:
                 raise errors.Unavailable("worker is draining; retry on another worker")
@@ -187,12 +217,19 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 )
         except errors.KvmeshError as exc:
             log.info("rejected request_id=%s: %s", rid, exc)
-            metrics.ended(status_for(exc).name)
-            await abort_with(context, exc, rid)
-            return
-        token = object()
-        self._start(rid, token)
-        context.add_done_callback(lambda _ctx: self._on_rpc_done(rid, token))
+            self.metrics.ended(status_for(exc).name)
+            raise
+        return req
+
+    async def outputs(
+        self, req: GenerateRequest
+    ) -> AsyncIterator[worker_pb2.WorkerGenerateResponse]:
+        """One admitted request's messages, transport-free: what ``Generate`` streams and what
+        ``GenerateMany`` batches. Counts metrics; raises domain errors (unexpected ones are
+        logged with the request id). Closing it early aborts the request in the engine. The
+        caller tracks the request as in flight (``_start`` / ``_finish``)."""
+        rid = req.request_id
+        metrics = self.metrics
         started = time.monotonic()
         log.debug("generate request_id=%s prompt_tokens=%d", rid, len(req.prompt_token_ids))
         last: OutputDelta | None = None
@@ -221,21 +258,21 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                             "peer": split.peer,
                         },
                     )
+                    code = "OK"  # a caller that stops reading after this has nothing to cancel
                 yield response_to_pb(delta, self._worker_id)
             code = "OK"
         except errors.KvmeshError as exc:
             log.info("request_id=%s failed: %s", rid, exc)
             code = status_for(exc).name
-            await abort_with(context, exc, rid)
+            raise
         except asyncio.CancelledError:
             log.info("request_id=%s cancelled by the client or its deadline", rid)
             raise
-        except Exception as exc:  # unexpected: INTERNAL with the request id, trace in the log
+        except Exception:
             code = "INTERNAL"
-            await abort_with(context, exc, rid)
+            raise
         finally:
             metrics.ended(code)
-            self._finish(rid, token)
             if last is not None and last.finish is not None:
                 log.info(
                     "finished request_id=%s reason=%s prompt_tokens=%d cached_tokens=%d "
