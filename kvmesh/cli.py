@@ -124,6 +124,13 @@ def _add_mesh_flags(p: argparse.ArgumentParser, default_port: int) -> None:
         "--log-dir", type=Path, default=None, help="where child logs go (default: a temp dir)"
     )
     p.add_argument(
+        "--no-cpu-binding",
+        action="store_true",
+        help="do not give each engine cores of its own (default: engines' compute threads are "
+        "bound to their cores and one core is kept for router, kvmanager and front ends when "
+        "there are enough; docs/architecture.md)",
+    )
+    p.add_argument(
         "--trace-exporter",
         default="none",
         choices=TRACE_EXPORTERS,
@@ -249,6 +256,7 @@ def _mesh_spec(a: argparse.Namespace):  # type: ignore[no-untyped-def]
         kvmanager_disk_bytes=a.kvmanager_disk_bytes,
         trace_exporter=a.trace_exporter,
         otlp_endpoint=a.otlp_endpoint,
+        bind_cpus=not a.no_cpu_binding,
     )
 
 

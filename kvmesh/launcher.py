@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvmesh.cpus import available_cpus, format_cpu_list, plan_cpus
 from kvmesh.etcd_server import LocalEtcd
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,9 @@ class MeshSpec:
     # each names itself (service.name kvmesh-router, kvmesh-worker, kvmesh-kvmanager).
     trace_exporter: str = "none"  # none, console or otlp (kvmesh.telemetry.Exporter)
     otlp_endpoint: str = ""  # the collector, with otlp; empty: the children's OTEL_* environment
+    # Give every engine cores of its own and keep one for the router, the kvmanager and the
+    # workers' front ends when there are enough (kvmesh/cpus.py); False: no binding at all.
+    bind_cpus: bool = True
 
 
 @dataclass
@@ -85,6 +89,9 @@ class Mesh:
         self.workers: list[Child] = []
         self.router: Child | None = None
         self.kvmanager: Child | None = None
+        self.cpu_plan = (
+            plan_cpus(available_cpus(), len(self.worker_roles())) if spec.bind_cpus else None
+        )
 
     # ---- lifecycle ------------------------------------------------------------------------
     def __enter__(self) -> Mesh:
@@ -154,6 +161,17 @@ class Mesh:
             *(["--otlp-endpoint", endpoint] if endpoint else []),
         ]  # fmt: skip
 
+    def cpu_args(self, name: str) -> list[str]:
+        """A worker's --compute-cpus / --service-cpus from the mesh's CPU plan."""
+        plan = self.cpu_plan
+        names = [n for n, _ in self.worker_roles()]
+        if plan is None or name not in names:
+            return []
+        args = ["--compute-cpus", format_cpu_list(plan.engines[names.index(name)])]
+        if plan.services:
+            args += ["--service-cpus", format_cpu_list(plan.services)]
+        return args
+
     def start_worker(self, name: str, extra_args: Sequence[str] = ()) -> Child:
         spec = self.spec
         args = [
@@ -167,6 +185,7 @@ class Mesh:
             *(["--served-model-name", spec.served_model_name] if spec.served_model_name else []),
             *(["--kvmanager", self.kvmanager.ready["address"]] if self.kvmanager else []),
             *self.trace_args(),
+            *self.cpu_args(name),
             *spec.worker_args,
             *extra_args,
         ]  # fmt: skip
@@ -186,7 +205,7 @@ class Mesh:
             *spec.router_args,
             *extra_args,
         ]  # fmt: skip
-        return self._spawn(name, "services.router.main", args, ROUTER_READY)
+        return self._pinned(self._spawn(name, "services.router.main", args, ROUTER_READY))
 
     def start_kvmanager(self, name: str = "kvmanager") -> Child:
         spec = self.spec
@@ -208,7 +227,15 @@ class Mesh:
             *self.trace_args(),
             *spec.kvmanager_args,
         ]  # fmt: skip
-        return self._spawn(name, "services.kvmanager.main", args, KVMANAGER_READY)
+        return self._pinned(self._spawn(name, "services.kvmanager.main", args, KVMANAGER_READY))
+
+    def _pinned(self, child: Child) -> Child:
+        """Keeps a service off the engines' cores (its threads inherit the first one's)."""
+        plan = self.cpu_plan
+        if plan is not None and plan.services:
+            with contextlib.suppress(ProcessLookupError):
+                os.sched_setaffinity(child.proc.pid, plan.services)
+        return child
 
     def restart_router(self) -> None:
         """Stops the router (SIGTERM, drain) and starts a new one in its place."""

@@ -34,6 +34,12 @@ class EngineConfig:
     kv_events_config: Mapping[str, Any] | None = None
     kv_transfer_config: Mapping[str, Any] | None = None  # vLLM KVTransferConfig fields (connector)
     engine_extra: Mapping[str, Any] | None = None  # more vLLM EngineArgs fields, passed unchanged
+    # Cores the engine's compute (OpenMP) threads are bound to, one thread per core (kvmesh/cpus.py);
+    # empty: no binding (torch's default: one unbound thread per core of the machine).
+    compute_cpus: tuple[int, ...] = ()
+    # Cores for everything else of this worker (its gRPC front end, the engine's helper threads);
+    # empty: anywhere. `kvmesh up` plans both so that engines and services do not share cores.
+    service_cpus: tuple[int, ...] = ()
 
     @property
     def model_name(self) -> str:

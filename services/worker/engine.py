@@ -32,7 +32,7 @@ import logging
 import os
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from typing import Any
 
 from opentelemetry import propagate
@@ -53,6 +53,7 @@ from vllm.v1.metrics.loggers import StatLoggerBase
 from vllm.v1.metrics.stats import IterationStats, MultiModalCacheStats, SchedulerStats
 
 from kvmesh import errors
+from kvmesh.cpus import format_cpu_list, omp_environment, pin_threads
 
 from .config import EngineConfig
 from .connector.kvmanager_client import TRACE_HEADERS, TRACE_PARAM
@@ -261,7 +262,9 @@ class VllmEngine:
             return stats
 
         try:
-            llm = AsyncLLM.from_engine_args(args, stat_loggers=[stats_factory])
+            # The engine core process starts here; its OpenMP threads bind as it starts.
+            with _environment(omp_environment(config.compute_cpus) if config.compute_cpus else {}):
+                llm = AsyncLLM.from_engine_args(args, stat_loggers=[stats_factory])
         except BaseException:
             await kv_events.close()
             raise
@@ -270,6 +273,18 @@ class VllmEngine:
             amx = await llm.collective_rpc("kvmesh_init_amx")
             await llm.collective_rpc("kvmesh_die_with_parent", args=(os.getpid(),))
             layouts = await llm.collective_rpc("kvmesh_kv_layout")
+            if config.compute_cpus and config.service_cpus:
+                moved = await llm.collective_rpc(
+                    "kvmesh_pin_helper_threads", args=(config.compute_cpus, config.service_cpus)
+                )
+                log.info(
+                    "engine compute threads on cores %s; its %s other threads and this "
+                    "process on cores %s",
+                    format_cpu_list(config.compute_cpus),
+                    moved[0] if moved else 0,
+                    format_cpu_list(config.service_cpus),
+                )
+                pin_threads(config.service_cpus)
             model_config = llm.model_config
             vocab = model_config.get_vocab_size()
             tokenizer = llm.tokenizer
@@ -465,6 +480,21 @@ class VllmEngine:
         # module globals are already gone ("'NoneType' object is not callable").
         llm.shutdown = _already_shut_down  # type: ignore[method-assign]
         await self._kv_events.close()
+
+
+@contextlib.contextmanager
+def _environment(values: Mapping[str, str]) -> Iterator[None]:
+    """``values`` in os.environ while a child process starts (it inherits them), then restored."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _already_shut_down(timeout: float | None = None) -> None:

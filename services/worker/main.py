@@ -53,6 +53,15 @@ def _json_object(text: str) -> dict[str, Any]:
     return value
 
 
+def _cpu_list(text: str) -> tuple[int, ...]:
+    from kvmesh.cpus import parse_cpu_list
+
+    try:
+        return parse_cpu_list(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
 def parse_args(argv: list[str] | None) -> WorkerConfig:
     from .connector import kv_transfer_config
 
@@ -96,6 +105,22 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
         "sockets in a temp dir)",
     )
     g.add_argument("--kv-transfer-config", type=_json_object, help="vLLM KVTransferConfig, JSON")
+    g.add_argument(
+        "--compute-cpus",
+        type=_cpu_list,
+        default=e.compute_cpus,
+        metavar="LIST",
+        help="cores for the engine's compute threads, one thread per core, e.g. 0-6 (default: "
+        "no binding); kvmesh up plans them per worker",
+    )
+    g.add_argument(
+        "--service-cpus",
+        type=_cpu_list,
+        default=e.service_cpus,
+        metavar="LIST",
+        help="cores for this worker's gRPC front end and the engine's other threads, e.g. 7 "
+        "(default: anywhere)",
+    )
     g.add_argument(
         "--kvmanager",
         default="",
@@ -145,6 +170,8 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
             max_num_seqs=a.max_num_seqs,
             seed=a.seed,
             core_drain_s=math.ceil(a.drain_grace_s),
+            compute_cpus=a.compute_cpus,
+            service_cpus=a.service_cpus,
             kv_events_config=a.kv_events_config,
             kv_transfer_config=(
                 kv_transfer_config(a.kvmanager, store="kvmanager")
