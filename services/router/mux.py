@@ -21,12 +21,29 @@ import logging
 from collections.abc import AsyncIterator
 
 import grpc
-from opentelemetry import propagate
+from opentelemetry import context as otel_context
+from opentelemetry import propagate, trace
 
 from kvmesh.grpc_errors import FIELD_KEY
+from kvmesh.telemetry import tracer
 from kvmesh.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
+_tracer = tracer(__name__)
+CALL_SPAN = "/kvmesh.v1.Worker/Generate"  # per request, as the unary call's client span
+_CALL_ATTRIBUTES = {
+    "rpc.system": "grpc",
+    "rpc.service": "kvmesh.v1.Worker",
+    "rpc.method": "Generate",
+}
+_SERVER_FAULTS = frozenset(
+    {
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.UNAVAILABLE,
+    }
+)
 
 _BACKSTOP_S = 2.0  # the router's own deadline timer fires this long after the worker's
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
@@ -40,9 +57,10 @@ def _rpc_error(code: grpc.StatusCode, details: str, field: str = "") -> grpc.aio
 class MuxCall:
     """One request on a ``GenerateMany`` stream (used like a unary-stream call)."""
 
-    def __init__(self, stream: _Stream, call: int) -> None:
+    def __init__(self, stream: _Stream, call: int, span: trace.Span) -> None:
         self._stream = stream
         self.call = call
+        self._span = span
         self._items: collections.deque[worker_pb2.WorkerGenerateResponse] = collections.deque()
         self._waiter: asyncio.Future[None] | None = None
         self._code: grpc.StatusCode | None = None
@@ -95,6 +113,10 @@ class MuxCall:
         if not self._ended.done():
             self._ended.set_result(code)
         self._stream.forget(self.call)
+        self._span.set_attribute("rpc.grpc.status_code", code.value[0])
+        if code in _SERVER_FAULTS:
+            self._span.set_status(trace.Status(trace.StatusCode.ERROR, code.name))
+        self._span.end()
         self._wake()
 
     def _expire(self) -> None:
@@ -127,10 +149,15 @@ class _Stream:
     def open(self, request: worker_pb2.WorkerGenerateRequest, timeout_s: float) -> MuxCall:
         number = self._next_call
         self._next_call += 1
-        call = MuxCall(self, number)
+        # The request's trace goes on through a client span of its own (the stream's is not
+        # any request's); its context rides the message (nothing when tracing is off).
+        span = _tracer.start_span(
+            CALL_SPAN, kind=trace.SpanKind.CLIENT, attributes=_CALL_ATTRIBUTES
+        )
+        call = MuxCall(self, number, span)
         self._calls[number] = call
         carrier: dict[str, str] = {}
-        propagate.inject(carrier)  # the request's trace context (nothing when tracing is off)
+        propagate.inject(carrier, context=trace.set_span_in_context(span))
         self._up.put_nowait(
             worker_pb2.WorkerStreamIn(
                 call=number, generate=request, timeout_s=timeout_s, trace_context=carrier
@@ -212,7 +239,12 @@ class WorkerMux:
     def generate(self, request: worker_pb2.WorkerGenerateRequest, timeout_s: float) -> MuxCall:
         stream = self._stream
         if stream is None or stream.broken:
-            stream = self._stream = _Stream(self._stub, self._worker_id)
+            # Opened outside the request's trace: the stream outlives it and serves others.
+            token = otel_context.attach(otel_context.Context())
+            try:
+                stream = self._stream = _Stream(self._stub, self._worker_id)
+            finally:
+                otel_context.detach(token)
         return stream.open(request, timeout_s)
 
     async def close(self) -> None:
