@@ -148,7 +148,18 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             f"| {r['failed']:.0f} | {'' if ratio is None else f'{ratio:.2f}x'} "
             f"| {'' if tratio is None else f'{tratio:.2f}x'} | {cpu} |"
         )
-    return head + "\n".join(lines) + "\n"
+    per_req = [
+        "",
+        "CPU per request, ms (router / worker / engine / kvmanager; vllm: api / engine):",
+        "",
+        "| target | api | load | ms per request |",
+        "|---|---|---|---|",
+    ]
+    for r in rows:
+        roles = ("vllm-api", "engine") if r["target"] == "vllm" else ROLES[:4]
+        cpu = " / ".join(f"{r.get(f'cpu_ms_per_req_{k}', 0):.1f}" for k in roles)
+        per_req.append(f"| {r['target']} | {r['frontend']} | {r['load']} | {cpu} |")
+    return head + "\n".join(lines) + "\n" + "\n".join(per_req) + "\n"
 
 
 def _rate(text: str) -> float:

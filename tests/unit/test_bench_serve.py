@@ -1,0 +1,88 @@
+"""kvmesh bench serve: the loads it asks vLLM's client for, and the table it prints."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from benchmarks.serve.cli import format_table, summarize, target_specs
+from benchmarks.serve.grpc_load import Outcome, metrics
+from benchmarks.serve.run import Load
+
+
+@pytest.mark.parametrize("dataset", ["random", "prefix_repetition"])
+def test_load_flags_parse_with_vllms_own_parser(dataset):
+    from vllm.benchmarks.serve import add_cli_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    load = Load(dataset=dataset, frontend="http", request_rate=4.0, num_prompts=12)
+    args = parser.parse_args(load.flags("tiny", Path("/models/tiny")))
+    assert (args.dataset_name, args.num_prompts, args.max_concurrency) == (dataset, 12, 8)
+    assert args.request_rate == 4.0 and args.ignore_eos and args.served_model_name == "tiny"
+    if dataset == "random":
+        assert (args.random_input_len, args.random_output_len) == (512, 128)
+    else:
+        assert args.prefix_repetition_num_prefixes == 10
+    inf = parser.parse_args(Load(dataset=dataset, frontend="http").flags("t", Path("/t")))
+    assert math.isinf(inf.request_rate)
+
+
+def _result(target, frontend, rps, ttft, cpu):
+    return {
+        "target": target,
+        "frontend": frontend,
+        "load": "random c=8 rate=inf",
+        "request_throughput": rps,
+        "output_throughput": rps * 128,
+        "mean_ttft_ms": ttft,
+        "median_ttft_ms": ttft,
+        "p99_ttft_ms": ttft,
+        "mean_tpot_ms": 10.0,
+        "completed": 48,
+        "failed": 0,
+        "total_output_tokens": 48 * 128,
+        "cpu_s": cpu,
+    }
+
+
+def test_summary_takes_medians_over_rounds_and_ratios_to_vllm_over_http():
+    results = [
+        _result("vllm", "http", 4.0, 100.0, {"vllm-api": 2.0, "engine": 8.0}),
+        _result("vllm", "http", 6.0, 80.0, {"vllm-api": 2.0, "engine": 8.0}),
+        _result("vllm", "http", 5.0, 90.0, {"vllm-api": 2.0, "engine": 8.0}),
+        _result("kvmesh-1", "grpc", 4.5, 99.0, {"router": 0.6144, "worker": 1.0, "engine": 8.0}),
+    ]
+    rows = {(r["target"], r["frontend"]): r for r in summarize(results)}
+    base, mesh = rows["vllm", "http"], rows["kvmesh-1", "grpc"]
+    assert base["rounds"] == 3 and base["request_throughput"] == 5.0
+    assert mesh["throughput_vs_vllm"] == pytest.approx(0.9)
+    assert mesh["ttft_p50_vs_vllm"] == pytest.approx(1.1)
+    assert mesh["cpu_us_per_token_router"] == pytest.approx(100.0)  # 0.6144 s / 6144 tokens
+    assert mesh["cpu_ms_per_req_worker"] == pytest.approx(1000 / 48)
+    table = format_table(summarize(results))
+    assert "| kvmesh-1 | grpc | random c=8 rate=inf | 4.50 |" in table and "0.90x" in table
+
+
+def test_grpc_metrics_are_computed_as_vllm_bench_serve_does():
+    ok = Outcome(ok=True, ttft_s=0.1, latency_s=1.1, output_tokens=11, itl_s=[0.1] * 10)
+    failed = Outcome(error="UNAVAILABLE: gone")
+    m = metrics([ok, ok, failed], duration_s=2.0)
+    assert (m["completed"], m["failed"], m["total_output_tokens"]) == (2, 1, 22)
+    assert m["request_throughput"] == 1.0 and m["output_throughput"] == 11.0
+    assert m["mean_ttft_ms"] == pytest.approx(100.0)
+    assert m["mean_tpot_ms"] == pytest.approx(100.0)  # (1.1 - 0.1) / (11 - 1)
+    assert m["errors"] == ["UNAVAILABLE: gone"]
+
+
+def test_targets_are_named_and_unknown_ones_refused():
+    specs = target_specs(["vllm", "kvmesh-n-rr"], workers=3, kvmanager_cpu_bytes=0)
+    assert [(s.label, s.kind, s.workers, s.policy) for s in specs] == [
+        ("vllm", "vllm", 1, ""),
+        ("kvmesh-3-rr", "kvmesh", 3, "round-robin"),
+    ]
+    with pytest.raises(SystemExit, match="unknown"):
+        target_specs(["sglang"], 2, 0)
