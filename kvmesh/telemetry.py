@@ -57,11 +57,17 @@ def setup_tracing(
     exporter: Exporter | str = Exporter.NONE,
     otlp_endpoint: str = "",
     extra_processor: SpanProcessor | None = None,
-) -> TracerProvider:
+) -> TracerProvider | None:
     """Installs the global tracer provider (``service`` is the ``service.name`` resource).
-    ``extra_processor`` lets tests add an in-memory exporter."""
-    provider = TracerProvider(resource=Resource.create({"service.name": service}))
+    ``extra_processor`` lets tests add an in-memory exporter. With nowhere for spans to go
+    (``none`` and no extra processor) nothing is installed: OpenTelemetry's default no-op
+    tracer then makes no span and propagates no context, so tracing off costs nothing per
+    request, per RPC or per KV block (an SDK provider without processors still records every
+    span: ids, attributes, timestamps, thrown away)."""
     processor = span_processor(exporter, otlp_endpoint)
+    if processor is None and extra_processor is None:
+        return None
+    provider = TracerProvider(resource=Resource.create({"service.name": service}))
     if processor is not None:
         provider.add_span_processor(processor)
     if extra_processor is not None:
