@@ -124,6 +124,13 @@ def _add_mesh_flags(p: argparse.ArgumentParser, default_port: int) -> None:
         "--log-dir", type=Path, default=None, help="where child logs go (default: a temp dir)"
     )
     p.add_argument(
+        "--router-processes",
+        type=int,
+        default=1,
+        help="router processes sharing the router's ports (SO_REUSEPORT), each with its own "
+        "KV index; one process uses one core (default %(default)s)",
+    )
+    p.add_argument(
         "--no-cpu-binding",
         action="store_true",
         help="do not give each engine cores of its own (default: engines' compute threads are "
@@ -257,6 +264,7 @@ def _mesh_spec(a: argparse.Namespace):  # type: ignore[no-untyped-def]
         trace_exporter=a.trace_exporter,
         otlp_endpoint=a.otlp_endpoint,
         bind_cpus=not a.no_cpu_binding,
+        router_processes=a.router_processes,
     )
 
 

@@ -67,6 +67,7 @@ class MeshSpec:
     # Give every engine cores of its own and keep one for the router, the kvmanager and the
     # workers' front ends when there are enough (kvmesh/cpus.py); False: no binding at all.
     bind_cpus: bool = True
+    router_processes: int = 1  # router processes sharing its ports (kvmesh router --processes)
 
 
 @dataclass
@@ -201,6 +202,7 @@ class Mesh:
             "--cluster", spec.cluster,
             "--etcd", ",".join(self.etcd_endpoints),
             *(["--policy", spec.router_policy] if spec.router_policy else []),
+            *(["--processes", str(spec.router_processes)] if spec.router_processes > 1 else []),
             *self.trace_args(),
             *spec.router_args,
             *extra_args,

@@ -39,6 +39,10 @@ class RouterConfig:
     # outputs batched per engine step (services/router/mux.py); False: a Worker.Generate call
     # per request (one gRPC message per request per token).
     worker_mux: bool = True
+    # Router processes on this host, all on the same ports (SO_REUSEPORT; services/router/procs.py):
+    # one asyncio loop is one core. 1: this process serves.
+    processes: int = 1
+    reuse_port: bool = False  # bind the HTTP port with SO_REUSEPORT (set for --processes children)
     load_interval_s: float = 0.25  # WatchLoad push interval asked of workers
     worker_call_timeout_s: float = 5.0  # deadline of unary calls to workers (Abort)
     drain_grace_s: float = 10.0  # on SIGTERM, time given to in-flight streams

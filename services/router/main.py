@@ -191,6 +191,7 @@ async def start_router(config: RouterConfig) -> RunningRouter:
             request_timeout_s=config.default_timeout_s,
             metrics=metrics,
             backend=InProcessRouterBackend(servicer),
+            reuse_port=config.reuse_port,
         )
         await http.start()
     for name in ("", SERVICE_NAME):
@@ -342,6 +343,14 @@ def parse_args(argv: list[str] | None) -> RouterConfig:
         "(default %(default)s)",
     )
     p.add_argument(
+        "--processes",
+        type=int,
+        default=d.processes,
+        help="router processes on this host sharing the gRPC and HTTP ports (SO_REUSEPORT), "
+        "each a whole router with its own KV index (default %(default)s)",
+    )
+    p.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument(
         "--no-worker-mux",
         dest="worker_mux",
         action="store_false",
@@ -383,6 +392,8 @@ def parse_args(argv: list[str] | None) -> RouterConfig:
         p.error(f"--peer-hint-min-blocks is {a.peer_hint_min_blocks}; use 1 or more")
     if not a.first_token_timeout_s > 0:
         p.error(f"--first-token-timeout-s is {a.first_token_timeout_s}; use > 0 seconds")
+    if a.processes < 1:
+        p.error(f"--processes is {a.processes}; use 1 or more")
     try:
         placement = PlacementConfig(
             mode=Placement(a.disagg_placement),
@@ -422,6 +433,8 @@ def parse_args(argv: list[str] | None) -> RouterConfig:
         default_timeout_s=a.default_timeout_s,
         first_token_timeout_s=a.first_token_timeout_s,
         worker_mux=a.worker_mux,
+        processes=a.processes,
+        reuse_port=a.reuse_port,
         max_request_bytes=a.max_request_bytes,
         drain_grace_s=a.drain_grace_s,
         http_host=a.http_host,
@@ -453,6 +466,19 @@ async def serve(config: RouterConfig) -> None:
 def main(argv: list[str] | None = None) -> int:
     config = parse_args(argv)
     setup_logging("router", config.log_level)
+    if config.processes > 1:
+        from .procs import run_processes
+
+        return run_processes(
+            sys.argv[1:] if argv is None else argv,
+            config.processes,
+            config.host,
+            config.port,
+            config.http_host,
+            config.http_port,
+            config.router_id,
+            metrics=config.metrics_port >= 0,
+        )
     setup_tracing("kvmesh-router", config.trace_exporter, config.otlp_endpoint)
     asyncio.run(serve(config))
     return 0

@@ -89,6 +89,7 @@ class OpenAIServer:
         default_max_tokens: int = 512,
         backend: RouterBackend | None = None,
         metrics: HttpMetrics | None = None,
+        reuse_port: bool = False,
     ) -> None:
         if backend is None and not router_address:
             raise ValueError("OpenAIServer needs router_address or backend")
@@ -106,6 +107,7 @@ class OpenAIServer:
         self._backend = backend
         self._own_backend = backend is None
         self._metrics = metrics
+        self._reuse_port = reuse_port  # several router processes share the port
         self._runner: web.AppRunner | None = None
         self._created = int(time.time())
 
@@ -129,7 +131,7 @@ class OpenAIServer:
         # the router call (and so the engine request) even before the first byte is written.
         self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self._port)
+        site = web.TCPSite(self._runner, self.host, self._port, reuse_port=self._reuse_port or None)
         await site.start()
         self._port = self._runner.addresses[0][1]  # the bound port, when 0 asked the OS
         log.info("OpenAI-compatible HTTP on http://%s:%d/v1", self.host, self._port)
