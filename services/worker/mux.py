@@ -122,7 +122,7 @@ class WorkerStreamServer:
         try:
             req = servicer.admit(request)
             admitted = object()
-            servicer._start(rid, admitted)
+            servicer.track(rid, admitted)
             try:
                 async with asyncio.timeout(timeout_s if timeout_s > 0 else None):
                     async for out in servicer.outputs(req):
@@ -130,7 +130,7 @@ class WorkerStreamServer:
                         self._output_calls.append(call)
                         self._ready.set()
             finally:
-                servicer._finish(rid, admitted)
+                servicer.untrack(rid, admitted)
         except TimeoutError:
             failure = errors.DeadlineExceeded(f"request {rid} did not finish within its deadline")
         except asyncio.CancelledError:  # aborted by the router, or the stream is closing

@@ -20,6 +20,7 @@ from kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from . import validation
 from .core import Engine, EngineLoad, FinishReason, GenerateRequest, KvSource, OutputDelta
 from .metrics import WorkerMetrics
+from .mux import WorkerStreamServer
 
 log = logging.getLogger(__name__)
 
@@ -181,7 +182,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             await abort_with(context, exc, rid)
             return
         token = object()
-        self._start(rid, token)
+        self.track(rid, token)
         context.add_done_callback(lambda _ctx: self._on_rpc_done(rid, token))
         try:
             async for msg in self.outputs(req):
@@ -189,7 +190,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         except Exception as exc:  # domain errors with their code; anything else INTERNAL
             await abort_with(context, exc, rid)
         finally:
-            self._finish(rid, token)
+            self.untrack(rid, token)
 
     async def GenerateMany(
         self,
@@ -197,8 +198,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[worker_pb2.WorkerStreamOut]:
         """Many requests on one stream, outputs batched (``mux.WorkerStreamServer``)."""
-        from .mux import WorkerStreamServer
-
         async for batch in WorkerStreamServer(self).serve(requests):
             yield batch
 
@@ -227,7 +226,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         """One admitted request's messages, transport-free: what ``Generate`` streams and what
         ``GenerateMany`` batches. Counts metrics; raises domain errors (unexpected ones are
         logged with the request id). Closing it early aborts the request in the engine. The
-        caller tracks the request as in flight (``_start`` / ``_finish``)."""
+        caller tracks the request as in flight (``track`` / ``untrack``)."""
         rid = req.request_id
         metrics = self.metrics
         started = time.monotonic()
@@ -360,12 +359,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             yield msg
 
     # ---- internals -----------------------------------------------------------------------
-    def _start(self, rid: str, token: object) -> None:
+    def track(self, rid: str, token: object) -> None:
+        """Counts ``rid`` in flight (served by the RPC or stream call ``token``)."""
         self._active[rid] = token
         self._idle.clear()
         self._changes.notify()
 
-    def _finish(self, rid: str, token: object) -> None:
+    def untrack(self, rid: str, token: object) -> None:
+        """``rid`` is no longer in flight, unless another call took it over meanwhile."""
         if self._active.get(rid) is token:
             del self._active[rid]
             if not self._active:
@@ -377,7 +378,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         may still run the request: abort it there."""
         if self._active.get(rid) is not token:
             return
-        self._finish(rid, token)
+        self.untrack(rid, token)
         if self._engine.is_running(rid):
             log.info("request_id=%s: RPC ended with the request still running; aborting", rid)
             task = asyncio.get_running_loop().create_task(self._abort_quietly(rid))
