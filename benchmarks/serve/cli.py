@@ -208,6 +208,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-prefixes", type=int, default=10, help="prefix_repetition: prefixes")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument(
+        "--dtype",
+        default="auto",
+        help="vLLM --dtype for every target (auto; float32 where bf16 is slow)",
+    )
+    p.add_argument(
         "--kv-cache-bytes", type=parse_bytes, default=256 << 20, help="per engine (256MiB)"
     )
     p.add_argument(
@@ -230,7 +235,9 @@ def cmd_serve(a: argparse.Namespace) -> int:
     served = model.name.rsplit("-", 1)[0] if a.model in ("tiny", "smollm2") else model.name
     out_dir = a.out_dir or Path(tempfile.mkdtemp(prefix="kvmesh-bench-serve-"))
     out_dir.mkdir(parents=True, exist_ok=True)
-    engine = EngineSettings(max_model_len=a.max_model_len, kv_cache_bytes=a.kv_cache_bytes)
+    engine = EngineSettings(
+        max_model_len=a.max_model_len, kv_cache_bytes=a.kv_cache_bytes, dtype=a.dtype
+    )
     specs = target_specs(a.targets, a.workers, a.kvmanager_cpu_bytes)
     plan = loads(a)
     results: list[dict[str, Any]] = []

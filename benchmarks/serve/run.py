@@ -44,7 +44,7 @@ class Load:
             "--max-concurrency", str(self.concurrency),
             "--request-rate", "inf" if math.isinf(self.request_rate) else str(self.request_rate),
             "--ignore-eos",
-            "--seed", "0",
+            "--seed", str(self.seed),
         ]  # fmt: skip
         if self.dataset == "random":
             return [
@@ -59,6 +59,13 @@ class Load:
             "--prefix-repetition-num-prefixes", str(self.num_prefixes),
             "--prefix-repetition-output-len", str(self.output_len),
         ]  # fmt: skip
+
+    @property
+    def seed(self) -> int:
+        """The dataset seed: one per frontend, so that the gRPC run after the HTTP run on the
+        same target gets prompts of the same mix that are not in the engine's prefix cache
+        already (the same seed would make every one of them a full cache hit)."""
+        return {"http": 0, "grpc": 1}.get(self.frontend, 2)
 
     @property
     def name(self) -> str:

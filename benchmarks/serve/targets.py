@@ -26,6 +26,7 @@ class EngineSettings:
     block_size: int = 32
     kv_cache_bytes: int = 256 << 20  # per engine
     seed: int = 0
+    dtype: str = "auto"  # vLLM's --dtype (on CPUs without AVX-512 BF16, bf16 is slow: float32)
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +113,7 @@ def start_vllm(
         "--enforce-eager",
         "--enable-prefix-caching",
         "--seed", str(engine.seed),
+        "--dtype", engine.dtype,
         "--disable-uvicorn-access-log",
     ]  # fmt: skip
     logf = open(log, "ab")
@@ -165,7 +167,13 @@ def start_kvmesh(
             kvmanager_cpu_bytes=spec.kvmanager_cpu_bytes,
             router_policy=spec.policy,
             router_args=spec.extra_router_args,
-            worker_args=("--seed", str(engine.seed), *spec.extra_worker_args),
+            worker_args=(
+                "--seed",
+                str(engine.seed),
+                "--dtype",
+                engine.dtype,
+                *spec.extra_worker_args,
+            ),
             log_dir=Path(tempfile.mkdtemp(prefix=f"{spec.label}-", dir=log_dir)),
         )
     )

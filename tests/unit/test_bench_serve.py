@@ -23,6 +23,7 @@ def test_load_flags_parse_with_vllms_own_parser(dataset):
     args = parser.parse_args(load.flags("tiny", Path("/models/tiny")))
     assert (args.dataset_name, args.num_prompts, args.max_concurrency) == (dataset, 12, 8)
     assert args.request_rate == 4.0 and args.ignore_eos and args.served_model_name == "tiny"
+    assert args.seed == 0  # http; the grpc run of the same target draws other prompts
     if dataset == "random":
         assert (args.random_input_len, args.random_output_len) == (512, 128)
     else:
@@ -86,3 +87,8 @@ def test_targets_are_named_and_unknown_ones_refused():
     ]
     with pytest.raises(SystemExit, match="unknown"):
         target_specs(["sglang"], 2, 0)
+
+
+def test_grpc_and_http_runs_draw_different_prompts():
+    # Run one after the other on one engine: the same seed would hit the prefix cache.
+    assert Load("random", "http").seed != Load("random", "grpc").seed
