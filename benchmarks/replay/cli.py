@@ -31,6 +31,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     """Adds ``bench`` with its subcommands: ``replay`` (here), ``tiers``, ``disagg``, ``serve``."""
     from benchmarks.disagg import cli as disagg_cli
     from benchmarks.serve import cli as serve_cli
+    from benchmarks.serve import streams as streams_cli
     from benchmarks.tiers import cli as tiers_cli
 
     bench = subparsers.add_parser(
@@ -73,6 +74,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     tiers_cli.register(sub)
     disagg_cli.register(sub)
     serve_cli.add_parser(sub)
+    streams_cli.add_parser(sub)
 
 
 def _requests(a: argparse.Namespace) -> Iterable:  # type: ignore[type-arg]

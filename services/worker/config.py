@@ -56,6 +56,8 @@ class WorkerConfig:
     # fake tokens, modelled timing, a real block cache and real KV events).
     engine_kind: str = "vllm"
     sim_capacity_blocks: int = 16384  # simulated engine: KV capacity in blocks
+    sim_speedup: float = 1.0  # simulated engine: virtual seconds per real second (< 1: slower)
+    sim_max_running: int = 256  # simulated engine: most requests running at once
     host: str = "127.0.0.1"  # address to listen on
     port: int = 0  # gRPC port; 0 lets the OS pick (printed in the ready line)
     advertise_host: str = ""  # host others reach us at (etcd record); empty: host, or hostname

@@ -81,6 +81,18 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
         default=d.sim_capacity_blocks,
         help="simulated: KV blocks",
     )
+    g.add_argument(
+        "--sim-speedup",
+        type=float,
+        default=d.sim_speedup,
+        help="simulated: virtual seconds per real second (below 1: a slower model)",
+    )
+    g.add_argument(
+        "--sim-max-running",
+        type=int,
+        default=d.sim_max_running,
+        help="simulated: most requests running at once (vLLM's max_num_seqs)",
+    )
     g.add_argument("--model", default="", metavar="PATH", help="model directory (vllm: required)")
     g.add_argument("--served-model-name", default=e.served_model_name, help="default: dir name")
     g.add_argument("--dtype", default=e.dtype, help="auto, float32, bfloat16, float16")
@@ -181,6 +193,8 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
         ),
         engine_kind=a.engine,
         sim_capacity_blocks=a.sim_capacity_blocks,
+        sim_speedup=a.sim_speedup,
+        sim_max_running=a.sim_max_running,
         host=a.host,
         port=a.port,
         advertise_host=a.advertise_host,
@@ -223,7 +237,12 @@ def simulated_engine(config: WorkerConfig):  # type: ignore[no-untyped-def]
 
     e = config.engine
     cfg = SimEngineConfig(
-        worker=SimWorkerConfig(capacity_blocks=config.sim_capacity_blocks, block_size=e.block_size),
+        worker=SimWorkerConfig(
+            capacity_blocks=config.sim_capacity_blocks,
+            block_size=e.block_size,
+            max_running=config.sim_max_running,
+        ),
+        speedup=config.sim_speedup,
         model=e.served_model_name or "simulated",
         max_model_len=e.max_model_len,
     )
