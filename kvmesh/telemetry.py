@@ -115,7 +115,7 @@ def client_interceptors() -> list:
 # ---- server spans ---------------------------------------------------------------------------
 # Server span status per OpenTelemetry's gRPC conventions: these codes are the server's fault;
 # the others (CANCELLED, NOT_FOUND, INVALID_ARGUMENT, ...) are the caller's and leave it unset.
-_SERVER_ERRORS = frozenset(
+SERVER_ERRORS = frozenset(
     {
         grpc.StatusCode.UNKNOWN,
         grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -258,7 +258,7 @@ def _peer(peer: str) -> tuple[str, str] | None:
 def _end(span: Span, context: grpc.aio.ServicerContext, failure: BaseException | None) -> None:
     code = _status_code(context, failure)
     span.set_attribute("rpc.grpc.status_code", code.value[0])
-    if code in _SERVER_ERRORS:
+    if code in SERVER_ERRORS:
         span.set_status(Status(StatusCode.ERROR, code.name))
     if isinstance(failure, Exception) and not isinstance(failure, grpc.aio.AbortError):
         span.record_exception(failure)

@@ -25,7 +25,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 
 from kvmesh.grpc_errors import FIELD_KEY
-from kvmesh.telemetry import tracer
+from kvmesh.telemetry import SERVER_ERRORS, tracer
 from kvmesh.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -36,14 +36,6 @@ _CALL_ATTRIBUTES = {
     "rpc.service": "kvmesh.v1.Worker",
     "rpc.method": "Generate",
 }
-_SERVER_FAULTS = frozenset(
-    {
-        grpc.StatusCode.UNKNOWN,
-        grpc.StatusCode.DEADLINE_EXCEEDED,
-        grpc.StatusCode.INTERNAL,
-        grpc.StatusCode.UNAVAILABLE,
-    }
-)
 
 _BACKSTOP_S = 2.0  # the router's own deadline timer fires this long after the worker's
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
@@ -114,7 +106,7 @@ class MuxCall:
             self._ended.set_result(code)
         self._stream.forget(self.call)
         self._span.set_attribute("rpc.grpc.status_code", code.value[0])
-        if code in _SERVER_FAULTS:
+        if code in SERVER_ERRORS:
             self._span.set_status(trace.Status(trace.StatusCode.ERROR, code.name))
         self._span.end()
         self._wake()

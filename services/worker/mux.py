@@ -28,7 +28,7 @@ from opentelemetry import propagate, trace
 
 from kvmesh import errors
 from kvmesh.grpc_errors import field_of, status_of
-from kvmesh.telemetry import tracer
+from kvmesh.telemetry import SERVER_ERRORS, tracer
 from kvmesh.v1 import worker_pb2
 
 if TYPE_CHECKING:
@@ -143,7 +143,7 @@ class WorkerStreamServer:
             self._tasks.pop(call, None)
             code = self._end(call, rid, failure)
             span.set_attribute("rpc.grpc.status_code", code.value[0])
-            if code not in (grpc.StatusCode.OK, grpc.StatusCode.CANCELLED):
+            if code in SERVER_ERRORS:  # the server's fault, as ServerSpans marks them
                 span.set_status(trace.Status(trace.StatusCode.ERROR, code.name))
             span.end()
 
