@@ -12,6 +12,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,8 +39,6 @@ class TargetSpec:
     workers: int = 1
     policy: str = ""  # kvmesh: the router's --policy; empty: the default profile
     kvmanager_cpu_bytes: int = 1 << 30  # kvmesh: the node kvmanager (0: none), as kvmesh up
-    extra_router_args: tuple[str, ...] = ()
-    extra_worker_args: tuple[str, ...] = ()
 
 
 @dataclass
@@ -51,11 +50,11 @@ class Running:
     grpc_address: str  # kvmesh router's gRPC address; "" for vllm
     served_model: str
     roles: dict[str, list[int]] = field(default_factory=dict)  # role -> pids (children too)
-    _stop: list[object] = field(default_factory=list)
+    _stop: list[Callable[[], None]] = field(default_factory=list)
 
     def stop(self) -> None:
         for stop in reversed(self._stop):
-            stop()  # type: ignore[operator]
+            stop()
         self._stop.clear()
 
 
@@ -166,13 +165,11 @@ def start_kvmesh(
             block_size=engine.block_size,
             kvmanager_cpu_bytes=spec.kvmanager_cpu_bytes,
             router_policy=spec.policy,
-            router_args=spec.extra_router_args,
             worker_args=(
                 "--seed",
                 str(engine.seed),
                 "--dtype",
                 engine.dtype,
-                *spec.extra_worker_args,
             ),
             log_dir=Path(tempfile.mkdtemp(prefix=f"{spec.label}-", dir=log_dir)),
         )

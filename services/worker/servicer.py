@@ -358,7 +358,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         ):
             yield msg
 
-    # ---- internals -----------------------------------------------------------------------
+    # ---- in-flight requests (Generate and GenerateMany) ------------------------------------
     def track(self, rid: str, token: object) -> None:
         """Counts ``rid`` in flight (served by the RPC or stream call ``token``)."""
         self._active[rid] = token
@@ -373,6 +373,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 self._idle.set()
             self._changes.notify()
 
+    # ---- internals -----------------------------------------------------------------------
     def _on_rpc_done(self, rid: str, token: object) -> None:
         """The RPC ended (also by cancel or deadline). If its stream was not closed, the engine
         may still run the request: abort it there."""
