@@ -14,9 +14,7 @@ from typing import Any
 
 from kvmesh.launcher import child_env
 
-from .targets import Running, cpu_seconds
-
-REPO = Path(__file__).resolve().parents[2]
+from .targets import REPO, Running, cpu_seconds
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,9 +26,7 @@ from typing import Any
 
 from kvmesh.launcher import Mesh, MeshSpec, child_env
 
-from .targets import cpu_seconds
-
-REPO = Path(__file__).resolve().parents[2]
+from .targets import REPO, cpu_seconds
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -18,6 +18,8 @@ from pathlib import Path
 
 from kvmesh.launcher import Mesh, MeshSpec, child_env, tail
 
+REPO = Path(__file__).resolve().parents[2]  # where `python -m benchmarks...` runs
+
 
 @dataclass(frozen=True, slots=True)
 class EngineSettings:
@@ -121,7 +123,7 @@ def start_vllm(
         stdout=logf,
         stderr=subprocess.STDOUT,
         env={**os.environ, **child_env()},
-        cwd=Path(__file__).resolve().parents[2],
+        cwd=REPO,
         start_new_session=True,
     )
 
