@@ -28,6 +28,9 @@ class RouterConfig:
     hash_seed: str | None = None  # root-hash seed (workers' PYTHONHASHSEED); None: vLLM default
     tokenizer_overrides: dict[str, str] = field(default_factory=dict)  # model -> tokenizer path
     tokenizer_threads: int = 2  # threads tokenizing off the event loop
+    # Prompts estimated at most this many tokens are tokenized and hashed on the event loop
+    # (two thread hops cost more than the work); longer ones in one executor job (prompt.py).
+    inline_prompt_tokens: int = 2048
     default_timeout_s: float = 600.0  # deadline used when a client sets none
     max_request_bytes: int = 16 * 1024 * 1024  # larger request messages: RESOURCE_EXHAUSTED
     max_retries: int = 1  # other workers tried when one is unavailable before the first token

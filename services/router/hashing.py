@@ -1,4 +1,4 @@
-"""Prompt block hashing for routing, off the event loop, with session-turn reuse.
+"""Prompt block hashing for routing, with session-turn reuse.
 
 Hashes are computed exactly as the workers' vLLM engines compute them (``kvmesh.kv.hashing``);
 the algorithm and the root seed are mesh-wide settings, the block size comes from the model's
@@ -7,9 +7,7 @@ workers. A session's next turn that extends its previous prompt reuses that prom
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
-from concurrent.futures import Executor
 
 from kvmesh.kv.hashing import HashAlgo, HashConfig, SessionHasher, SessionHashes
 
@@ -17,12 +15,10 @@ from kvmesh.kv.hashing import HashAlgo, HashConfig, SessionHasher, SessionHashes
 class PromptHasher:
     def __init__(
         self,
-        executor: Executor,
         algo: HashAlgo | str = HashAlgo.SHA256,
         seed: str | None = None,
         max_sessions: int = 4096,
     ) -> None:
-        self._executor = executor
         self._algo = HashAlgo(algo)
         self._seed = seed
         self._max_sessions = max_sessions
@@ -36,10 +32,7 @@ class PromptHasher:
             self._by_block_size[block_size] = hasher
         return hasher
 
-    async def hash(
-        self, block_size: int, session_id: str, token_ids: Sequence[int]
-    ) -> SessionHashes:
-        hasher = self._hasher(block_size)
-        return await asyncio.get_running_loop().run_in_executor(
-            self._executor, hasher.hash, session_id or None, token_ids
-        )
+    def hash(self, block_size: int, session_id: str, token_ids: Sequence[int]) -> SessionHashes:
+        """The prompt's block hashes, on the calling thread (``prompt.PromptBuilder`` decides
+        which: the loop for a short prompt, the executor for a long one). Thread-safe."""
+        return self._hasher(block_size).hash(session_id or None, token_ids)

@@ -37,6 +37,7 @@ from .http.backend import InProcessRouterBackend
 from .kvsync import KvEventSync
 from .metrics import RouterMetrics
 from .pool import WorkerPool
+from .prompt import PromptBuilder
 from .servicer import RouterServicer
 from .tiersync import TierSync
 from .tokenizer import Tokenizers
@@ -94,7 +95,7 @@ async def start_router(config: RouterConfig) -> RunningRouter:
     pool = WorkerPool(workers, load_interval_s=config.load_interval_s)
     executor = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tokenize")
     tokenizers = Tokenizers(executor, config.tokenizer_overrides)
-    hasher = PromptHasher(executor, config.hash_algo, config.hash_seed)
+    hasher = PromptHasher(config.hash_algo, config.hash_seed)
     index = KvIndex(IndexConfig(max_blocks=config.index_max_blocks))
     kv_sync = KvEventSync(
         on_batch=lambda batch: index.apply(batch).needs_resync,
@@ -109,7 +110,15 @@ async def start_router(config: RouterConfig) -> RunningRouter:
         config.disagg, policy, can_hand_off=lambda wid: index.linked(wid) is not None
     )
     servicer = RouterServicer(
-        config, workers, pool, policy, tokenizers, hasher, metrics, peers, disagg, index.linked
+        config,
+        workers,
+        pool,
+        policy,
+        PromptBuilder(tokenizers, hasher, executor, config.inline_prompt_tokens),
+        metrics,
+        peers,
+        disagg,
+        index.linked,
     )
     server = grpc.aio.server(
         interceptors=server_interceptors(),

@@ -29,11 +29,11 @@ from .core.routing import RoutingPolicy
 from .core.types import ChatMessage, PeerHint, RouteDecision, RouteRequest
 from .core.workers import ModelSummary, WorkerSet
 from .disagg import Fallback, decode_failed, handoff_source, run_prefill
-from .hashing import PromptHasher
 from .metrics import RouterMetrics
 from .mux import MuxCall
 from .pool import WorkerPool
-from .tokenizer import Tokenizers, template_input
+from .prompt import PromptBuilder, PromptInput
+from .tokenizer import template_input
 
 log = logging.getLogger(__name__)
 _tracer = tracer(__name__)
@@ -68,8 +68,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         workers: WorkerSet,
         pool: WorkerPool,
         policy: RoutingPolicy,
-        tokenizers: Tokenizers,
-        hasher: PromptHasher,
+        prompts: PromptBuilder,
         metrics: RouterMetrics | None = None,
         peers: PeerHints | None = None,
         disagg: DisaggHandler | None = None,
@@ -82,11 +81,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             config.disagg, policy, can_hand_off=lambda w: self._linked(w) is not None
         )
         self._peers = peers  # None: no peer hints
-        self._hasher = hasher
         self._workers = workers
         self._pool = pool
         self._policy = policy
-        self._tokenizers = tokenizers
+        self._prompts = prompts
         self.metrics = metrics or RouterMetrics()
         self.metrics.in_flight.set_function(lambda: len(self._active))
         self._active: dict[str, _Active] = {}
@@ -132,14 +130,17 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             request_span.set_attribute("model", model_name)
             sampling = sampling_from_pb(request.sampling)
             check_sampling(sampling, model.vocab_size)
-            with _tracer.start_as_current_span("tokenize") as span:
-                ids = await self._prompt_ids(request, model)
-                span.set_attribute("prompt_tokens", len(ids))
-            check_prompt(ids, sampling.max_tokens, model.vocab_size, model.max_model_len)
-            with _tracer.start_as_current_span("hash") as span:
-                hashed = await self._hasher.hash(model.block_size, request.session_id, ids)
-                span.set_attribute("blocks", len(hashed.hashes))
-                span.set_attribute("reused_blocks", hashed.reused_blocks)
+            prompt = await self._prompts.build(
+                model.name,
+                model.model_path,
+                model.block_size,
+                request.session_id,
+                self._prompt_input(request),
+                lambda ids: check_prompt(
+                    ids, sampling.max_tokens, model.vocab_size, model.max_model_len
+                ),
+            )
+            ids, hashed = prompt.token_ids, prompt.hashed
             route = RouteRequest(
                 request_id=rid,
                 model=model.name,
@@ -191,23 +192,20 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             f"model {name!r} is not served; served models: {', '.join(m.name for m in models)}"
         )
 
-    async def _prompt_ids(
-        self, request: router_pb2.GenerateRequest, model: ModelSummary
-    ) -> list[int]:
+    def _prompt_input(self, request: router_pb2.GenerateRequest) -> PromptInput:
         kind = request.WhichOneof("input")
         if kind == "text":
             validation.check_text(request.text)
-            return await self._tokenizers.encode_text(model.name, model.model_path, request.text)
+            return PromptInput(text=request.text)
         if kind == "chat":
             messages = [
                 ChatMessage(m.role, m.content, m.name, m.tool_call_id)
                 for m in request.chat.messages
             ]
             validation.check_chat(messages)
-            chat = template_input(request.chat)  # tool calls and tools, checked
-            return await self._tokenizers.encode_chat(model.name, model.model_path, chat)
+            return PromptInput(chat=template_input(request.chat))  # tool calls and tools, checked
         if kind == "token_ids":
-            return list(request.token_ids.ids)
+            return PromptInput(token_ids=request.token_ids.ids)
         raise errors.InvalidArgument("no input: set one of text, chat or token_ids")
 
     async def _proxy(

@@ -1,8 +1,10 @@
-"""Tokenization with each model's own tokenizer (and chat template), off the event loop.
+"""Tokenization with each model's own tokenizer (and chat template).
 
 ``template_input`` turns a ``ChatInput`` (messages, structured tool calls, tools, tool choice)
 into what ``apply_chat_template`` takes, in the Hugging Face convention, checking what the
-template would choke on; ``Tokenizers`` renders and tokenizes it in an executor."""
+template would choke on; ``Tokenizers`` renders and tokenizes it, on the calling thread
+(``prompt.PromptBuilder`` runs a long prompt in the executor) or in the executor
+(``encode_chat``)."""
 
 from __future__ import annotations
 
@@ -24,8 +26,7 @@ log = logging.getLogger(__name__)
 
 
 class Tokenizers:
-    """Loads a model's Hugging Face tokenizer once, from a local directory, and runs it in an
-    executor so a long prompt never blocks the router's loop."""
+    """Loads a model's Hugging Face tokenizer once, from a local directory, and runs it."""
 
     def __init__(self, executor: Executor, overrides: dict[str, str] | None = None) -> None:
         self._executor = executor
@@ -51,6 +52,10 @@ class Tokenizers:
                 log.info("loaded tokenizer for model %s from %s", model, path)
             return tok
 
+    def is_loaded(self, model: str, path: str) -> bool:
+        """Whether ``model``'s tokenizer is loaded (using it then costs no import or read)."""
+        return self._overrides.get(model, path) in self._cache
+
     def preload(self, model: str, path: str) -> Future[None]:
         """Loads a model's tokenizer in the background, so its first request does not pay for
         importing transformers and reading the tokenizer (seconds). Errors surface on use."""
@@ -63,46 +68,49 @@ class Tokenizers:
 
         return self._executor.submit(run)
 
-    async def encode_text(self, model: str, path: str, text: str) -> list[int]:
-        def run() -> list[int]:
-            tok = self._load(model, path)
-            return list(tok(text, add_special_tokens=True)["input_ids"])
+    def encode_text_now(self, model: str, path: str, text: str) -> list[int]:
+        """``text``'s token ids, on the calling thread."""
+        tok = self._load(model, path)
+        return list(tok(text, add_special_tokens=True)["input_ids"])
 
-        return await asyncio.get_running_loop().run_in_executor(self._executor, run)
-
-    async def encode_chat(
+    def encode_chat_now(
         self, model: str, path: str, chat: TemplateInput | Sequence[ChatMessage]
     ) -> list[int]:
         """The prompt's token ids: ``chat`` (``template_input(request.chat)``, or plain messages
-        without tools) rendered with the model's chat template plus the generation prompt."""
+        without tools) rendered with the model's chat template plus the generation prompt, on
+        the calling thread."""
+        from jinja2 import TemplateError, TemplateSyntaxError
+
         if not isinstance(chat, TemplateInput):
             chat = TemplateInput(tuple(_as_dict(m) for m in chat))
         messages = list(chat.messages)
         tools = list(chat.tools) if chat.tools else None
+        tok = self._load(model, path)
+        if not getattr(tok, "chat_template", None):
+            raise InvalidArgument(
+                f"model {model!r} has no chat template; send text or token_ids instead"
+            )
+        try:
+            rendered = tok.apply_chat_template(
+                messages, tools=tools, tokenize=False, add_generation_prompt=True
+            )
+        except TemplateSyntaxError:  # a broken template: the model's fault, not the caller's
+            raise
+        except TemplateError as exc:  # the template's raise_exception: a caller's mistake
+            raise InvalidArgument(
+                f"the chat template of model {model!r} refused the messages: {exc}",
+                "chat.messages",
+            ) from None
+        # The template already holds the special tokens (BOS included), as vLLM does.
+        return list(tok(rendered, add_special_tokens=False)["input_ids"])
 
-        def run() -> list[int]:
-            from jinja2 import TemplateError, TemplateSyntaxError
-
-            tok = self._load(model, path)
-            if not getattr(tok, "chat_template", None):
-                raise InvalidArgument(
-                    f"model {model!r} has no chat template; send text or token_ids instead"
-                )
-            try:
-                rendered = tok.apply_chat_template(
-                    messages, tools=tools, tokenize=False, add_generation_prompt=True
-                )
-            except TemplateSyntaxError:  # a broken template: the model's fault, not the caller's
-                raise
-            except TemplateError as exc:  # the template's raise_exception: a caller's mistake
-                raise InvalidArgument(
-                    f"the chat template of model {model!r} refused the messages: {exc}",
-                    "chat.messages",
-                ) from None
-            # The template already holds the special tokens (BOS included), as vLLM does.
-            return list(tok(rendered, add_special_tokens=False)["input_ids"])
-
-        return await asyncio.get_running_loop().run_in_executor(self._executor, run)
+    async def encode_chat(
+        self, model: str, path: str, chat: TemplateInput | Sequence[ChatMessage]
+    ) -> list[int]:
+        """``encode_chat_now`` in the executor, so a long prompt never blocks the loop."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self._executor, self.encode_chat_now, model, path, chat
+        )
 
 
 @dataclass(frozen=True, slots=True)
