@@ -98,15 +98,25 @@ def tracer(name: str) -> trace.Tracer:
     return trace.get_tracer(name)
 
 
+def tracing_on() -> bool:
+    """Whether ``setup_tracing`` (or a test) installed an SDK provider: spans go somewhere."""
+    return isinstance(trace.get_tracer_provider(), TracerProvider)
+
+
 def server_interceptors() -> list[grpc.aio.ServerInterceptor]:
     """Interceptors for ``grpc.aio.server``: one server span per RPC, parented by the caller's
-    trace context from metadata."""
-    return [ServerSpans()]
+    trace context from metadata. None with tracing off: an interceptor wraps every handler and
+    every message of a stream (an attach, a detach, a no-op span), work for nobody. Call it
+    after ``setup_tracing``."""
+    return [ServerSpans()] if tracing_on() else []
 
 
 def client_interceptors() -> list:
     """Interceptors for ``grpc.aio`` channels: one client span per RPC, context injected into
-    metadata."""
+    metadata. None with tracing off: gRPC then skips its intercepted-call wrappers, which cost
+    a task and a queue hop per streamed message. Call it after ``setup_tracing``."""
+    if not tracing_on():
+        return []
     from opentelemetry.instrumentation.grpc import aio_client_interceptors
 
     return list(aio_client_interceptors())

@@ -13,7 +13,12 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from kvmesh.telemetry import ServerSpans, server_interceptors, setup_tracing
 from services.kvmanager.config import KvManagerConfig
 from services.kvmanager.core.config import StoreConfig
 from services.kvmanager.main import start_kvmanager
@@ -29,6 +34,17 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 Started = tuple[str, Callable[[], Awaitable[None]]]  # (gRPC address, stop)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def tracing_on() -> None:
+    """Tracing on, so the servers carry ``ServerSpans`` (with tracing off they have no
+    interceptor at all, and the Watch bug this guards against could not show)."""
+    if not isinstance(trace.get_tracer_provider(), TracerProvider):
+        setup_tracing(
+            "kvmesh-health-test", extra_processor=SimpleSpanProcessor(InMemorySpanExporter())
+        )
+    assert any(isinstance(i, ServerSpans) for i in server_interceptors())
 
 
 async def router(endpoints: tuple[str, ...], cluster: str, tmp_path: Path) -> Started:
