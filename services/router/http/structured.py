@@ -1,6 +1,7 @@
 """Structured output on the way in: OpenAI's ``response_format`` and vLLM's
 ``structured_outputs`` extension -> ``kvmesh.sampling.StructuredOutput``. Pure; every malformed
-field is a ``BadRequest`` naming it.
+field is a ``BadRequest`` naming it (``response_format`` or ``structured_outputs``, the whole
+field: also what an engine's refusal of the schema names).
 
 ``response_format``: ``{"type": "text"}`` (unconstrained), ``{"type": "json_object"}`` (any JSON
 object), ``{"type": "json_schema", "json_schema": {"name", "schema", "strict", "description"}}``
@@ -29,14 +30,14 @@ _VLLM_KINDS = {
 }
 
 
-def _schema_text(schema: object, param: str) -> str:
+def _schema_text(schema: object, what: str, param: str) -> str:
     if isinstance(schema, str):  # JSON text, as vLLM also takes it
         try:
             schema = json.loads(schema)
         except ValueError as exc:
-            raise BadRequest(f"{param} is not valid JSON ({exc})", param) from None
+            raise BadRequest(f"{what} is not valid JSON ({exc})", param) from None
     if not isinstance(schema, dict):
-        raise BadRequest(f"{param} must be a JSON Schema object", param)
+        raise BadRequest(f"{what} must be a JSON Schema object", param)
     return json.dumps(schema, ensure_ascii=False)
 
 
@@ -66,7 +67,7 @@ def _response_format(fmt: object) -> StructuredOutput | None:
     if "schema" not in spec:
         raise BadRequest(f"{param}.json_schema has no schema; send the JSON Schema", param)
     return StructuredOutput(
-        OutputKind.JSON_SCHEMA, _schema_text(spec["schema"], f"{param}.json_schema.schema")
+        OutputKind.JSON_SCHEMA, _schema_text(spec["schema"], f"{param}.json_schema.schema", param)
     )
 
 
@@ -91,7 +92,7 @@ def _vllm_structured_outputs(raw: object) -> StructuredOutput:
     value, kind = raw[name], _VLLM_KINDS[name]
     p = f"{param}.{name}"
     if kind is OutputKind.JSON_SCHEMA:
-        return StructuredOutput(kind, _schema_text(value, p))
+        return StructuredOutput(kind, _schema_text(value, p, param))
     if kind is OutputKind.JSON_OBJECT:
         if value is not True:
             raise BadRequest(f"{p} must be true when set", param)
