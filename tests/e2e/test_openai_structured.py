@@ -11,12 +11,14 @@ is complete) well within max_tokens. Greedy (temperature 0), so every run is the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -236,29 +238,37 @@ class Verdict(BaseModel):
     color: Literal["red", "green", "blue"]
 
 
-@pytest.mark.parametrize("method", [None, "json_schema", "function_calling"])
-async def test_langchain_with_structured_output(base_url: str, method: str | None):
+@contextlib.asynccontextmanager
+async def chat_openai(base_url: str) -> AsyncIterator[Any]:
+    """LangChain's ChatOpenAI on the router, on an HTTP client closed afterwards."""
     from langchain_openai import ChatOpenAI
 
-    llm = ChatOpenAI(
-        base_url=base_url, api_key="EMPTY", model="tiny", temperature=0, max_tokens=MAX_TOKENS
-    )
+    async with httpx.AsyncClient() as http:
+        yield ChatOpenAI(
+            base_url=base_url,
+            api_key="EMPTY",
+            model="tiny",
+            temperature=0,
+            max_tokens=MAX_TOKENS,
+            http_async_client=http,
+        )
+
+
+@pytest.mark.parametrize("method", [None, "json_schema", "function_calling"])
+async def test_langchain_with_structured_output(base_url: str, method: str | None):
+
     kwargs: dict[str, Any] = {} if method is None else {"method": method}
-    structured = llm.with_structured_output(Verdict, **kwargs)
-    result = await structured.ainvoke("Is the sky blue?")
+    async with chat_openai(base_url) as llm:
+        result = await llm.with_structured_output(Verdict, **kwargs).ainvoke("Is the sky blue?")
     assert isinstance(result, Verdict)
 
 
 async def test_langchain_json_mode_gives_json(base_url: str):
     """json_mode promises a JSON object, not the schema's (as with OpenAI): the raw answer
     parses; whether it fits Verdict is the model's business."""
-    from langchain_openai import ChatOpenAI
-
-    llm = ChatOpenAI(
-        base_url=base_url, api_key="EMPTY", model="tiny", temperature=0, max_tokens=MAX_TOKENS
-    )
-    structured = llm.with_structured_output(Verdict, method="json_mode", include_raw=True)
-    result: Any = await structured.ainvoke("Is the sky blue? Answer in JSON.")
+    async with chat_openai(base_url) as llm:
+        structured = llm.with_structured_output(Verdict, method="json_mode", include_raw=True)
+        result: Any = await structured.ainvoke("Is the sky blue? Answer in JSON.")
     assert isinstance(json.loads(result["raw"].content), dict)
 
 
