@@ -8,12 +8,35 @@ allowed range and what was received.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 
 from kvmesh.errors import InvalidArgument
 
 MAX_STOP_STRINGS = 16
+STRUCTURED_FIELD = "sampling.structured_output"
+
+
+class OutputKind(StrEnum):
+    """What a structured output constrains the completion to (common.proto StructuredOutput)."""
+
+    JSON_SCHEMA = "json_schema"  # a JSON value the schema accepts
+    JSON_OBJECT = "json_object"  # any JSON object
+    REGEX = "regex"  # text the regular expression matches
+    CHOICE = "choice"  # exactly one of some strings
+    GRAMMAR = "grammar"  # text the grammar (EBNF/GBNF or Lark) derives
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutput:
+    """The constraint: ``spec`` is the schema (JSON text), regex or grammar; ``choices`` the
+    strings for CHOICE; JSON_OBJECT needs neither."""
+
+    kind: OutputKind
+    spec: str = ""
+    choices: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +51,36 @@ class Sampling:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    structured_output: StructuredOutput | None = None
+
+
+def check_structured_output(so: StructuredOutput) -> None:
+    """What can be told without the engine: a schema is JSON text holding an object, a regex or
+    grammar is not blank, choices are given and none is empty. The engine checks the rest (a
+    schema feature or grammar rule its backend lacks) and says so as INVALID_ARGUMENT too."""
+    f = f"{STRUCTURED_FIELD}.{so.kind.value}"
+    if so.kind is OutputKind.JSON_SCHEMA:
+        try:
+            schema = json.loads(so.spec)
+        except ValueError as exc:
+            raise InvalidArgument(
+                f"{f} is not valid JSON ({exc}): {so.spec[:60]!r}", STRUCTURED_FIELD
+            ) from None
+        if not isinstance(schema, dict):
+            raise InvalidArgument(
+                f"{f} must be a JSON object (a JSON Schema), got {so.spec[:60]!r}",
+                STRUCTURED_FIELD,
+            )
+    elif so.kind in (OutputKind.REGEX, OutputKind.GRAMMAR):
+        if not so.spec.strip():
+            raise InvalidArgument(f"{f} is empty; send a {so.kind.value}", STRUCTURED_FIELD)
+        if "\x00" in so.spec:
+            raise InvalidArgument(f"{f} contains a NUL character", STRUCTURED_FIELD)
+    elif so.kind is OutputKind.CHOICE:
+        if not so.choices:
+            raise InvalidArgument(f"{f} is empty; give at least one string", STRUCTURED_FIELD)
+        if any(not c for c in so.choices):
+            raise InvalidArgument(f"{f} contains an empty string; remove it", STRUCTURED_FIELD)
 
 
 def check_sampling(s: Sampling, vocab_size: int = 0) -> None:
@@ -65,6 +118,8 @@ def check_sampling(s: Sampling, vocab_size: int = 0) -> None:
                 f"sampling.stop_token_ids has {bad}, outside the vocabulary [0, {vocab_size})",
                 "sampling.stop_token_ids",
             )
+    if s.structured_output is not None:
+        check_structured_output(s.structured_output)
 
 
 def check_prompt(
@@ -107,4 +162,44 @@ def sampling_from_pb(p) -> Sampling:  # type: ignore[no-untyped-def]
         stop=tuple(p.stop),
         stop_token_ids=tuple(p.stop_token_ids),
         ignore_eos=p.ignore_eos,
+        structured_output=structured_output_from_pb(p.structured_output)
+        if p.HasField("structured_output")
+        else None,
     )
+
+
+def structured_output_from_pb(p) -> StructuredOutput:  # type: ignore[no-untyped-def]
+    """From a ``kvmesh.v1.StructuredOutput`` (duck-typed). None of its kinds set, or
+    ``json_object`` false, is ``InvalidArgument``."""
+    kind = p.WhichOneof("kind")
+    if kind is None:
+        raise InvalidArgument(
+            f"{STRUCTURED_FIELD} is set but names no kind; set one of json_schema, json_object, "
+            "regex, choice, grammar (or leave it unset)",
+            STRUCTURED_FIELD,
+        )
+    out = OutputKind(kind)
+    if out is OutputKind.JSON_OBJECT:
+        if not p.json_object:
+            raise InvalidArgument(
+                f"{STRUCTURED_FIELD}.json_object must be true when set; leave "
+                f"{STRUCTURED_FIELD} unset for unconstrained output",
+                STRUCTURED_FIELD,
+            )
+        return StructuredOutput(out)
+    if out is OutputKind.CHOICE:
+        return StructuredOutput(out, choices=tuple(p.choice.choices))
+    return StructuredOutput(out, spec=getattr(p, kind))
+
+
+def structured_output_pb(so: StructuredOutput, cls):  # type: ignore[no-untyped-def]
+    """``so`` as a ``cls`` (pass ``common_pb2.StructuredOutput``; this module imports no
+    stubs)."""
+    msg = cls()
+    if so.kind is OutputKind.JSON_OBJECT:
+        msg.json_object = True
+    elif so.kind is OutputKind.CHOICE:
+        msg.choice.choices.extend(so.choices)
+    else:
+        setattr(msg, so.kind.value, so.spec)
+    return msg

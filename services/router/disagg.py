@@ -51,6 +51,7 @@ def one_token(sampling: common_pb2.SamplingParams) -> common_pb2.SamplingParams:
     out = common_pb2.SamplingParams()
     out.CopyFrom(sampling)
     out.max_tokens = 1
+    out.ClearField("structured_output")  # the token is dropped: no grammar to compile for it
     return out
 
 

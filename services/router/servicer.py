@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 import uuid
@@ -16,13 +17,20 @@ from opentelemetry import trace
 from kvmesh import errors
 from kvmesh.discovery.keys import WorkerId
 from kvmesh.grpc_errors import abort_with, await_status, from_rpc_error, status_for
-from kvmesh.sampling import check_prompt, check_sampling, sampling_from_pb
+from kvmesh.sampling import (
+    STRUCTURED_FIELD,
+    check_prompt,
+    check_sampling,
+    sampling_from_pb,
+    structured_output_pb,
+)
 from kvmesh.telemetry import tracer
 from kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 from .config import RouterConfig
 from .core import validation
 from .core.disagg import DisaggHandler
+from .core.forced_tools import TOOLS_FIELD, ForcedChoice, ForcedKind, ToolDef, forced_output
 from .core.index_types import StoreId
 from .core.peers import PeerHints
 from .core.routing import RoutingPolicy
@@ -118,6 +126,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         model_name = ""
         code = "OK"
         finished = False  # the final chunk was handed out
+        forced: ForcedChoice | None = None
         try:
             if rid in self._active:
                 raise errors.InvalidArgument(
@@ -141,6 +150,17 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 ),
             )
             ids, hashed = prompt.token_ids, prompt.hashed
+            sampling_pb = request.sampling
+            forced = forced_choice(request)
+            if forced is not None:  # constrained to the tool calls, whatever else was asked
+                sampling_pb = common_pb2.SamplingParams()
+                sampling_pb.CopyFrom(request.sampling)
+                sampling_pb.structured_output.CopyFrom(
+                    structured_output_pb(
+                        forced_output(forced, tool_defs(request.chat)),
+                        common_pb2.StructuredOutput,
+                    )
+                )
             route = RouteRequest(
                 request_id=rid,
                 model=model.name,
@@ -150,7 +170,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 priority=request.priority,
                 block_hashes=hashed.hashes,
             )
-            chunks = self._proxy(route, request.sampling, time_remaining_s, arrived)
+            chunks = self._proxy(route, sampling_pb, time_remaining_s, arrived)
             async with contextlib.aclosing(chunks):
                 async for chunk in chunks:
                     finished = chunk.HasField("finished")
@@ -158,6 +178,16 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         except errors.KvmeshError as exc:
             code = status_for(exc).name
             log.info("request %s rejected: %s: %s", rid, type(exc).__name__, exc)
+            if (
+                forced is not None
+                and isinstance(exc, errors.InvalidArgument)
+                and exc.field == STRUCTURED_FIELD
+            ):  # the schema came from the tools: they are what to fix
+                raise errors.InvalidArgument(
+                    f"the engine cannot constrain the output to calls of chat.tools (forced "
+                    f"chat.tool_choice): {exc}",
+                    TOOLS_FIELD,
+                ) from exc
             raise
         except (asyncio.CancelledError, GeneratorExit):
             # A caller that stops reading after the final chunk (the HTTP front door) ends a
@@ -609,3 +639,23 @@ async def _decode_stream(
     yield msg
     async for msg in stream:
         yield msg
+
+
+def forced_choice(request: router_pb2.GenerateRequest) -> ForcedChoice | None:
+    """A chat request's tool choice when it forces a call (REQUIRED, FUNCTION), else None."""
+    if request.WhichOneof("input") != "chat":
+        return None
+    choice = request.chat.tool_choice
+    if choice.mode == router_pb2.TOOL_CHOICE_MODE_REQUIRED:
+        return ForcedChoice(ForcedKind.REQUIRED)
+    if choice.mode == router_pb2.TOOL_CHOICE_MODE_FUNCTION:
+        return ForcedChoice(ForcedKind.FUNCTION, choice.function_name)
+    return None
+
+
+def tool_defs(chat: router_pb2.ChatInput) -> list[ToolDef]:
+    """``chat.tools`` with their parameter schemas parsed (``template_input`` checked them)."""
+    return [
+        ToolDef(t.name, json.loads(t.parameters_json) if t.parameters_json else None)
+        for t in chat.tools
+    ]

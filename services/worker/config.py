@@ -33,6 +33,9 @@ class EngineConfig:
     # to ipc sockets in a temp dir of the engine's own (services/worker/kv_events.py).
     kv_events_config: Mapping[str, Any] | None = None
     kv_transfer_config: Mapping[str, Any] | None = None  # vLLM KVTransferConfig fields (connector)
+    # vLLM StructuredOutputsConfig fields (backend, disable_any_whitespace, ...); None: vLLM's
+    # defaults (backend auto: xgrammar, falling back to guidance or outlines per request).
+    structured_outputs_config: Mapping[str, Any] | None = None
     engine_extra: Mapping[str, Any] | None = None  # more vLLM EngineArgs fields, passed unchanged
     # Cores the engine's compute (OpenMP) threads are bound to, one thread per core (kvmesh/cpus.py);
     # empty: no binding (torch's default: one unbound thread per core of the machine).

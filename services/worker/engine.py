@@ -46,7 +46,7 @@ from vllm.exceptions import (
 )
 from vllm.inputs import TokensPrompt
 from vllm.outputs import RequestOutput
-from vllm.sampling_params import RequestOutputKind
+from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
 from vllm.v1.metrics.loggers import StatLoggerBase
@@ -54,6 +54,7 @@ from vllm.v1.metrics.stats import IterationStats, MultiModalCacheStats, Schedule
 
 from kvmesh import errors
 from kvmesh.cpus import format_cpu_list, omp_environment, pin_threads
+from kvmesh.sampling import STRUCTURED_FIELD, OutputKind, StructuredOutput
 
 from .config import EngineConfig
 from .connector.kvmanager_client import TRACE_HEADERS, TRACE_PARAM
@@ -118,6 +119,17 @@ def build_engine_args(
         from vllm.config import KVTransferConfig
 
         kwargs["kv_transfer_config"] = KVTransferConfig(**dict(config.kv_transfer_config))
+    if config.structured_outputs_config is not None:
+        from vllm.config import StructuredOutputsConfig
+
+        try:
+            kwargs["structured_outputs_config"] = StructuredOutputsConfig(
+                **dict(config.structured_outputs_config)
+            )
+        except (ValueError, TypeError) as exc:
+            raise errors.InvalidArgument(
+                f"engine.structured_outputs_config is not valid: {exc}"
+            ) from None
     extra = dict(config.engine_extra or {})
     clash = sorted(set(extra) & set(kwargs))
     if clash:
@@ -152,10 +164,30 @@ def sampling_params(
         kwargs["stop"] = list(s.stop)
     if s.stop_token_ids:
         kwargs["stop_token_ids"] = list(s.stop_token_ids)
+    if s.structured_output is not None:
+        kwargs["structured_outputs"] = structured_outputs_params(s.structured_output)
     try:
         return SamplingParams(**kwargs)
     except (ValueError, TypeError, VLLMClientError) as exc:
         raise errors.InvalidArgument(f"sampling parameters rejected by the engine: {exc}") from exc
+
+
+def structured_outputs_params(so: StructuredOutput) -> StructuredOutputsParams:
+    """vLLM's structured outputs for ``so`` (the engine's backend compiles it per request)."""
+    try:
+        if so.kind is OutputKind.JSON_SCHEMA:
+            return StructuredOutputsParams(json=so.spec)
+        if so.kind is OutputKind.JSON_OBJECT:
+            return StructuredOutputsParams(json_object=True)
+        if so.kind is OutputKind.CHOICE:
+            return StructuredOutputsParams(choice=list(so.choices))
+        if so.kind is OutputKind.REGEX:
+            return StructuredOutputsParams(regex=so.spec)
+        return StructuredOutputsParams(grammar=so.spec)
+    except (ValueError, TypeError, VLLMClientError) as exc:
+        raise errors.InvalidArgument(
+            f"{STRUCTURED_FIELD} rejected by the engine: {exc}", STRUCTURED_FIELD
+        ) from exc
 
 
 def _domain_error(exc: BaseException) -> errors.KvmeshError | None:
@@ -367,6 +399,8 @@ class VllmEngine:
                 f"request_id {rid!r} is already running on this worker; use a unique id"
             )
         params = sampling_params(request.sampling, self._kv_transfer_params(request))
+        if params.structured_outputs is not None:
+            self._check_structured(params.structured_outputs)
         arrived = time.monotonic()
         prompt_tokens = len(request.prompt_token_ids)
         try:
@@ -431,6 +465,35 @@ class VllmEngine:
         finally:
             self._running.discard(rid)
             self._stats.take_report(rid)
+
+    def _check_structured(self, so: StructuredOutputsParams) -> None:
+        """The engine's own check of a structured output (the one vLLM runs when the request is
+        added: the backend parses the schema, regex or grammar; milliseconds), on a probe that
+        holds nothing else, so a refusal is known to be the constraint's and names its field.
+        The request's own check then runs again, on the real parameters."""
+        probe = SamplingParams(
+            max_tokens=1,
+            structured_outputs=StructuredOutputsParams(
+                json=so.json,
+                regex=so.regex,
+                choice=so.choice,
+                grammar=so.grammar,
+                json_object=so.json_object,
+            ),
+        )
+        config = self._llm.vllm_config
+        try:
+            probe.verify(
+                self._llm.model_config,
+                config.speculative_config,
+                config.structured_outputs_config,
+                self._llm.tokenizer,
+            )
+        except (ValueError, TypeError, VLLMClientError) as exc:
+            raise errors.InvalidArgument(
+                f"{STRUCTURED_FIELD} rejected by the engine's structured output backend: {exc}",
+                STRUCTURED_FIELD,
+            ) from None
 
     def _cached_split(
         self, rid: str, engine_cached: int, params: Mapping[str, Any] | None

@@ -118,6 +118,12 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
     )
     g.add_argument("--kv-transfer-config", type=_json_object, help="vLLM KVTransferConfig, JSON")
     g.add_argument(
+        "--structured-outputs-config",
+        type=_json_object,
+        help="vLLM StructuredOutputsConfig fields as JSON, e.g. "
+        '\'{"backend": "xgrammar", "disable_any_whitespace": true}\' (default: vLLM\'s)',
+    )
+    g.add_argument(
         "--compute-cpus",
         type=_cpu_list,
         default=e.compute_cpus,
@@ -185,6 +191,7 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
             compute_cpus=a.compute_cpus,
             service_cpus=a.service_cpus,
             kv_events_config=a.kv_events_config,
+            structured_outputs_config=a.structured_outputs_config,
             kv_transfer_config=(
                 kv_transfer_config(a.kvmanager, store="kvmanager")
                 if a.kvmanager

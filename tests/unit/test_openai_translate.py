@@ -317,10 +317,10 @@ BAD = [
     ),
     pytest.param(
         Kind.CHAT,
-        {"messages": USER, "response_format": {"type": "json_object"}},
+        {"messages": USER, "response_format": {"type": "xml"}},
         "response_format",
-        "not supported",
-        id="json-mode",
+        "json_schema",
+        id="unknown-format",
     ),
     pytest.param(
         Kind.CHAT,

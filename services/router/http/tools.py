@@ -15,6 +15,7 @@ from typing import Any
 
 from kvmesh.v1 import router_pb2
 
+from ..core.forced_tools import ForcedChoice, ForcedKind
 from .errors import BadRequest
 
 _MODES = {
@@ -33,6 +34,8 @@ class ToolSpec:
     choice: router_pb2.ToolChoice | None = None
     # Tools were given and tool_choice is not "none": the model may answer with calls.
     parse_calls: bool = False
+    # tool_choice "required" or a named function: the router constrains the output to the calls.
+    forced: ForcedChoice | None = None
 
 
 def _kind(value: object, param: str, what: str) -> None:
@@ -126,7 +129,7 @@ def _function(fn: object, param: str) -> router_pb2.Tool:
     parameters = fn.get("parameters")
     if parameters is not None and not isinstance(parameters, dict):
         raise BadRequest(f"{param}.parameters must be a JSON Schema object", f"{param}.parameters")
-    strict = fn.get("strict")  # accepted: decoding is not constrained either way
+    strict = fn.get("strict")  # accepted: a forced call follows the schema either way
     if strict is not None and not isinstance(strict, bool):
         raise BadRequest(f"{param}.strict must be true or false", f"{param}.strict")
     return router_pb2.Tool(
@@ -208,7 +211,8 @@ def _choice(body: Mapping[str, Any], names: list[str]) -> router_pb2.ToolChoice 
 
 def tool_spec(body: Mapping[str, Any]) -> ToolSpec:
     """A chat request's ``tools`` / ``functions``, ``tool_choice`` / ``function_call`` and
-    ``parallel_tool_calls`` (accepted; every call the model writes is returned)."""
+    ``parallel_tool_calls`` (accepted; every call the model writes is returned). A forced
+    choice (``required``, a named function) is read as JSON calls, not hermes blocks."""
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
         raise BadRequest("parallel_tool_calls must be true or false", "parallel_tool_calls")
@@ -216,4 +220,9 @@ def tool_spec(body: Mapping[str, Any]) -> ToolSpec:
     names = [t.name for t in tools]
     choice = _choice(body, names)
     none = choice is not None and choice.mode == router_pb2.TOOL_CHOICE_MODE_NONE
-    return ToolSpec(tuple(tools), choice, parse_calls=bool(tools) and not none)
+    forced = None
+    if choice is not None and choice.mode == router_pb2.TOOL_CHOICE_MODE_REQUIRED:
+        forced = ForcedChoice(ForcedKind.REQUIRED)
+    elif choice is not None and choice.mode == router_pb2.TOOL_CHOICE_MODE_FUNCTION:
+        forced = ForcedChoice(ForcedKind.FUNCTION, choice.function_name)
+    return ToolSpec(tuple(tools), choice, parse_calls=bool(tools) and not none, forced=forced)

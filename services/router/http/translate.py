@@ -20,10 +20,13 @@ from enum import StrEnum
 from typing import Any
 
 from kvmesh.errors import InvalidArgument, KvmeshError
+from kvmesh.sampling import structured_output_pb
 from kvmesh.v1 import common_pb2, router_pb2
 
-from . import toolcalls
+from ..core.forced_tools import ForcedChoice, ForcedKind
+from . import forcedcalls, toolcalls
 from .errors import BadRequest, Unauthorized
+from .structured import structured_output
 from .tools import assistant_tool_calls, tool_spec
 
 SESSION_HEADER = "x-kvmesh-session-id"
@@ -63,9 +66,14 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     generate: router_pb2.GenerateRequest
-    # The request gave tools and tool_choice is not "none": the answer is read for tool calls.
+    # The request gave tools and tool_choice is not "none": the answer is read for tool calls
+    # (hermes blocks; with ``forced``, the JSON the router constrained it to).
     parse_tool_calls: bool = False
     max_tokens_param: str = "max_tokens"  # or max_completion_tokens, whichever bounds it
+    # tool_choice "required" or a named function: the answer is the calls, as JSON.
+    forced: ForcedChoice | None = None
+    # The field that set sampling.structured_output: response_format, or vLLM's structured_outputs.
+    structured_param: str = "response_format"
 
 
 # ---- headers ---------------------------------------------------------------------------------
@@ -155,15 +163,7 @@ def _reject_unsupported(body: Mapping[str, Any], kind: Kind) -> None:
         raise BadRequest("logprobs are not supported yet; omit logprobs", "logprobs")
     if body.get("top_logprobs"):
         raise BadRequest("top_logprobs is not supported yet; omit it", "top_logprobs")
-    if kind is Kind.CHAT:
-        fmt = body.get("response_format")
-        if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-            raise BadRequest(
-                "response_format other than {'type': 'text'} (JSON mode, json_schema) is not "
-                "supported; omit it",
-                "response_format",
-            )
-    else:
+    if kind is Kind.COMPLETION:
         best_of = _int(body, "best_of")
         if best_of is not None and best_of != 1:
             raise BadRequest(f"best_of must be 1 (got {best_of})", "best_of")
@@ -171,6 +171,10 @@ def _reject_unsupported(body: Mapping[str, Any], kind: Kind) -> None:
             raise BadRequest("echo is not supported; omit it", "echo")
         if body.get("suffix"):
             raise BadRequest("suffix is not supported; omit it", "suffix")
+
+
+def _structured_param(body: Mapping[str, Any]) -> str:
+    return "structured_outputs" if body.get("structured_outputs") is not None else "response_format"
 
 
 def _max_tokens_param(body: Mapping[str, Any]) -> str:
@@ -227,6 +231,11 @@ def _sampling(body: Mapping[str, Any], default_max_tokens: int) -> common_pb2.Sa
         if not -(2**63) <= seed < 2**63:
             raise BadRequest(f"seed must fit in 64 bits (got {seed})", "seed")
         sampling.seed = seed
+    structured = structured_output(body)
+    if structured is not None:
+        sampling.structured_output.CopyFrom(
+            structured_output_pb(structured, common_pb2.StructuredOutput)
+        )
     return sampling
 
 
@@ -338,6 +347,9 @@ def parse_chat(
     req.chat.tools.extend(tools.tools)
     if tools.choice is not None:
         req.chat.tool_choice.CopyFrom(tools.choice)
+    # A structured output makes the answer JSON content (no hermes blocks in it), unless a forced
+    # tool choice makes it the calls (the router then replaces the constraint with theirs).
+    constrained = sampling.HasField("structured_output")
     return ParsedRequest(
         Kind.CHAT,
         request_id,
@@ -345,8 +357,10 @@ def parse_chat(
         stream,
         include_usage,
         req,
-        tools.parse_calls,
+        tools.parse_calls and (tools.forced is not None or not constrained),
         _max_tokens_param(data),
+        forced=tools.forced,
+        structured_param=_structured_param(data),
     )
 
 
@@ -397,6 +411,7 @@ def parse_completion(
         include_usage,
         req,
         max_tokens_param=_max_tokens_param(data),
+        structured_param=_structured_param(data),
     )
 
 
@@ -419,6 +434,8 @@ _PARAMS = {
     "sampling.seed": "seed",
     "sampling.stop": "stop",
     "sampling.stop_token_ids": "stop_token_ids",
+    "chat.tools": "tools",
+    "chat.tool_choice": "tool_choice",
 }
 
 
@@ -428,6 +445,8 @@ def param_of(path: str, request: ParsedRequest) -> str | None:
         return _PARAMS[path]
     if path == "sampling.max_tokens":
         return request.max_tokens_param
+    if path == "sampling.structured_output":
+        return request.structured_param
     if path.startswith("chat.messages"):  # chat.messages[2].role -> messages[2].role
         return path.removeprefix("chat.")
     if path in ("input", "text", "token_ids", "chat"):  # the prompt
@@ -536,16 +555,46 @@ class ResponseTranslator:
     usage: common_pb2.Usage | None = None
     _started: bool = False
     _calls: toolcalls.StreamParser | None = None
+    _required: forcedcalls.RequiredParser | None = None
     _sent_calls: int = 0
 
     def __post_init__(self) -> None:
-        if self.request.parse_tool_calls and self.request.kind is Kind.CHAT and self.request.stream:
+        if self.request.kind is not Kind.CHAT or not self.request.stream:
+            return
+        forced = self.request.forced
+        if forced is not None and forced.kind is ForcedKind.REQUIRED:
+            self._required = forcedcalls.RequiredParser()
+        elif self.request.parse_tool_calls and forced is None:
             self._calls = toolcalls.StreamParser()
 
     def _finish_reason(self, calls: int) -> str | None:
+        forced = self.request.forced
+        if forced is not None:
+            # As OpenAI and vLLM answer: "tool_calls" for required, "stop" for a named function;
+            # "length" when max_tokens cut the calls short.
+            required = forced.kind is ForcedKind.REQUIRED
+            return (
+                "tool_calls"
+                if calls and required and self.finish_reason == "stop"
+                else (self.finish_reason)
+            )
         if calls and self.finish_reason != "abort":
             return "tool_calls"
         return self.finish_reason
+
+    def _named_delta(self, text: str) -> dict[str, Any]:
+        """A named tool choice streams one call, its arguments as the model writes them."""
+        forced = self.request.forced
+        assert forced is not None
+        if self._sent_calls:
+            call: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
+        else:
+            call = {
+                "index": 0,
+                **tool_call_json(toolcalls.Call(forced.function_name, text), self.call_id()),
+            }
+            self._sent_calls = 1
+        return self._chunk({"tool_calls": [call]}, None)
 
     def _pieces(self, pieces: list[toolcalls.Piece]) -> list[dict[str, Any]]:
         """Stream chunks for what the tool call parser found."""
@@ -568,10 +617,16 @@ class ResponseTranslator:
         if self.request.kind is Kind.CHAT and not self._started:
             out.append(self._chunk({"role": "assistant", "content": ""}, None))
         self._started = True
+        forced = self.request.forced
+        named = forced is not None and forced.kind is ForcedKind.FUNCTION and self.request.stream
         if msg.text:
             self.text.append(msg.text)
             if self._calls is not None:
                 out += self._pieces(self._calls.feed(msg.text))
+            elif self._required is not None:
+                out += self._pieces(self._required.feed(msg.text))
+            elif named:
+                out.append(self._named_delta(msg.text))
             else:
                 out.append(self._chunk({"content": msg.text}, None, text=msg.text))
         if msg.HasField("finished"):
@@ -580,6 +635,8 @@ class ResponseTranslator:
             self.usage = msg.finished.usage
             if self._calls is not None:
                 out += self._pieces(self._calls.finish())
+            if self._required is not None:
+                out += self._pieces(self._required.finish())
             last = self._chunk({}, self._finish_reason(self._sent_calls), text="")
             last["kvmesh"] = kvmesh_json(self.request.id, self.usage)
             out.append(last)
@@ -623,8 +680,15 @@ class ResponseTranslator:
         finish_reason = self.finish_reason
         if self.request.kind is Kind.CHAT:
             message: dict[str, Any] = {"role": "assistant", "content": text}
+            forced = self.request.forced
             if self.request.parse_tool_calls:
-                content, calls = toolcalls.parse(text)
+                if forced is None:
+                    content, calls = toolcalls.parse(text)
+                elif forced.kind is ForcedKind.REQUIRED:
+                    content, calls = forcedcalls.parse_required(text)
+                else:
+                    call = forcedcalls.named_call(text, forced.function_name)
+                    content, calls = ("", [call]) if call is not None else (text, [])
                 if calls:
                     message["content"] = content or None
                     message["tool_calls"] = [tool_call_json(c, self.call_id()) for c in calls]

@@ -10,7 +10,8 @@ hashing to make the events comparable with a real engine's); the default,
 
 Not simulated: text (each token's text is `` t<id>``), stop strings (only ``stop_token_ids``,
 ``max_tokens``, the context length and an optional simulated end of sequence end a request),
-sampling parameters (ignored).
+sampling parameters (ignored). A structured output is refused (INVALID_ARGUMENT): made-up
+tokens cannot honour a schema, and ignoring it would answer with output that breaks it.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field, replace
 
 from kvmesh import errors
 from kvmesh.kv.events import BlockHash, BlockStored, KvEvent
+from kvmesh.sampling import STRUCTURED_FIELD
 
 from ..core import (
     CachedTokens,
@@ -192,6 +194,12 @@ class SimulatedEngine:
         if rid in self._streams:
             raise errors.InvalidArgument(
                 f"request_id {rid!r} is already running on this worker; use a unique id"
+            )
+        if request.sampling.structured_output is not None:
+            raise errors.InvalidArgument(
+                "the simulated engine does not support sampling.structured_output (its tokens "
+                "are made up and cannot follow a schema); serve it with a vLLM worker",
+                STRUCTURED_FIELD,
             )
         arrived = time.monotonic()
         prompt = request.prompt_token_ids
