@@ -24,6 +24,9 @@ from kvmesh.v1 import common_pb2, router_pb2
 
 from . import toolcalls
 from .errors import BadRequest, Unauthorized
+from .logprobs import NO_LOGPROBS, LogprobOptions, LogprobsOut, echo_prefix
+from .logprobs import parse_chat as parse_chat_logprobs
+from .logprobs import parse_completion as parse_completion_logprobs
 from .tools import assistant_tool_calls, tool_spec
 
 SESSION_HEADER = "x-kvmesh-session-id"
@@ -66,6 +69,7 @@ class ParsedRequest:
     # The request gave tools and tool_choice is not "none": the answer is read for tool calls.
     parse_tool_calls: bool = False
     max_tokens_param: str = "max_tokens"  # or max_completion_tokens, whichever bounds it
+    logprobs: LogprobOptions = NO_LOGPROBS  # and echo
 
 
 # ---- headers ---------------------------------------------------------------------------------
@@ -150,11 +154,6 @@ def _reject_unsupported(body: Mapping[str, Any], kind: Kind) -> None:
             raise BadRequest(f"{name} is not supported yet; omit it or send 0", name)
     if body.get("logit_bias"):
         raise BadRequest("logit_bias is not supported; omit it", "logit_bias")
-    logprobs = body.get("logprobs")
-    if logprobs not in (None, False, 0):
-        raise BadRequest("logprobs are not supported yet; omit logprobs", "logprobs")
-    if body.get("top_logprobs"):
-        raise BadRequest("top_logprobs is not supported yet; omit it", "top_logprobs")
     if kind is Kind.CHAT:
         fmt = body.get("response_format")
         if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
@@ -167,8 +166,6 @@ def _reject_unsupported(body: Mapping[str, Any], kind: Kind) -> None:
         best_of = _int(body, "best_of")
         if best_of is not None and best_of != 1:
             raise BadRequest(f"best_of must be 1 (got {best_of})", "best_of")
-        if _bool(body, "echo"):
-            raise BadRequest("echo is not supported; omit it", "echo")
         if body.get("suffix"):
             raise BadRequest("suffix is not supported; omit it", "suffix")
 
@@ -347,6 +344,7 @@ def parse_chat(
         req,
         tools.parse_calls,
         _max_tokens_param(data),
+        parse_chat_logprobs(data, stream, req.sampling),
     )
 
 
@@ -389,6 +387,9 @@ def parse_completion(
             "prompt must be a string, a list of token ids, or a list holding one of those",
             "prompt",
         )
+    options = parse_completion_logprobs(
+        data, stream, req.sampling, req.text if req.HasField("text") else None
+    )
     return ParsedRequest(
         Kind.COMPLETION,
         request_id,
@@ -397,6 +398,7 @@ def parse_completion(
         include_usage,
         req,
         max_tokens_param=_max_tokens_param(data),
+        logprobs=options,
     )
 
 
@@ -428,6 +430,10 @@ def param_of(path: str, request: ParsedRequest) -> str | None:
         return _PARAMS[path]
     if path == "sampling.max_tokens":
         return request.max_tokens_param
+    if path == "sampling.logprobs":
+        return "top_logprobs" if request.kind is Kind.CHAT else "logprobs"
+    if path == "sampling.prompt_logprobs":
+        return request.logprobs.prompt_param
     if path.startswith("chat.messages"):  # chat.messages[2].role -> messages[2].role
         return path.removeprefix("chat.")
     if path in ("input", "text", "token_ids", "chat"):  # the prompt
@@ -537,10 +543,16 @@ class ResponseTranslator:
     _started: bool = False
     _calls: toolcalls.StreamParser | None = None
     _sent_calls: int = 0
+    _logprobs: LogprobsOut | None = None  # None: neither logprobs nor echo asked for
+    _echo_pending: bool = False
 
     def __post_init__(self) -> None:
         if self.request.parse_tool_calls and self.request.kind is Kind.CHAT and self.request.stream:
             self._calls = toolcalls.StreamParser()
+        options = self.request.logprobs
+        if options != NO_LOGPROBS:
+            self._logprobs = LogprobsOut(self.request.kind is Kind.CHAT, options)
+            self._echo_pending = options.echo
 
     def _finish_reason(self, calls: int) -> str | None:
         if calls and self.finish_reason != "abort":
@@ -568,12 +580,25 @@ class ResponseTranslator:
         if self.request.kind is Kind.CHAT and not self._started:
             out.append(self._chunk({"role": "assistant", "content": ""}, None))
         self._started = True
-        if msg.text:
-            self.text.append(msg.text)
+        text = msg.text
+        echoed: list[common_pb2.TokenLogprob] = []
+        if self._echo_pending:  # the first message: the prompt goes first
+            self._echo_pending = False
+            echoed = list(msg.prompt_logprobs)
+            text = echo_prefix(self.request.logprobs, echoed) + text
+        shown = len(out)
+        if text:
+            self.text.append(text)
             if self._calls is not None:
-                out += self._pieces(self._calls.feed(msg.text))
+                out += self._pieces(self._calls.feed(text))
             else:
-                out.append(self._chunk({"content": msg.text}, None, text=msg.text))
+                out.append(self._chunk({"content": text}, None, text=text))
+        if self._logprobs is not None:
+            lp = self._logprobs.feed(msg.logprobs, msg.prompt_logprobs, echoed)
+            if lp is not None:  # on this message's last chunk (or one of its own)
+                if len(out) == shown:
+                    out.append(self._chunk({}, None, text=""))
+                out[-1]["choices"][0]["logprobs"] = lp
         if msg.HasField("finished"):
             self.finish_reason = FINISH_REASONS.get(msg.finished.reason, "stop")
             self.stop_reason = msg.finished.stop_reason or None
@@ -634,7 +659,7 @@ class ResponseTranslator:
             choice = {"index": 0, "text": text, "logprobs": None}
         choice["finish_reason"] = finish_reason
         choice["stop_reason"] = self.stop_reason
-        return {
+        body: dict[str, Any] = {
             "id": self.request.id,
             "object": self.request.kind.value,
             "created": self.created,
@@ -643,3 +668,10 @@ class ResponseTranslator:
             "usage": usage_json(self.usage),
             "kvmesh": kvmesh_json(self.request.id, self.usage),
         }
+        if self._logprobs is not None:
+            choice["logprobs"] = self._logprobs.whole()
+            prompt = self._logprobs.prompt()
+            if prompt is not None:  # vLLM's extension: on the choice, or the chat answer
+                holder = choice if self.request.kind is Kind.COMPLETION else body
+                holder["prompt_logprobs"] = prompt
+        return body

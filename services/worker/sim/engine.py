@@ -193,6 +193,13 @@ class SimulatedEngine:
             raise errors.InvalidArgument(
                 f"request_id {rid!r} is already running on this worker; use a unique id"
             )
+        for name in ("logprobs", "prompt_logprobs"):  # made-up tokens have no probabilities
+            if getattr(request.sampling, name) is not None:
+                raise errors.InvalidArgument(
+                    f"sampling.{name} is not supported by the simulated engine (its tokens are "
+                    "made up, without probabilities); leave it unset",
+                    f"sampling.{name}",
+                )
         arrived = time.monotonic()
         prompt = request.prompt_token_ids
         if len(prompt) > HASH_IN_THREAD_TOKENS:
