@@ -104,6 +104,21 @@ def test_requests_set_sampling(kind: Kind, body: dict[str, Any], want: tuple[Any
         pytest.param(
             Kind.CHAT, {"prompt_logprobs": -1}, "prompt_logprobs", ">= 0", id="prompt-neg"
         ),
+        pytest.param(Kind.CHAT, {"echo": True}, "echo", "chat", id="chat-echo"),
+        pytest.param(
+            Kind.COMPLETION,
+            {"logprobs": 1, "logprob_token_ids": [3]},
+            "logprob_token_ids",
+            "not supported",
+            id="logprob-token-ids",
+        ),
+        pytest.param(
+            Kind.CHAT,
+            {"return_tokens_as_token_ids": True},
+            "return_tokens_as_token_ids",
+            "not supported",
+            id="as-token-ids",
+        ),
     ],
 )
 def test_bad_values_are_400_naming_the_param(

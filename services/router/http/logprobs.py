@@ -59,7 +59,10 @@ def _count(body: Mapping[str, Any], name: str) -> int | None:
 
 def _prompt_logprobs(body: Mapping[str, Any], stream: bool) -> int | None:
     """vLLM's ``prompt_logprobs`` extension: not with ``stream`` (vLLM refuses it there too,
-    and accepts a useless 0)."""
+    and accepts a useless 0). Its other logprob extensions are refused, not ignored."""
+    for name in ("logprob_token_ids", "return_tokens_as_token_ids"):
+        if body.get(name):
+            raise BadRequest(f"{name} (a vLLM extension) is not supported; omit it", name)
     n = _count(body, "prompt_logprobs")
     if n is not None and stream:
         if n > 0:
@@ -81,6 +84,8 @@ def parse_chat(
     top = _count(body, "top_logprobs")
     if top and not on:
         raise BadRequest("top_logprobs needs logprobs set to true", "top_logprobs")
+    if body.get("echo"):  # vLLM's chat extension (the last message prepended)
+        raise BadRequest("echo is not supported on chat completions; omit it", "echo")
     prompt = _prompt_logprobs(body, stream)
     if prompt is not None:
         sampling.prompt_logprobs = prompt
