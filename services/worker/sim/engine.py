@@ -10,7 +10,7 @@ hashing to make the events comparable with a real engine's); the default,
 
 Not simulated: text (each token's text is `` t<id>``), stop strings (only ``stop_token_ids``,
 ``max_tokens``, the context length and an optional simulated end of sequence end a request),
-sampling parameters (ignored).
+sampling parameters (ignored), log probabilities (refused: INVALID_ARGUMENT naming the field).
 """
 
 from __future__ import annotations
