@@ -52,6 +52,8 @@ class Sampling:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     structured_output: StructuredOutput | None = None
+    logprobs: int | None = None  # alternatives per generated token (0: its own only); None: off
+    prompt_logprobs: int | None = None  # the same per prompt token; None: off
 
 
 def check_structured_output(so: StructuredOutput) -> None:
@@ -83,9 +85,10 @@ def check_structured_output(so: StructuredOutput) -> None:
             raise InvalidArgument(f"{f} contains an empty string; remove it", STRUCTURED_FIELD)
 
 
-def check_sampling(s: Sampling, vocab_size: int = 0) -> None:
-    """Raises ``InvalidArgument`` for the first rule ``s`` breaks (vocab_size 0: not checked),
-    its ``field`` the one at fault (``sampling.<name>``)."""
+def check_sampling(s: Sampling, vocab_size: int = 0, max_logprobs: int = 0) -> None:
+    """Raises ``InvalidArgument`` for the first rule ``s`` breaks (vocab_size 0: not checked;
+    max_logprobs 0: the engine's bound on logprobs unknown, not checked), its ``field`` the one
+    at fault (``sampling.<name>``)."""
     if s.max_tokens <= 0:
         raise InvalidArgument(
             f"sampling.max_tokens must be > 0 (got {s.max_tokens})", "sampling.max_tokens"
@@ -111,6 +114,14 @@ def check_sampling(s: Sampling, vocab_size: int = 0) -> None:
         )
     if any(not x for x in s.stop):
         raise InvalidArgument("sampling.stop contains an empty string; remove it", "sampling.stop")
+    if max_logprobs > 0:
+        for name, n in (("logprobs", s.logprobs), ("prompt_logprobs", s.prompt_logprobs)):
+            if n is not None and n > max_logprobs:
+                raise InvalidArgument(
+                    f"sampling.{name} is {n}; this engine returns at most {max_logprobs} "
+                    "alternatives per token (vLLM's max_logprobs)",
+                    f"sampling.{name}",
+                )
     if vocab_size > 0:
         bad = next((t for t in s.stop_token_ids if not 0 <= t < vocab_size), None)
         if bad is not None:
@@ -165,6 +176,8 @@ def sampling_from_pb(p) -> Sampling:  # type: ignore[no-untyped-def]
         structured_output=structured_output_from_pb(p.structured_output)
         if p.HasField("structured_output")
         else None,
+        logprobs=p.logprobs if p.HasField("logprobs") else None,
+        prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
     )
 
 

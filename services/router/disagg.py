@@ -47,11 +47,14 @@ class PrefillResult:
 
 
 def one_token(sampling: common_pb2.SamplingParams) -> common_pb2.SamplingParams:
-    """The request's sampling, stopped after the first token: the prefill's output is dropped."""
+    """The request's sampling, stopped after the first token: the prefill's output is dropped
+    (so are logprobs: the decode worker computes those it returns)."""
     out = common_pb2.SamplingParams()
     out.CopyFrom(sampling)
     out.max_tokens = 1
     out.ClearField("structured_output")  # the token is dropped: no grammar to compile for it
+    out.ClearField("logprobs")
+    out.ClearField("prompt_logprobs")
     return out
 
 

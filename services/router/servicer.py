@@ -270,6 +270,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         model = route.model
         handoff: worker_pb2.KvSource | None = None  # set once a prefill worker computed the KV
         first = True
+        # Checked once per request: the default path copies nothing more per chunk.
+        with_logprobs = sampling.HasField("logprobs") or sampling.HasField("prompt_logprobs")
         while True:
             candidates = [
                 v for v in self._workers.candidates(route.model) if v.record.worker_id not in tried
@@ -348,6 +350,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     out = router_pb2.GenerateResponse(
                         request_id=route.request_id, token_ids=msg.token_ids, text=msg.text
                     )
+                    if with_logprobs:
+                        out.logprobs.extend(msg.logprobs)
+                        out.prompt_logprobs.extend(msg.prompt_logprobs)
                     finished = msg.HasField("finished")
                     if finished:
                         out.finished.CopyFrom(msg.finished)

@@ -98,6 +98,25 @@ class CachedTokens:
 
 
 @dataclass(frozen=True, slots=True)
+class TopLogprob:
+    token_id: int
+    logprob: float
+    token: str  # decoded on its own by the engine's tokenizer
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One token's log probability and the most likely tokens at its position (common.proto
+    ``TokenLogprob``)."""
+
+    token_id: int
+    logprob: float | None  # None only for a prompt's first token
+    token: str
+    rank: int  # 1 = most likely; 0 when logprob is None
+    top: tuple[TopLogprob, ...] = ()  # the asked-for number of most likely, most likely first
+
+
+@dataclass(frozen=True, slots=True)
 class OutputDelta:
     """New output of one request since the previous delta (one per engine step)."""
 
@@ -112,6 +131,10 @@ class OutputDelta:
     # The last delta only: cached_tokens by source (its total is that delta's cached_tokens).
     # None: the engine does not tell; its cache is all its own (gpu).
     cached_by_tier: CachedTokens | None = None
+    # With sampling.logprobs: one per token_ids entry. None: not asked for.
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    # With sampling.prompt_logprobs: one per prompt token, on the first delta that has them.
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
     def cached_split(self) -> CachedTokens:
         """``cached_by_tier``, or all of ``cached_tokens`` as the engine's own."""
@@ -141,6 +164,8 @@ class EngineInfo:
     # The KV connector's layout key (services/worker/connector/layout.py) when the engine saves
     # blocks to a store; "" without a connector.
     connector_layout: str = ""
+    # Most alternatives per token a request may ask for (sampling.logprobs); 0: no bound known.
+    max_logprobs: int = 0
 
 
 class Engine(Protocol):

@@ -32,7 +32,8 @@ import logging
 import os
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from opentelemetry import propagate
@@ -45,6 +46,7 @@ from vllm.exceptions import (
     VLLMNotFoundError,
 )
 from vllm.inputs import TokensPrompt
+from vllm.logprobs import Logprob
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 from vllm.v1.engine.async_llm import AsyncLLM
@@ -70,6 +72,8 @@ from .core import (
     OutputDelta,
     Sampling,
     Timing,
+    TokenLogprob,
+    TopLogprob,
 )
 from .kv_events import VllmKvEvents
 from .vllm_ext import EXTENSION_CLS
@@ -166,6 +170,10 @@ def sampling_params(
         kwargs["stop_token_ids"] = list(s.stop_token_ids)
     if s.structured_output is not None:
         kwargs["structured_outputs"] = structured_outputs_params(s.structured_output)
+    if s.logprobs is not None:
+        kwargs["logprobs"] = s.logprobs
+    if s.prompt_logprobs is not None:
+        kwargs["prompt_logprobs"] = s.prompt_logprobs
     try:
         return SamplingParams(**kwargs)
     except (ValueError, TypeError, VLLMClientError) as exc:
@@ -322,6 +330,7 @@ class VllmEngine:
             tokenizer = llm.tokenizer
             if tokenizer is not None:
                 vocab = max(vocab, tokenizer.max_token_id + 1)
+            max_logprobs = model_config.max_logprobs  # -1: the whole vocabulary
             info = EngineInfo(
                 model=config.model_name,
                 model_path=config.model,
@@ -329,6 +338,7 @@ class VllmEngine:
                 block_size=llm.vllm_config.cache_config.block_size,
                 vocab_size=vocab,
                 connector_layout=layouts[0] if layouts else "",
+                max_logprobs=vocab if max_logprobs < 0 else max_logprobs,
             )
         except BaseException:
             llm.shutdown()
@@ -413,6 +423,8 @@ class VllmEngine:
             if domain is None:
                 raise
             raise domain from exc
+        top_n = request.sampling.logprobs  # None: no logprobs asked for (nothing to convert)
+        prompt_top_n = request.sampling.prompt_logprobs
         self._running.add(rid)
         try:
             stream = self._llm.generate(engine_input, params, rid)
@@ -449,6 +461,13 @@ class VllmEngine:
                         )
                         split = self._cached_split(rid, cached, out.kv_transfer_params)
                         cached = split.total
+                    logprobs = prompt_logprobs = None
+                    if top_n is not None and c.logprobs is not None:
+                        logprobs = token_logprobs(token_ids, c.logprobs, top_n)
+                    if prompt_top_n is not None and out.prompt_logprobs:
+                        prompt_logprobs = self._prompt_logprobs(
+                            request.prompt_token_ids, out.prompt_logprobs, prompt_top_n
+                        )
                     yield OutputDelta(
                         request_id=rid,
                         token_ids=token_ids,
@@ -459,6 +478,8 @@ class VllmEngine:
                         finish=finish,
                         timing=timing,
                         cached_by_tier=split,
+                        logprobs=logprobs,
+                        prompt_logprobs=prompt_logprobs,
                     )
                     if out.finished:
                         return
@@ -494,6 +515,20 @@ class VllmEngine:
                 f"{STRUCTURED_FIELD} rejected by the engine's structured output backend: {exc}",
                 STRUCTURED_FIELD,
             ) from None
+
+    def _prompt_logprobs(
+        self,
+        prompt: Sequence[int],
+        positions: Sequence[Mapping[int, Logprob] | None],
+        top_n: int,
+    ) -> tuple[TokenLogprob, ...]:
+        """The prompt's logprobs; its first token (which vLLM gives none) decoded here."""
+        out = token_logprobs(prompt, positions, top_n)
+        if out and out[0].logprob is None and not out[0].token:
+            tokenizer = self._llm.tokenizer
+            text = tokenizer.decode([out[0].token_id]) if tokenizer is not None else ""
+            out = (replace(out[0], token=text), *out[1:])
+        return out
 
     def _cached_split(
         self, rid: str, engine_cached: int, params: Mapping[str, Any] | None
@@ -573,6 +608,34 @@ def _finish(request_id: str, reason: str | None, stop_reason: int | str | None) 
         log.warning("unknown finish reason %r for request_id=%s", reason, request_id)
         kind = FinishReason.STOP
     return Finish(reason=kind, stop_reason="" if stop_reason is None else str(stop_reason))
+
+
+def token_logprobs(
+    token_ids: Sequence[int], positions: Sequence[Mapping[int, Logprob] | None], top_n: int
+) -> tuple[TokenLogprob, ...]:
+    """vLLM's logprobs of ``token_ids`` (per position: the token's own entry plus the ``top_n``
+    most likely, in one dict, the token first) as ours: the token's own, and the ``top_n``
+    most likely in rank order. A position without an entry for its token (a prompt's first)
+    has no logprob."""
+    out = []
+    for token_id, position in zip(token_ids, positions, strict=False):
+        own = position.get(token_id) if position else None
+        if position is None or own is None:
+            out.append(TokenLogprob(token_id, None, "", 0))
+            continue
+        ranked = sorted(
+            ((lp.rank, tid, lp) for tid, lp in position.items() if lp.rank and lp.rank <= top_n),
+            key=_rank,
+        )
+        top = tuple(TopLogprob(tid, lp.logprob, lp.decoded_token or "") for _r, tid, lp in ranked)
+        out.append(
+            TokenLogprob(token_id, own.logprob, own.decoded_token or "", own.rank or 0, top[:top_n])
+        )
+    return tuple(out)
+
+
+def _rank(entry: tuple[int, int, Logprob]) -> int:
+    return entry[0]
 
 
 def _scheduled_s(out: RequestOutput) -> float | None:

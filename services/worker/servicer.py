@@ -18,7 +18,15 @@ from kvmesh.sampling import sampling_from_pb
 from kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 from . import validation
-from .core import Engine, EngineLoad, FinishReason, GenerateRequest, KvSource, OutputDelta
+from .core import (
+    Engine,
+    EngineLoad,
+    FinishReason,
+    GenerateRequest,
+    KvSource,
+    OutputDelta,
+    TokenLogprob,
+)
 from .metrics import WorkerMetrics
 from .mux import WorkerStreamServer
 
@@ -53,6 +61,10 @@ def response_to_pb(d: OutputDelta, worker_id: str) -> worker_pb2.WorkerGenerateR
     msg = worker_pb2.WorkerGenerateResponse(
         request_id=d.request_id, token_ids=d.token_ids, text=d.text
     )
+    if d.logprobs is not None:  # only when asked for: nothing more per token otherwise
+        msg.logprobs.extend(logprobs_to_pb(d.logprobs))
+    if d.prompt_logprobs is not None:
+        msg.prompt_logprobs.extend(logprobs_to_pb(d.prompt_logprobs))
     if d.finish is not None:
         split = d.cached_split()
         msg.finished.CopyFrom(
@@ -73,6 +85,24 @@ def response_to_pb(d: OutputDelta, worker_id: str) -> worker_pb2.WorkerGenerateR
             )
         )
     return msg
+
+
+def logprobs_to_pb(entries: tuple[TokenLogprob, ...]) -> list[common_pb2.TokenLogprob]:
+    out = []
+    for e in entries:
+        msg = common_pb2.TokenLogprob(
+            token_id=e.token_id,
+            token=e.token,
+            rank=e.rank,
+            top=[
+                common_pb2.TopLogprob(token_id=t.token_id, logprob=t.logprob, token=t.token)
+                for t in e.top
+            ],
+        )
+        if e.logprob is not None:
+            msg.logprob = e.logprob
+        out.append(msg)
+    return out
 
 
 def load_to_pb(load: EngineLoad, in_flight: int, worker_id: str) -> worker_pb2.WorkerLoad:

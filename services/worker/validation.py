@@ -16,7 +16,7 @@ MAX_HANDOFF_WAIT_S = 600.0  # kv_source.handoff_wait_s: a prefill longer than th
 def check_request(request: GenerateRequest, info: EngineInfo) -> None:
     """Raises ``InvalidArgument`` for the first rule ``request`` breaks."""
     check_request_id(request.request_id)
-    check_sampling(request.sampling, info.vocab_size)
+    check_sampling(request.sampling, info.vocab_size, info.max_logprobs)
     check_prompt(
         request.prompt_token_ids, request.sampling.max_tokens, info.vocab_size, info.max_model_len
     )

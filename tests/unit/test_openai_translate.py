@@ -306,7 +306,7 @@ BAD = [
         id="usage-without-stream",
     ),
     pytest.param(
-        Kind.CHAT, {"messages": USER, "logprobs": True}, "logprobs", "logprobs", id="logprobs"
+        Kind.CHAT, {"messages": USER, "logprobs": 1}, "logprobs", "true or false", id="logprobs"
     ),
     pytest.param(
         Kind.CHAT,
@@ -494,7 +494,7 @@ BAD = [
     pytest.param(Kind.COMPLETION, {"prompt": ""}, "prompt", "empty", id="empty-prompt"),
     pytest.param(Kind.COMPLETION, {}, "prompt", "must be", id="no-prompt"),
     pytest.param(Kind.COMPLETION, {"prompt": [-1]}, "prompt", "must be", id="negative-id"),
-    pytest.param(Kind.COMPLETION, {"prompt": "x", "echo": True}, "echo", "echo", id="echo"),
+    pytest.param(Kind.COMPLETION, {"prompt": "x", "echo": 1}, "echo", "true or false", id="echo"),
     pytest.param(
         Kind.COMPLETION, {"prompt": "x", "best_of": 3}, "best_of", "best_of", id="best-of"
     ),

@@ -26,6 +26,9 @@ from kvmesh.v1 import common_pb2, router_pb2
 from ..core.forced_tools import ForcedChoice, ForcedKind
 from . import forcedcalls, toolcalls
 from .errors import BadRequest, Unauthorized
+from .logprobs import NO_LOGPROBS, LogprobOptions, LogprobsOut, echo_prefix
+from .logprobs import parse_chat as parse_chat_logprobs
+from .logprobs import parse_completion as parse_completion_logprobs
 from .structured import structured_output
 from .tools import assistant_tool_calls, tool_spec
 
@@ -74,6 +77,7 @@ class ParsedRequest:
     forced: ForcedChoice | None = None
     # The field that set sampling.structured_output: response_format, or vLLM's structured_outputs.
     structured_param: str = "response_format"
+    logprobs: LogprobOptions = NO_LOGPROBS  # and echo
 
 
 # ---- headers ---------------------------------------------------------------------------------
@@ -158,17 +162,10 @@ def _reject_unsupported(body: Mapping[str, Any], kind: Kind) -> None:
             raise BadRequest(f"{name} is not supported yet; omit it or send 0", name)
     if body.get("logit_bias"):
         raise BadRequest("logit_bias is not supported; omit it", "logit_bias")
-    logprobs = body.get("logprobs")
-    if logprobs not in (None, False, 0):
-        raise BadRequest("logprobs are not supported yet; omit logprobs", "logprobs")
-    if body.get("top_logprobs"):
-        raise BadRequest("top_logprobs is not supported yet; omit it", "top_logprobs")
     if kind is Kind.COMPLETION:
         best_of = _int(body, "best_of")
         if best_of is not None and best_of != 1:
             raise BadRequest(f"best_of must be 1 (got {best_of})", "best_of")
-        if _bool(body, "echo"):
-            raise BadRequest("echo is not supported; omit it", "echo")
         if body.get("suffix"):
             raise BadRequest("suffix is not supported; omit it", "suffix")
 
@@ -361,6 +358,7 @@ def parse_chat(
         _max_tokens_param(data),
         forced=tools.forced,
         structured_param=_structured_param(data),
+        logprobs=parse_chat_logprobs(data, stream, req.sampling),
     )
 
 
@@ -403,6 +401,9 @@ def parse_completion(
             "prompt must be a string, a list of token ids, or a list holding one of those",
             "prompt",
         )
+    options = parse_completion_logprobs(
+        data, stream, req.sampling, req.text if req.HasField("text") else None
+    )
     return ParsedRequest(
         Kind.COMPLETION,
         request_id,
@@ -412,6 +413,7 @@ def parse_completion(
         req,
         max_tokens_param=_max_tokens_param(data),
         structured_param=_structured_param(data),
+        logprobs=options,
     )
 
 
@@ -447,6 +449,10 @@ def param_of(path: str, request: ParsedRequest) -> str | None:
         return request.max_tokens_param
     if path == "sampling.structured_output":
         return request.structured_param
+    if path == "sampling.logprobs":
+        return "top_logprobs" if request.kind is Kind.CHAT else "logprobs"
+    if path == "sampling.prompt_logprobs":
+        return request.logprobs.prompt_param
     if path.startswith("chat.messages"):  # chat.messages[2].role -> messages[2].role
         return path.removeprefix("chat.")
     if path in ("input", "text", "token_ids", "chat"):  # the prompt
@@ -557,15 +563,20 @@ class ResponseTranslator:
     _calls: toolcalls.StreamParser | None = None
     _required: forcedcalls.RequiredParser | None = None
     _sent_calls: int = 0
+    _logprobs: LogprobsOut | None = None  # None: neither logprobs nor echo asked for
+    _echo_pending: bool = False
 
     def __post_init__(self) -> None:
-        if self.request.kind is not Kind.CHAT or not self.request.stream:
-            return
-        forced = self.request.forced
-        if forced is not None and forced.kind is ForcedKind.REQUIRED:
-            self._required = forcedcalls.RequiredParser()
-        elif self.request.parse_tool_calls and forced is None:
-            self._calls = toolcalls.StreamParser()
+        if self.request.kind is Kind.CHAT and self.request.stream:
+            forced = self.request.forced
+            if forced is not None and forced.kind is ForcedKind.REQUIRED:
+                self._required = forcedcalls.RequiredParser()
+            elif self.request.parse_tool_calls and forced is None:
+                self._calls = toolcalls.StreamParser()
+        options = self.request.logprobs
+        if options != NO_LOGPROBS:
+            self._logprobs = LogprobsOut(self.request.kind is Kind.CHAT, options)
+            self._echo_pending = options.echo
 
     def _finish_reason(self, calls: int) -> str | None:
         forced = self.request.forced
@@ -619,16 +630,29 @@ class ResponseTranslator:
         self._started = True
         forced = self.request.forced
         named = forced is not None and forced.kind is ForcedKind.FUNCTION and self.request.stream
-        if msg.text:
-            self.text.append(msg.text)
+        text = msg.text
+        echoed: list[common_pb2.TokenLogprob] = []
+        if self._echo_pending:  # the first message: the prompt goes first
+            self._echo_pending = False
+            echoed = list(msg.prompt_logprobs)
+            text = echo_prefix(self.request.logprobs, echoed) + text
+        shown = len(out)
+        if text:
+            self.text.append(text)
             if self._calls is not None:
-                out += self._pieces(self._calls.feed(msg.text))
+                out += self._pieces(self._calls.feed(text))
             elif self._required is not None:
-                out += self._pieces(self._required.feed(msg.text))
+                out += self._pieces(self._required.feed(text))
             elif named:
-                out.append(self._named_delta(msg.text))
+                out.append(self._named_delta(text))
             else:
-                out.append(self._chunk({"content": msg.text}, None, text=msg.text))
+                out.append(self._chunk({"content": text}, None, text=text))
+        if self._logprobs is not None:
+            lp = self._logprobs.feed(msg.logprobs, msg.prompt_logprobs, echoed)
+            if lp is not None:  # on this message's last chunk (or one of its own)
+                if len(out) == shown:
+                    out.append(self._chunk({}, None, text=""))
+                out[-1]["choices"][0]["logprobs"] = lp
         if msg.HasField("finished"):
             self.finish_reason = FINISH_REASONS.get(msg.finished.reason, "stop")
             self.stop_reason = msg.finished.stop_reason or None
@@ -698,7 +722,7 @@ class ResponseTranslator:
             choice = {"index": 0, "text": text, "logprobs": None}
         choice["finish_reason"] = finish_reason
         choice["stop_reason"] = self.stop_reason
-        return {
+        body: dict[str, Any] = {
             "id": self.request.id,
             "object": self.request.kind.value,
             "created": self.created,
@@ -707,3 +731,10 @@ class ResponseTranslator:
             "usage": usage_json(self.usage),
             "kvmesh": kvmesh_json(self.request.id, self.usage),
         }
+        if self._logprobs is not None:
+            choice["logprobs"] = self._logprobs.whole()
+            prompt = self._logprobs.prompt()
+            if prompt is not None:  # vLLM's extension: on the choice, or the chat answer
+                holder = choice if self.request.kind is Kind.COMPLETION else body
+                holder["prompt_logprobs"] = prompt
+        return body

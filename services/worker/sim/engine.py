@@ -10,8 +10,9 @@ hashing to make the events comparable with a real engine's); the default,
 
 Not simulated: text (each token's text is `` t<id>``), stop strings (only ``stop_token_ids``,
 ``max_tokens``, the context length and an optional simulated end of sequence end a request),
-sampling parameters (ignored). A structured output is refused (INVALID_ARGUMENT): made-up
-tokens cannot honour a schema, and ignoring it would answer with output that breaks it.
+sampling parameters (ignored). A structured output and log probabilities are refused
+(INVALID_ARGUMENT naming the field): made-up tokens cannot honour a schema and have no
+probabilities, and ignoring either would answer with output that breaks the request.
 """
 
 from __future__ import annotations
@@ -201,6 +202,13 @@ class SimulatedEngine:
                 "are made up and cannot follow a schema); serve it with a vLLM worker",
                 STRUCTURED_FIELD,
             )
+        for name in ("logprobs", "prompt_logprobs"):  # made-up tokens have no probabilities
+            if getattr(request.sampling, name) is not None:
+                raise errors.InvalidArgument(
+                    f"sampling.{name} is not supported by the simulated engine (its tokens are "
+                    "made up, without probabilities); leave it unset",
+                    f"sampling.{name}",
+                )
         arrived = time.monotonic()
         prompt = request.prompt_token_ids
         if len(prompt) > HASH_IN_THREAD_TOKENS:
