@@ -8,12 +8,16 @@ allowed range and what was received.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvmesh.errors import InvalidArgument
 
 MAX_STOP_STRINGS = 16
+MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty lie in [-MAX_PENALTY, MAX_PENALTY]
+MAX_LOGIT_BIAS = 100.0  # logit_bias values lie in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS]
+MAX_LOGIT_BIAS_TOKENS = 1024  # token ids one request may bias (OpenAI's limit is 300)
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +32,11 @@ class Sampling:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float | None = None  # [-2, 2]; None: 0
+    frequency_penalty: float | None = None  # [-2, 2]; None: 0
+    repetition_penalty: float | None = None  # > 0; None: 1
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs, by token id
+    min_tokens: int = 0  # no end of sequence / stop token before this many tokens
 
 
 def check_sampling(s: Sampling, vocab_size: int = 0) -> None:
@@ -64,6 +73,50 @@ def check_sampling(s: Sampling, vocab_size: int = 0) -> None:
             raise InvalidArgument(
                 f"sampling.stop_token_ids has {bad}, outside the vocabulary [0, {vocab_size})",
                 "sampling.stop_token_ids",
+            )
+    _check_penalties(s)
+    _check_logit_bias(s.logit_bias, vocab_size)
+    if not 0 <= s.min_tokens <= s.max_tokens:
+        raise InvalidArgument(
+            f"sampling.min_tokens must be in [0, max_tokens = {s.max_tokens}] (got {s.min_tokens})",
+            "sampling.min_tokens",
+        )
+
+
+def _check_penalties(s: Sampling) -> None:
+    for name, value in (
+        ("presence_penalty", s.presence_penalty),
+        ("frequency_penalty", s.frequency_penalty),
+    ):
+        if value is not None and not -MAX_PENALTY <= value <= MAX_PENALTY:  # refuses NaN too
+            raise InvalidArgument(
+                f"sampling.{name} must be in [-2, 2] (got {value:g})", f"sampling.{name}"
+            )
+    r = s.repetition_penalty
+    if r is not None and not (0.0 < r < math.inf):
+        raise InvalidArgument(
+            f"sampling.repetition_penalty must be > 0 and finite; 1 means none (got {r:g})",
+            "sampling.repetition_penalty",
+        )
+
+
+def _check_logit_bias(bias: tuple[tuple[int, float], ...], vocab_size: int) -> None:
+    if len(bias) > MAX_LOGIT_BIAS_TOKENS:
+        raise InvalidArgument(
+            f"sampling.logit_bias has {len(bias)} token ids; bias at most {MAX_LOGIT_BIAS_TOKENS}",
+            "sampling.logit_bias",
+        )
+    for token, value in bias:
+        if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise InvalidArgument(
+                f"sampling.logit_bias[{token}] must be in [-100, 100] (got {value:g})",
+                "sampling.logit_bias",
+            )
+        if token < 0 or (vocab_size > 0 and token >= vocab_size):
+            raise InvalidArgument(
+                f"sampling.logit_bias has token id {token}, outside the vocabulary "
+                f"[0, {vocab_size})",
+                "sampling.logit_bias",
             )
 
 
@@ -107,4 +160,13 @@ def sampling_from_pb(p) -> Sampling:  # type: ignore[no-untyped-def]
         stop=tuple(p.stop),
         stop_token_ids=tuple(p.stop_token_ids),
         ignore_eos=p.ignore_eos,
+        presence_penalty=_optional(p, "presence_penalty"),
+        frequency_penalty=_optional(p, "frequency_penalty"),
+        repetition_penalty=_optional(p, "repetition_penalty"),
+        logit_bias=tuple(sorted(p.logit_bias.items())),
+        min_tokens=p.min_tokens,
     )
+
+
+def _optional(p, name: str) -> float | None:  # type: ignore[no-untyped-def]
+    return float(getattr(p, name)) if p.HasField(name) else None
