@@ -4,7 +4,8 @@ request. Pure: no sockets, no event loop (``fanout`` runs the plan).
 Each choice is a router request of its own (``plan``): the router routes, queues, accounts and
 aborts it like any other, and each prompt of a batch is routed on its own, so different prompts
 may be served by different workers. A prompt's ``n`` requests share its text, so the ones after
-the first find its KV in the prefix cache of the worker that computed it. Choice ``index`` is
+the first (``fanout`` starts them once it has computed the prompt) find its KV cached: in the
+prefix cache of the worker that computed it, or loaded from the node's kvmanager. Choice ``index`` is
 ``prompt * n + sample``, as in OpenAI's and vLLM's answers; with a ``seed``, sample ``j`` is
 sampled with ``seed + j`` (vLLM's rule for its own ``n``), so the choices differ and are
 reproducible.

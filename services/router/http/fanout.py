@@ -1,10 +1,10 @@
 """Runs the router requests of ``choices.plan`` and merges their streams (asyncio).
 
 A prompt's first request starts at once (every prompt of a batch in parallel); its other ``n - 1``
-start when it has sent its first message: the prompt has then been computed, its KV sits in
-that worker's prefix cache and the router's KV index, so the router's prefix-aware policy sends
-them there and they skip the prefill (unless that worker is saturated, when the policy's own
-rule, recompute elsewhere, applies). The first message is yielded only once every prompt's
+start when it has sent its first message: the prompt has then been computed and its KV sits in
+that worker's prefix cache (and its node kvmanager, when there is one), so the router, routing
+them like any request whose prefix is cached, sends them there or to a worker that loads the
+prefix: the prompt is computed once. The first message is yielded only once every prompt's
 first request has sent one, so a request the router refuses (a prompt too long, a value out
 of range) fails the whole answer before any byte of it is sent. Any error ends the whole
 answer: it is raised at once, and closing the fan-out (``aclose``, or cancelling the consumer:
