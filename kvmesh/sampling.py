@@ -9,6 +9,7 @@ allowed range and what was received.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -39,6 +40,11 @@ class StructuredOutput:
     choices: tuple[str, ...] = ()
 
 
+MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty lie in [-MAX_PENALTY, MAX_PENALTY]
+MAX_LOGIT_BIAS = 100.0  # logit_bias values lie in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS]
+MAX_LOGIT_BIAS_TOKENS = 1024  # token ids one request may bias (OpenAI's limit is 300)
+
+
 @dataclass(frozen=True, slots=True)
 class Sampling:
     """How to sample; None leaves the engine's default (see common.proto SamplingParams)."""
@@ -54,6 +60,11 @@ class Sampling:
     structured_output: StructuredOutput | None = None
     logprobs: int | None = None  # alternatives per generated token (0: its own only); None: off
     prompt_logprobs: int | None = None  # the same per prompt token; None: off
+    presence_penalty: float | None = None  # [-2, 2]; None: 0
+    frequency_penalty: float | None = None  # [-2, 2]; None: 0
+    repetition_penalty: float | None = None  # > 0; None: 1
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs, by token id
+    min_tokens: int = 0  # no end of sequence / stop token before this many tokens
 
 
 def check_structured_output(so: StructuredOutput) -> None:
@@ -132,6 +143,51 @@ def check_sampling(s: Sampling, vocab_size: int = 0, max_logprobs: int = 0) -> N
     if s.structured_output is not None:
         check_structured_output(s.structured_output)
 
+    _check_penalties(s)
+    _check_logit_bias(s.logit_bias, vocab_size)
+    if not 0 <= s.min_tokens <= s.max_tokens:
+        raise InvalidArgument(
+            f"sampling.min_tokens must be in [0, max_tokens = {s.max_tokens}] (got {s.min_tokens})",
+            "sampling.min_tokens",
+        )
+
+
+def _check_penalties(s: Sampling) -> None:
+    for name, value in (
+        ("presence_penalty", s.presence_penalty),
+        ("frequency_penalty", s.frequency_penalty),
+    ):
+        if value is not None and not -MAX_PENALTY <= value <= MAX_PENALTY:  # refuses NaN too
+            raise InvalidArgument(
+                f"sampling.{name} must be in [-2, 2] (got {value:g})", f"sampling.{name}"
+            )
+    r = s.repetition_penalty
+    if r is not None and not (0.0 < r < math.inf):
+        raise InvalidArgument(
+            f"sampling.repetition_penalty must be > 0 and finite; 1 means none (got {r:g})",
+            "sampling.repetition_penalty",
+        )
+
+
+def _check_logit_bias(bias: tuple[tuple[int, float], ...], vocab_size: int) -> None:
+    if len(bias) > MAX_LOGIT_BIAS_TOKENS:
+        raise InvalidArgument(
+            f"sampling.logit_bias has {len(bias)} token ids; bias at most {MAX_LOGIT_BIAS_TOKENS}",
+            "sampling.logit_bias",
+        )
+    for token, value in bias:
+        if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise InvalidArgument(
+                f"sampling.logit_bias[{token}] must be in [-100, 100] (got {value:g})",
+                "sampling.logit_bias",
+            )
+        if token < 0 or (vocab_size > 0 and token >= vocab_size):
+            raise InvalidArgument(
+                f"sampling.logit_bias has token id {token}, outside the vocabulary "
+                f"[0, {vocab_size})",
+                "sampling.logit_bias",
+            )
+
 
 def check_prompt(
     token_ids: Sequence[int], max_tokens: int, vocab_size: int, max_model_len: int
@@ -178,6 +234,11 @@ def sampling_from_pb(p) -> Sampling:  # type: ignore[no-untyped-def]
         else None,
         logprobs=p.logprobs if p.HasField("logprobs") else None,
         prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
+        presence_penalty=_optional(p, "presence_penalty"),
+        frequency_penalty=_optional(p, "frequency_penalty"),
+        repetition_penalty=_optional(p, "repetition_penalty"),
+        logit_bias=tuple(sorted(p.logit_bias.items())),
+        min_tokens=p.min_tokens,
     )
 
 
@@ -216,3 +277,7 @@ def structured_output_pb(so: StructuredOutput, cls):  # type: ignore[no-untyped-
     else:
         setattr(msg, so.kind.value, so.spec)
     return msg
+
+
+def _optional(p, name: str) -> float | None:  # type: ignore[no-untyped-def]
+    return float(getattr(p, name)) if p.HasField(name) else None

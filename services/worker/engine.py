@@ -174,6 +174,16 @@ def sampling_params(
         kwargs["logprobs"] = s.logprobs
     if s.prompt_logprobs is not None:
         kwargs["prompt_logprobs"] = s.prompt_logprobs
+    if s.presence_penalty is not None:
+        kwargs["presence_penalty"] = s.presence_penalty
+    if s.frequency_penalty is not None:
+        kwargs["frequency_penalty"] = s.frequency_penalty
+    if s.repetition_penalty is not None:
+        kwargs["repetition_penalty"] = s.repetition_penalty
+    if s.logit_bias:
+        kwargs["logit_bias"] = dict(s.logit_bias)
+    if s.min_tokens:
+        kwargs["min_tokens"] = s.min_tokens
     try:
         return SamplingParams(**kwargs)
     except (ValueError, TypeError, VLLMClientError) as exc:

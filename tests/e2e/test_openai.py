@@ -147,9 +147,9 @@ async def test_errors_map(aclient: openai.AsyncOpenAI, stream: bool):
     with pytest.raises(openai.NotFoundError) as nf:
         await aclient.chat.completions.create(model="nope", messages=HI, stream=stream)
     assert "tiny" in nf.value.message  # says which models are served
-    with pytest.raises(openai.BadRequestError) as n2:
-        await aclient.chat.completions.create(model="tiny", messages=HI, n=2, stream=stream)
-    assert n2.value.body["param"] == "n"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as n0:
+        await aclient.chat.completions.create(model="tiny", messages=HI, n=0, stream=stream)
+    assert n0.value.body["param"] == "n"  # type: ignore[index]
     with pytest.raises(openai.BadRequestError, match="max_tokens") as long:
         await aclient.completions.create(model="tiny", prompt="x", max_tokens=5000, stream=stream)
     assert long.value.body["param"] == "max_tokens"  # type: ignore[index]  # found by the router

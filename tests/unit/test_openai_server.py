@@ -186,7 +186,7 @@ async def test_local_errors(served):
     async with aiohttp.ClientSession() as s:
         cases = [
             (s.post(url + "/chat/completions", data=b"{nope"), 400, None),
-            (s.post(url + "/chat/completions", json={"messages": [], "n": 2}), 400, "n"),
+            (s.post(url + "/chat/completions", json={"messages": [], "n": 0}), 400, "n"),
             (s.post(url + "/completions", data=b"x" * 5000), 413, None),
             (s.get(url + "/nothing"), 404, None),
             (s.get(url + "/chat/completions"), 405, None),

@@ -9,22 +9,24 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from typing import Any, Protocol
 
 from aiohttp import web
 
 from kvmesh import errors
-from kvmesh.v1 import router_pb2
 
-from . import translate
+from . import choices, translate
 from .backend import GrpcRouterBackend, RouterBackend
 from .errors import BadRequest, MethodNotAllowed, PayloadTooLarge, UnknownRoute, error_body
+from .fanout import FanOut
 
 log = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 Parser = Callable[[object, translate.Extensions, str, int], translate.ParsedRequest]
+# One choice's translator and its router stream, or several choices' (choices, fanout).
+Translator = translate.ResponseTranslator | choices.Choices
 
 CLIENT_CLOSED = 499  # the status code nginx logs for a client that left before the response
 
@@ -272,8 +274,15 @@ class OpenAIServer:
                 parsed = translate.with_model(parsed, await self._only_model())
         except errors.KvmeshError as exc:
             return error_response(exc, rid)
-        out = translate.ResponseTranslator(parsed, int(time.time()))
-        stream = self.backend.generate(parsed.generate, self._timeout_s)
+        out: Translator
+        stream: AsyncGenerator[Any, None] | FanOut
+        if choices.count(parsed) > 1:  # n > 1 or several prompts: a router request per choice
+            subs = choices.plan(parsed)
+            out = choices.Choices(parsed, subs, int(time.time()))
+            stream = FanOut(self.backend, subs, self._timeout_s)
+        else:
+            out = translate.ResponseTranslator(parsed, int(time.time()))
+            stream = self.backend.generate(parsed.generate, self._timeout_s)
         async with contextlib.aclosing(stream):
             try:
                 # Errors before the first message (unknown model, bad prompt, no worker) get
@@ -291,9 +300,9 @@ class OpenAIServer:
 
     async def _collect(
         self,
-        out: translate.ResponseTranslator,
-        msg: router_pb2.GenerateResponse,
-        stream: AsyncIterator[router_pb2.GenerateResponse],
+        out: Translator,
+        msg: Any,
+        stream: AsyncIterator[Any],
     ) -> web.Response:
         rid = out.request.id
         try:
@@ -311,9 +320,9 @@ class OpenAIServer:
     async def _stream(
         self,
         request: web.Request,
-        out: translate.ResponseTranslator,
-        msg: router_pb2.GenerateResponse,
-        stream: AsyncIterator[router_pb2.GenerateResponse],
+        out: Translator,
+        msg: Any,
+        stream: AsyncIterator[Any],
     ) -> web.StreamResponse:
         """Server-sent events: one ``data: {chunk}`` per payload, ``data: [DONE]`` at the end.
         The worker is known only at the end, so it travels in the last chunk's ``kvmesh``

@@ -39,6 +39,8 @@ PRIORITY_HEADER = "x-kvmesh-priority"
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 MAX_STOP = 4  # stop sequences per request, as the OpenAI API allows
+MAX_N = 128  # choices per prompt (n), as the OpenAI API allows
+MAX_CHOICES = 1024  # choices per request (prompts x n): each is a router request of its own
 
 FINISH_REASONS = {
     common_pb2.FINISH_REASON_STOP: "stop",
@@ -78,6 +80,10 @@ class ParsedRequest:
     # The field that set sampling.structured_output: response_format, or vLLM's structured_outputs.
     structured_param: str = "response_format"
     logprobs: LogprobOptions = NO_LOGPROBS  # and echo
+    n: int = 1  # choices per prompt
+    # A completions request with several prompts: one request per prompt (``generate`` is the
+    # first); empty for one prompt. ``choices.plan`` turns them and ``n`` into router requests.
+    batch: tuple[router_pb2.GenerateRequest, ...] = ()
 
 
 # ---- headers ---------------------------------------------------------------------------------
@@ -153,19 +159,29 @@ def _bool(body: Mapping[str, Any], name: str) -> bool:
     return bool(_get(body, name, bool, "true or false"))
 
 
-def _reject_unsupported(body: Mapping[str, Any], kind: Kind) -> None:
+def choices_per_prompt(body: Mapping[str, Any]) -> int:
+    """``n`` (1 to MAX_N), and ``best_of`` checked against it: vLLM V1 dropped best_of (its
+    server ignores the field), so only a best_of that selects nothing (= n) is accepted."""
     n = _int(body, "n")
-    if n is not None and n != 1:
-        raise BadRequest(f"n must be 1 (got {n}); kvmesh returns one choice per request", "n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if _number(body, name):
-            raise BadRequest(f"{name} is not supported yet; omit it or send 0", name)
-    if body.get("logit_bias"):
-        raise BadRequest("logit_bias is not supported; omit it", "logit_bias")
+    if n is None:
+        n = 1
+    if not 1 <= n <= MAX_N:
+        raise BadRequest(f"n must be in [1, {MAX_N}] (got {n})", "n")
+    best_of = _int(body, "best_of")
+    if best_of is not None and best_of < n:
+        raise BadRequest(f"best_of must be >= n = {n} (got {best_of})", "best_of")
+    if best_of is not None and best_of > n:
+        raise BadRequest(
+            f"best_of > n is not supported (got best_of {best_of}, n {n}): choosing the best "
+            "by log probability was removed in vLLM V1, which kvmesh serves with; send "
+            f"n = {best_of} and pick on the client",
+            "best_of",
+        )
+    return n
+
+
+def _reject_unsupported(body: Mapping[str, Any], kind: Kind) -> None:
     if kind is Kind.COMPLETION:
-        best_of = _int(body, "best_of")
-        if best_of is not None and best_of != 1:
-            raise BadRequest(f"best_of must be 1 (got {best_of})", "best_of")
         if body.get("suffix"):
             raise BadRequest("suffix is not supported; omit it", "suffix")
 
@@ -233,12 +249,45 @@ def _sampling(body: Mapping[str, Any], default_max_tokens: int) -> common_pb2.Sa
         sampling.structured_output.CopyFrom(
             structured_output_pb(structured, common_pb2.StructuredOutput)
         )
+    _penalties(body, sampling)
     return sampling
+
+
+def _penalties(body: Mapping[str, Any], sampling: common_pb2.SamplingParams) -> None:
+    """presence / frequency / repetition penalties, logit_bias, min_tokens: typed here, their
+    ranges (and logit_bias's vocabulary) checked by the router (``kvmesh.sampling``)."""
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+        value = _number(body, name)
+        if value is not None:
+            setattr(sampling, name, value)
+    bias = body.get("logit_bias")
+    if bias is not None:
+        if not isinstance(bias, dict):
+            raise BadRequest(
+                "logit_bias must be an object: token id (a string) -> bias", "logit_bias"
+            )
+        for key, value in bias.items():
+            token = key.strip() if isinstance(key, str) else ""
+            if not token.isdecimal() or int(token) >= 2**32:
+                raise BadRequest(
+                    f"logit_bias keys must be token ids (got {json.dumps(key)[:40]})", "logit_bias"
+                )
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise BadRequest(
+                    f"logit_bias[{token}] must be a number (got {json.dumps(value)[:40]})",
+                    "logit_bias",
+                )
+            sampling.logit_bias[int(token)] = float(value)
+    min_tokens = _int(body, "min_tokens")  # vLLM extension
+    if min_tokens is not None:
+        if not 0 <= min_tokens < 2**32:
+            raise BadRequest(f"min_tokens must be >= 0 (got {min_tokens})", "min_tokens")
+        sampling.min_tokens = min_tokens
 
 
 def _common(
     body: object, kind: Kind, default_max_tokens: int
-) -> tuple[dict[str, Any], str, bool, bool, common_pb2.SamplingParams]:
+) -> tuple[dict[str, Any], str, bool, bool, common_pb2.SamplingParams, int]:
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     model = _get(body, "model", str, "a string") or ""
@@ -251,7 +300,8 @@ def _common(
         raise BadRequest("stream_options is only allowed with stream: true", "stream_options")
     _get(body, "user", str, "a string")  # accepted; logs carry the tenant instead
     _reject_unsupported(body, kind)
-    return body, model, stream, include_usage, _sampling(body, default_max_tokens)
+    n = choices_per_prompt(body)
+    return body, model, stream, include_usage, _sampling(body, default_max_tokens), n
 
 
 def _request(
@@ -337,7 +387,7 @@ def chat_messages(messages: object) -> list[router_pb2.ChatMessage]:
 def parse_chat(
     body: object, ext: Extensions, request_id: str, default_max_tokens: int
 ) -> ParsedRequest:
-    data, model, stream, include_usage, sampling = _common(body, Kind.CHAT, default_max_tokens)
+    data, model, stream, include_usage, sampling, n = _common(body, Kind.CHAT, default_max_tokens)
     req = _request(ext, request_id, model, sampling)
     req.chat.messages.extend(chat_messages(data.get("messages")))
     tools = tool_spec(data)
@@ -359,6 +409,7 @@ def parse_chat(
         forced=tools.forced,
         structured_param=_structured_param(data),
         logprobs=parse_chat_logprobs(data, stream, req.sampling),
+        n=n,
     )
 
 
@@ -374,46 +425,55 @@ def _is_ids(x: object) -> bool:
 def parse_completion(
     body: object, ext: Extensions, request_id: str, default_max_tokens: int
 ) -> ParsedRequest:
-    data, model, stream, include_usage, sampling = _common(
+    data, model, stream, include_usage, sampling, n = _common(
         body, Kind.COMPLETION, default_max_tokens
     )
-    req = _request(ext, request_id, model, sampling)
     prompt = data.get("prompt")
-    # One prompt per request: a batch of one is unwrapped, a larger batch is refused.
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        if not prompt:
-            raise BadRequest("prompt is empty; send a non-empty prompt", "prompt")
-        req.text = prompt
-    elif _is_ids(prompt):
-        req.token_ids.ids.extend(prompt)
-    elif (
-        isinstance(prompt, list)
-        and len(prompt) > 1
-        and all(isinstance(p, str) or _is_ids(p) for p in prompt)
-    ):
+    # A batch: a list of strings and/or token id lists (a list of ints is one prompt).
+    batch: list[Any] = [prompt]
+    if isinstance(prompt, list) and not all(isinstance(t, int) for t in prompt):
+        batch = prompt
+    if len(batch) * n > MAX_CHOICES:
         raise BadRequest(
-            f"prompt is a batch of {len(prompt)}; send one prompt per request", "prompt"
+            f"{len(batch)} prompts x n {n} = {len(batch) * n} choices; send at most "
+            f"{MAX_CHOICES} per request",
+            "prompt" if len(batch) > 1 else "n",
         )
-    else:
+    if len(batch) > 1 and data.get("echo") is True:
         raise BadRequest(
-            "prompt must be a string, a list of token ids, or a list holding one of those",
-            "prompt",
+            "echo with a list of prompts is not supported; send one prompt per request", "echo"
         )
+    first = batch[0]
     options = parse_completion_logprobs(
-        data, stream, req.sampling, req.text if req.HasField("text") else None
+        data, stream, sampling, first if isinstance(first, str) else None
     )
+    reqs = []
+    for i, one in enumerate(batch):
+        param = f"prompt[{i}]" if len(batch) > 1 else "prompt"
+        req = _request(ext, request_id, model, sampling)
+        if isinstance(one, str):
+            if not one:
+                raise BadRequest(f"{param} is empty; send a non-empty prompt", param)
+            req.text = one
+        elif _is_ids(one):
+            req.token_ids.ids.extend(one)
+        else:
+            raise BadRequest(
+                "prompt must be a string, a list of token ids, or a list of those", param
+            )
+        reqs.append(req)
     return ParsedRequest(
         Kind.COMPLETION,
         request_id,
         model,
         stream,
         include_usage,
-        req,
+        reqs[0],
         max_tokens_param=_max_tokens_param(data),
         structured_param=_structured_param(data),
         logprobs=options,
+        n=n,
+        batch=tuple(reqs) if len(reqs) > 1 else (),
     )
 
 
@@ -424,6 +484,8 @@ def with_model(request: ParsedRequest, name: str) -> ParsedRequest:
     if not name:
         return request
     request.generate.model = name
+    for one in request.batch:
+        one.model = name
     return replace(request, model=name)
 
 
@@ -438,6 +500,11 @@ _PARAMS = {
     "sampling.stop_token_ids": "stop_token_ids",
     "chat.tools": "tools",
     "chat.tool_choice": "tool_choice",
+    "sampling.presence_penalty": "presence_penalty",
+    "sampling.frequency_penalty": "frequency_penalty",
+    "sampling.repetition_penalty": "repetition_penalty",
+    "sampling.logit_bias": "logit_bias",
+    "sampling.min_tokens": "min_tokens",
 }
 
 
@@ -550,11 +617,16 @@ class ResponseTranslator:
     With ``request.parse_tool_calls`` the text is read for tool calls (``toolcalls``): streamed,
     text that may open a ``<tool_call>`` waits until it is known, and each call goes out as one
     ``tool_calls`` delta (index, id, type, name, whole arguments) once its block closes; a reply
-    holding calls finishes with ``tool_calls``. ``call_id`` makes the calls' ids."""
+    holding calls finishes with ``tool_calls``. ``call_id`` makes the calls' ids.
+
+    ``index`` is the choice's (``choices``: one translator per choice); ``usage_tail`` False
+    leaves the ``include_usage`` chunk to the caller (which adds up the choices')."""
 
     request: ParsedRequest
     created: int
     call_id: Callable[[], str] = new_call_id
+    index: int = 0
+    usage_tail: bool = True
     text: list[str] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | None = None
@@ -664,7 +736,7 @@ class ResponseTranslator:
             last = self._chunk({}, self._finish_reason(self._sent_calls), text="")
             last["kvmesh"] = kvmesh_json(self.request.id, self.usage)
             out.append(last)
-            if self.request.include_usage:
+            if self.request.include_usage and self.usage_tail:
                 tail = self._base()
                 tail["choices"] = []
                 tail["usage"] = usage_json(self.usage)
@@ -688,9 +760,9 @@ class ResponseTranslator:
     ) -> dict[str, Any]:
         body = self._base()
         if self.request.kind is Kind.CHAT:
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None}
+            choice: dict[str, Any] = {"index": self.index, "delta": delta, "logprobs": None}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None}
+            choice = {"index": self.index, "text": text, "logprobs": None}
         choice["finish_reason"] = finish_reason
         if finish_reason is not None:
             choice["stop_reason"] = self.stop_reason  # vLLM's extension
@@ -717,9 +789,9 @@ class ResponseTranslator:
                     message["content"] = content or None
                     message["tool_calls"] = [tool_call_json(c, self.call_id()) for c in calls]
                     finish_reason = self._finish_reason(len(calls))
-            choice: dict[str, Any] = {"index": 0, "message": message, "logprobs": None}
+            choice: dict[str, Any] = {"index": self.index, "message": message, "logprobs": None}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None}
+            choice = {"index": self.index, "text": text, "logprobs": None}
         choice["finish_reason"] = finish_reason
         choice["stop_reason"] = self.stop_reason
         body: dict[str, Any] = {

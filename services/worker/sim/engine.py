@@ -10,9 +10,10 @@ hashing to make the events comparable with a real engine's); the default,
 
 Not simulated: text (each token's text is `` t<id>``), stop strings (only ``stop_token_ids``,
 ``max_tokens``, the context length and an optional simulated end of sequence end a request),
-sampling parameters (ignored). A structured output and log probabilities are refused
-(INVALID_ARGUMENT naming the field): made-up tokens cannot honour a schema and have no
-probabilities, and ignoring either would answer with output that breaks the request.
+sampling parameters (ignored, except ``min_tokens``). A structured output, log probabilities,
+logit bias and penalties are refused (INVALID_ARGUMENT naming the field): made-up tokens
+cannot honour a schema and have no probabilities or logits, and ignoring any of them would
+answer with output that breaks the request.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from ..core import (
     GenerateRequest,
     KvEventSink,
     OutputDelta,
+    Sampling,
     Timing,
 )
 from .handoff import SimKvStores
@@ -79,6 +81,37 @@ def fake_token_ids(request_id: str, count: int, vocab_size: int) -> list[int]:
     """The made-up output of ``request_id``: the same ids for the same request id everywhere."""
     seed = int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=8).digest(), "big")
     return [_splitmix64(seed + i) % vocab_size for i in range(count)]
+
+
+def _check_simulated(s: Sampling) -> None:
+    """The made-up output has no logits to bias or penalize: such requests are refused rather
+    than answered as if the controls had applied (temperature, top_p and top_k are ignored,
+    as the module says; min_tokens is simulated)."""
+    unsupported = [
+        ("presence_penalty", s.presence_penalty not in (None, 0.0)),
+        ("frequency_penalty", s.frequency_penalty not in (None, 0.0)),
+        ("repetition_penalty", s.repetition_penalty not in (None, 1.0)),
+        ("logit_bias", bool(s.logit_bias)),
+    ]
+    for name, used in unsupported:
+        if used:
+            raise errors.InvalidArgument(
+                f"the simulated engine does not support sampling.{name} (its tokens are made "
+                "up, without logits); omit it or use a vLLM worker",
+                f"sampling.{name}",
+            )
+
+
+def _no_stops_before(output: list[int], stops: set[int], min_tokens: int, vocab: int) -> None:
+    """Like vLLM's min_tokens: no stop token id among the first ``min_tokens`` outputs (each
+    made-up one is replaced by the next id that is not a stop token)."""
+    for i in range(min(min_tokens, len(output))):
+        t = output[i]
+        for _ in range(len(stops) + 1):
+            if t not in stops:
+                break
+            t = (t + 1) % vocab
+        output[i] = t
 
 
 @dataclass(frozen=True, slots=True)
@@ -275,7 +308,10 @@ class SimulatedEngine:
             raise errors.InvalidArgument(
                 f"the prompt has {n_prompt} tokens; the model's context is {info.max_model_len}"
             )
+        _check_simulated(s)
         eos = self._config.eos_after_tokens
+        if eos > 0:
+            eos = max(eos, s.min_tokens)  # no end of sequence before min_tokens
         if eos > 0 and not s.ignore_eos:
             limit = min(limit, eos)
         output = fake_token_ids(request.request_id, limit, info.vocab_size)
@@ -284,6 +320,7 @@ class SimulatedEngine:
             stop_reason = ""
         if s.stop_token_ids:
             stops = set(s.stop_token_ids)
+            _no_stops_before(output, stops, s.min_tokens, info.vocab_size)
             hit = next((i for i, t in enumerate(output) if t in stops), None)
             if hit is not None:
                 output = output[: hit + 1]
