@@ -24,25 +24,25 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvmesh/v1/common.proto\x12\tkvmesh.v1\"\xe6\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedJ\x04\x08\t\x10\x14\"\xfd\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\x12\x11\n\tworker_id\x18\x04 \x01(\t\x12\x1d\n\x15time_to_first_token_s\x18\x05 \x01(\x01\x12\x19\n\x11\x63\x61\x63hed_gpu_tokens\x18\x06 \x01(\r\x12\x19\n\x11\x63\x61\x63hed_cpu_tokens\x18\x07 \x01(\r\x12\x1a\n\x12\x63\x61\x63hed_disk_tokens\x18\x08 \x01(\r\x12\x1a\n\x12\x63\x61\x63hed_peer_tokens\x18\t \x01(\rJ\x04\x08\n\x10\x10\"i\n\x08\x46inished\x12\'\n\x06reason\x18\x01 \x01(\x0e\x32\x17.kvmesh.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x02 \x01(\t\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.kvmesh.v1.Usage\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*p\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x14\n\x10WORKER_ROLE_BOTH\x10\x01\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x02\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvmesh/v1/common.proto\x12\tkvmesh.v1\"\xe6\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedJ\x04\x08\t\x10\x14\"\xce\x02\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\x12\x11\n\tworker_id\x18\x04 \x01(\t\x12\x1d\n\x15time_to_first_token_s\x18\x05 \x01(\x01\x12\x19\n\x11\x63\x61\x63hed_gpu_tokens\x18\x06 \x01(\r\x12\x19\n\x11\x63\x61\x63hed_cpu_tokens\x18\x07 \x01(\r\x12\x1a\n\x12\x63\x61\x63hed_disk_tokens\x18\x08 \x01(\r\x12\x1a\n\x12\x63\x61\x63hed_peer_tokens\x18\t \x01(\r\x12\x14\n\x0cqueue_time_s\x18\x0c \x01(\x01\x12\x16\n\x0eprefill_time_s\x18\r \x01(\x01\x12\x15\n\rdecode_time_s\x18\x0e \x01(\x01J\x04\x08\n\x10\x0bJ\x04\x08\x0b\x10\x0cJ\x04\x08\x0f\x10\x10\"i\n\x08\x46inished\x12\'\n\x06reason\x18\x01 \x01(\x0e\x32\x17.kvmesh.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x02 \x01(\t\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.kvmesh.v1.Usage\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*p\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x14\n\x10WORKER_ROLE_BOTH\x10\x01\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x02\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvmesh.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=686
-  _globals['_FINISHREASON']._serialized_end=806
-  _globals['_WORKERROLE']._serialized_start=808
-  _globals['_WORKERROLE']._serialized_end=920
+  _globals['_FINISHREASON']._serialized_start=767
+  _globals['_FINISHREASON']._serialized_end=887
+  _globals['_WORKERROLE']._serialized_start=889
+  _globals['_WORKERROLE']._serialized_end=1001
   _globals['_SAMPLINGPARAMS']._serialized_start=38
   _globals['_SAMPLINGPARAMS']._serialized_end=268
   _globals['_USAGE']._serialized_start=271
-  _globals['_USAGE']._serialized_end=524
-  _globals['_FINISHED']._serialized_start=526
-  _globals['_FINISHED']._serialized_end=631
-  _globals['_ABORTREQUEST']._serialized_start=633
-  _globals['_ABORTREQUEST']._serialized_end=667
-  _globals['_ABORTRESPONSE']._serialized_start=669
-  _globals['_ABORTRESPONSE']._serialized_end=684
+  _globals['_USAGE']._serialized_end=605
+  _globals['_FINISHED']._serialized_start=607
+  _globals['_FINISHED']._serialized_end=712
+  _globals['_ABORTREQUEST']._serialized_start=714
+  _globals['_ABORTREQUEST']._serialized_end=748
+  _globals['_ABORTRESPONSE']._serialized_start=750
+  _globals['_ABORTRESPONSE']._serialized_end=765
 # @@protoc_insertion_point(module_scope)
