@@ -91,6 +91,15 @@ def _add_mesh_flags(p: argparse.ArgumentParser, default_port: int) -> None:
         help="router's OpenAI-compatible HTTP port (default %(default)s; 0 = any free port)",
     )
     p.add_argument(
+        "--allowed-origins",
+        default="",
+        help="CORS origins allowed to call the HTTP API (JSON list or comma-separated; '*': "
+        "any; default: none), as kvmesh router --allowed-origins",
+    )
+    p.add_argument("--allowed-methods", default="", help="CORS methods (default: all)")
+    p.add_argument("--allowed-headers", default="", help="CORS request headers (default: all)")
+    p.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    p.add_argument(
         "--etcd", default="", help="etcd endpoints host:port,...; empty starts a local etcd"
     )
     p.add_argument("--cluster", default="default", help="etcd cluster name")
@@ -265,6 +274,10 @@ def _mesh_spec(a: argparse.Namespace):  # type: ignore[no-untyped-def]
         otlp_endpoint=a.otlp_endpoint,
         bind_cpus=not a.no_cpu_binding,
         router_processes=a.router_processes,
+        allowed_origins=a.allowed_origins,
+        allowed_methods=a.allowed_methods,
+        allowed_headers=a.allowed_headers,
+        allow_credentials=a.allow_credentials,
     )
 
 

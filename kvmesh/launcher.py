@@ -68,6 +68,12 @@ class MeshSpec:
     # workers' front ends when there are enough (kvmesh/cpus.py); False: no binding at all.
     bind_cpus: bool = True
     router_processes: int = 1  # router processes sharing its ports (kvmesh router --processes)
+    # CORS of the router's HTTP API, as its --allowed-origins ... flags take them (JSON list or
+    # comma-separated); empty: the router's default (no origin allowed; all methods, headers).
+    allowed_origins: str = ""
+    allowed_methods: str = ""
+    allowed_headers: str = ""
+    allow_credentials: bool = False
 
 
 @dataclass
@@ -203,6 +209,10 @@ class Mesh:
             "--etcd", ",".join(self.etcd_endpoints),
             *(["--policy", spec.router_policy] if spec.router_policy else []),
             *(["--processes", str(spec.router_processes)] if spec.router_processes > 1 else []),
+            *(["--allowed-origins", spec.allowed_origins] if spec.allowed_origins else []),
+            *(["--allowed-methods", spec.allowed_methods] if spec.allowed_methods else []),
+            *(["--allowed-headers", spec.allowed_headers] if spec.allowed_headers else []),
+            *(["--allow-credentials"] if spec.allow_credentials else []),
             *self.trace_args(),
             *spec.router_args,
             *extra_args,

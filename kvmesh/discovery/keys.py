@@ -106,6 +106,7 @@ class WorkerRecord:
     # KvLayout key (services/kvmanager/core/layout.py) of the blocks it saves to its node's
     # kvmanager; empty when it has none. Routers read that kvmanager's tier events for it.
     kv_layout: str = ""
+    vllm_version: str = ""  # the vLLM its engine runs; empty for the simulated engine
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvmesh/v1/common.proto\x12\tkvmesh.v1\"\x9a\x05\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x36\n\x11structured_output\x18\t \x01(\x0b\x32\x1b.kvmesh.v1.StructuredOutput\x12\x15\n\x08logprobs\x18\n \x01(\rH\x04\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0b \x01(\rH\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0c \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\r \x01(\x02H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0e \x01(\x02H\x08\x88\x01\x01\x12<\n\nlogit_bias\x18\x0f \x03(\x0b\x32(.kvmesh.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x10 \x01(\r\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyJ\x04\x08\x11\x10\x14\"\xfd\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\x12\x11\n\tworker_id\x18\x04 \x01(\t\x12\x1d\n\x15time_to_first_token_s\x18\x05 \x01(\x01\x12\x19\n\x11\x63\x61\x63hed_gpu_tokens\x18\x06 \x01(\r\x12\x19\n\x11\x63\x61\x63hed_cpu_tokens\x18\x07 \x01(\r\x12\x1a\n\x12\x63\x61\x63hed_disk_tokens\x18\x08 \x01(\r\x12\x1a\n\x12\x63\x61\x63hed_peer_tokens\x18\t \x01(\rJ\x04\x08\n\x10\x10\"i\n\x08\x46inished\x12\'\n\x06reason\x18\x01 \x01(\x0e\x32\x17.kvmesh.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x02 \x01(\t\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.kvmesh.v1.Usage\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"\xa7\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x33\n\x06\x63hoice\x18\x04 \x01(\x0b\x32!.kvmesh.v1.StructuredOutputChoiceH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kindJ\x04\x08\x06\x10\n\")\n\x16StructuredOutputChoice\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x83\x01\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x14\n\x07logprob\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05token\x18\x03 \x01(\t\x12\x0c\n\x04rank\x18\x04 \x01(\r\x12\"\n\x03top\x18\x05 \x03(\x0b\x32\x15.kvmesh.v1.TopLogprobB\n\n\x08_logprob\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*p\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x14\n\x10WORKER_ROLE_BOTH\x10\x01\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x02\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvmesh/v1/common.proto\x12\tkvmesh.v1\"\x9a\x05\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x36\n\x11structured_output\x18\t \x01(\x0b\x32\x1b.kvmesh.v1.StructuredOutput\x12\x15\n\x08logprobs\x18\n \x01(\rH\x04\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0b \x01(\rH\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0c \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\r \x01(\x02H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0e \x01(\x02H\x08\x88\x01\x01\x12<\n\nlogit_bias\x18\x0f \x03(\x0b\x32(.kvmesh.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x10 \x01(\r\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyJ\x04\x08\x11\x10\x14\"\xce\x02\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\x12\x11\n\tworker_id\x18\x04 \x01(\t\x12\x1d\n\x15time_to_first_token_s\x18\x05 \x01(\x01\x12\x19\n\x11\x63\x61\x63hed_gpu_tokens\x18\x06 \x01(\r\x12\x19\n\x11\x63\x61\x63hed_cpu_tokens\x18\x07 \x01(\r\x12\x1a\n\x12\x63\x61\x63hed_disk_tokens\x18\x08 \x01(\r\x12\x1a\n\x12\x63\x61\x63hed_peer_tokens\x18\t \x01(\r\x12\x14\n\x0cqueue_time_s\x18\x0c \x01(\x01\x12\x16\n\x0eprefill_time_s\x18\r \x01(\x01\x12\x15\n\rdecode_time_s\x18\x0e \x01(\x01J\x04\x08\n\x10\x0bJ\x04\x08\x0b\x10\x0cJ\x04\x08\x0f\x10\x10\"i\n\x08\x46inished\x12\'\n\x06reason\x18\x01 \x01(\x0e\x32\x17.kvmesh.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x02 \x01(\t\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.kvmesh.v1.Usage\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"\xa7\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x33\n\x06\x63hoice\x18\x04 \x01(\x0b\x32!.kvmesh.v1.StructuredOutputChoiceH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kindJ\x04\x08\x06\x10\n\")\n\x16StructuredOutputChoice\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x83\x01\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x14\n\x07logprob\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05token\x18\x03 \x01(\t\x12\x0c\n\x04rank\x18\x04 \x01(\r\x12\"\n\x03top\x18\x05 \x03(\x0b\x32\x15.kvmesh.v1.TopLogprobB\n\n\x08_logprob\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*p\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x14\n\x10WORKER_ROLE_BOTH\x10\x01\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x02\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,28 +33,28 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1533
-  _globals['_FINISHREASON']._serialized_end=1653
-  _globals['_WORKERROLE']._serialized_start=1655
-  _globals['_WORKERROLE']._serialized_end=1767
+  _globals['_FINISHREASON']._serialized_start=1614
+  _globals['_FINISHREASON']._serialized_end=1734
+  _globals['_WORKERROLE']._serialized_start=1736
+  _globals['_WORKERROLE']._serialized_end=1848
   _globals['_SAMPLINGPARAMS']._serialized_start=38
   _globals['_SAMPLINGPARAMS']._serialized_end=704
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=506
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=554
   _globals['_USAGE']._serialized_start=707
-  _globals['_USAGE']._serialized_end=960
-  _globals['_FINISHED']._serialized_start=962
-  _globals['_FINISHED']._serialized_end=1067
-  _globals['_ABORTREQUEST']._serialized_start=1069
-  _globals['_ABORTREQUEST']._serialized_end=1103
-  _globals['_ABORTRESPONSE']._serialized_start=1105
-  _globals['_ABORTRESPONSE']._serialized_end=1120
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=1123
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=1290
-  _globals['_STRUCTUREDOUTPUTCHOICE']._serialized_start=1292
-  _globals['_STRUCTUREDOUTPUTCHOICE']._serialized_end=1333
-  _globals['_TOKENLOGPROB']._serialized_start=1336
-  _globals['_TOKENLOGPROB']._serialized_end=1467
-  _globals['_TOPLOGPROB']._serialized_start=1469
-  _globals['_TOPLOGPROB']._serialized_end=1531
+  _globals['_USAGE']._serialized_end=1041
+  _globals['_FINISHED']._serialized_start=1043
+  _globals['_FINISHED']._serialized_end=1148
+  _globals['_ABORTREQUEST']._serialized_start=1150
+  _globals['_ABORTREQUEST']._serialized_end=1184
+  _globals['_ABORTRESPONSE']._serialized_start=1186
+  _globals['_ABORTRESPONSE']._serialized_end=1201
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=1204
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=1371
+  _globals['_STRUCTUREDOUTPUTCHOICE']._serialized_start=1373
+  _globals['_STRUCTUREDOUTPUTCHOICE']._serialized_end=1414
+  _globals['_TOKENLOGPROB']._serialized_start=1417
+  _globals['_TOKENLOGPROB']._serialized_end=1548
+  _globals['_TOPLOGPROB']._serialized_start=1550
+  _globals['_TOPLOGPROB']._serialized_end=1612
 # @@protoc_insertion_point(module_scope)

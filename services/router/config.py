@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from kvmesh.telemetry import Exporter
 
 from .core.disagg import DisaggConfig
+from .http.cors import CorsPolicy
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +55,8 @@ class RouterConfig:
     http_port: int = 0  # its port; 0 lets the OS pick (printed at start), -1 turns it off
     api_keys: tuple[str, ...] = ()  # accepted API keys (Bearer); empty: any key or none
     http_max_body_bytes: int = 8 * 1024 * 1024  # larger request bodies: HTTP 413
+    # CORS of the HTTP API (http/cors.py), as vLLM's flags of the same names
+    cors: CorsPolicy = field(default_factory=CorsPolicy)  # default: no origin allowed
     metrics_host: str = "127.0.0.1"  # address of the Prometheus /metrics endpoint
     metrics_port: int = 0  # its port; 0 lets the OS pick (printed at start), -1 turns it off
     metrics_refresh_s: float = 2.0  # how often the KV stream gauges are refreshed

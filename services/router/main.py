@@ -34,6 +34,7 @@ from .core.workers import Change, WorkerSet
 from .hashing import PromptHasher
 from .http import OpenAIServer
 from .http.backend import InProcessRouterBackend
+from .http.cors import CorsPolicy, parse_list
 from .kvsync import KvEventSync
 from .metrics import RouterMetrics
 from .pool import WorkerPool
@@ -201,6 +202,12 @@ async def start_router(config: RouterConfig) -> RunningRouter:
             metrics=metrics,
             backend=InProcessRouterBackend(servicer),
             reuse_port=config.reuse_port,
+            cors=config.cors,
+            metrics_registry=metrics.registry,  # the metrics port's registry, on the HTTP port
+            ready=lambda: not servicer.draining,
+            vllm_versions=lambda: (
+                v.record.vllm_version for v in workers.all() if v.serving and v.record.vllm_version
+            ),
         )
         await http.start()
     for name in ("", SERVICE_NAME):
@@ -384,6 +391,28 @@ def parse_args(argv: list[str] | None) -> RouterConfig:
         help="accepted API key for the HTTP API (repeatable; default: any key or none)",
     )
     p.add_argument("--http-max-body-bytes", type=int, default=d.http_max_body_bytes)
+    p.add_argument(
+        "--allowed-origins",
+        default="",
+        help="CORS origins allowed to call the HTTP API: a JSON list as vLLM takes it "
+        "('[\"https://app.example\"]') or comma-separated; '*' allows any (default: none, "
+        "no CORS headers)",
+    )
+    p.add_argument(
+        "--allowed-methods",
+        default='["*"]',
+        help="CORS methods allowed, JSON list or comma-separated (default: all)",
+    )
+    p.add_argument(
+        "--allowed-headers",
+        default='["*"]',
+        help="CORS request headers allowed, JSON list or comma-separated (default: all)",
+    )
+    p.add_argument(
+        "--allow-credentials",
+        action="store_true",
+        help="CORS: allow credentials (cookies, Authorization) from the allowed origins",
+    )
     p.add_argument("--metrics-host", default=d.metrics_host, help="address of /metrics")
     p.add_argument(
         "--metrics-port",
@@ -415,6 +444,15 @@ def parse_args(argv: list[str] | None) -> RouterConfig:
             a.disagg_prefill_timeout_s,
             a.disagg_overlap,
             placement,
+        )
+    except errors.InvalidArgument as exc:
+        p.error(str(exc))
+    try:
+        cors = CorsPolicy(
+            allowed_origins=parse_list("--allowed-origins", a.allowed_origins),
+            allowed_methods=parse_list("--allowed-methods", a.allowed_methods),
+            allowed_headers=parse_list("--allowed-headers", a.allowed_headers),
+            allow_credentials=a.allow_credentials,
         )
     except errors.InvalidArgument as exc:
         p.error(str(exc))
@@ -450,6 +488,7 @@ def parse_args(argv: list[str] | None) -> RouterConfig:
         http_port=a.http_port,
         api_keys=tuple(a.api_key),
         http_max_body_bytes=a.http_max_body_bytes,
+        cors=cors,
         metrics_host=a.metrics_host,
         metrics_port=a.metrics_port,
         trace_exporter=Exporter(a.trace_exporter),

@@ -17,7 +17,13 @@ from collections.abc import Mapping
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvmesh.discovery.keys import WorkerId
-from kvmesh.metrics import DECISION_BUCKETS_S, ITL_BUCKETS_S, TTFT_BUCKETS_S, EtcdGauges
+from kvmesh.metrics import (
+    DECISION_BUCKETS_S,
+    ITL_BUCKETS_S,
+    TTFT_BUCKETS_S,
+    VLLM_REQUEST_LATENCY_BUCKETS_S,
+    EtcdGauges,
+)
 
 from .core.index import KvIndex
 from .core.index_types import HolderId, StoreId, ViewState
@@ -184,6 +190,54 @@ class RouterMetrics:
             buckets=ITL_BUCKETS_S,
             registry=r,
         )
+        # Per finished request, as vLLM's vllm:e2e_request_latency_seconds, request_success,
+        # generation_tokens, request_{queue,prefill,decode}_time_seconds (same buckets) but as
+        # the router sees them, by model (docs/status.md).
+        self.e2e_seconds = Histogram(
+            "kvmesh_router_e2e_request_latency_seconds",
+            "From the request's arrival at the router to its last output (finished requests).",
+            ["model"],
+            buckets=VLLM_REQUEST_LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.queue_seconds = Histogram(
+            "kvmesh_router_request_queue_time_seconds",
+            "From the request's arrival at the router until the serving engine first scheduled "
+            "it: tokenizing, routing, retries (and a non-overlapped prefill call) in the router, "
+            "then the engine's own queue (usage.queue_time_s).",
+            ["model"],
+            buckets=VLLM_REQUEST_LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.prefill_time_seconds = Histogram(
+            "kvmesh_router_request_prefill_time_seconds",
+            "The serving engine's prefill phase, first scheduled to first token "
+            "(usage.prefill_time_s, as vllm:request_prefill_time_seconds).",
+            ["model"],
+            buckets=VLLM_REQUEST_LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.decode_time_seconds = Histogram(
+            "kvmesh_router_request_decode_time_seconds",
+            "The serving engine's decode phase, first token to finish "
+            "(usage.decode_time_s, as vllm:request_decode_time_seconds).",
+            ["model"],
+            buckets=VLLM_REQUEST_LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.success = Counter(
+            "kvmesh_router_request_success",
+            "Requests that finished with a final message, by model and finish reason (stop, "
+            "length, abort), as vllm:request_success.",
+            ["model", "finished_reason"],
+            registry=r,
+        )
+        self.generation_tokens = Counter(
+            "kvmesh_router_generation_tokens",
+            "Output tokens of finished requests (usage.completion_tokens).",
+            ["model"],
+            registry=r,
+        )
         self.in_flight = Gauge(
             "kvmesh_router_in_flight_requests", "Generate calls in progress.", registry=r
         )
@@ -228,6 +282,25 @@ class RouterMetrics:
         self.prompt_tokens.labels(model).inc(prompt_tokens)
         if predicted_cached_tokens > 0:
             self.predicted_cached_tokens.labels(model).inc(predicted_cached_tokens)
+
+    def finished(
+        self,
+        model: str,
+        reason: str,
+        completion_tokens: int,
+        e2e_s: float,
+        before_worker_s: float,
+        phases: tuple[float, float, float],
+    ) -> None:
+        """A request's final message: ``before_worker_s`` the router's time until it called the
+        worker that served it, ``phases`` that worker's (queue, prefill, decode) seconds."""
+        queue_s, prefill_s, decode_s = phases
+        self.success.labels(model, reason).inc()
+        self.generation_tokens.labels(model).inc(completion_tokens)
+        self.e2e_seconds.labels(model).observe(e2e_s)
+        self.queue_seconds.labels(model).observe(before_worker_s + queue_s)
+        self.prefill_time_seconds.labels(model).observe(prefill_s)
+        self.decode_time_seconds.labels(model).observe(decode_s)
 
     def ended(self, model: str, code: str) -> None:
         self.requests.labels(model or "unknown", code).inc()

@@ -44,6 +44,12 @@ from .prompt import PromptBuilder, PromptInput
 from .tokenizer import template_input
 
 log = logging.getLogger(__name__)
+# A final message's finish reason, as the metrics label it (vLLM's finished_reason values).
+FINISH_NAMES = {
+    common_pb2.FINISH_REASON_STOP: "stop",
+    common_pb2.FINISH_REASON_LENGTH: "length",
+    common_pb2.FINISH_REASON_ABORT: "abort",
+}
 _tracer = tracer(__name__)
 _HANDOFF_WAIT_MARGIN_S = 1.0  # an overlapped decode waits this much past the prefill deadline
 
@@ -331,6 +337,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             self._active[route.request_id] = _Active(decision.worker_id)
             self._workers.started(decision.worker_id)
             self._policy.on_routed(route, decision)
+            dispatched = time.monotonic()
             call = self._call_worker(
                 decision.worker_id,
                 stub,
@@ -361,6 +368,16 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                             msg.finished.usage.cached_prompt_tokens
                         )
                     now = time.monotonic()
+                    if finished:
+                        u = msg.finished.usage
+                        metrics.finished(
+                            model,
+                            FINISH_NAMES.get(msg.finished.reason, "unknown"),
+                            u.completion_tokens,
+                            now - arrived,
+                            dispatched - arrived,
+                            (u.queue_time_s, u.prefill_time_s, u.decode_time_s),
+                        )
                     if not sent_any and (msg.token_ids or finished):
                         ttft = now - arrived
                         if finished:

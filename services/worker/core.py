@@ -61,6 +61,39 @@ class Timing:
     def time_to_first_token_s(self) -> float:
         return 0.0 if self.first_token_s is None else self.first_token_s - self.arrived_s
 
+    def phases(self) -> RequestPhases:
+        """The request's time split as vLLM's ``FinishedRequestStats`` splits it: queued until
+        first scheduled, prefill until the first token, decode until finished. A phase that
+        never began is 0 (never scheduled: all of it queued); clock skew never makes one
+        negative."""
+        end = self.arrived_s if self.finished_s is None else self.finished_s
+        e2e = max(0.0, end - self.arrived_s)
+        if self.scheduled_s is None:
+            return RequestPhases(e2e_s=e2e, queue_s=e2e)
+        scheduled = min(max(self.scheduled_s, self.arrived_s), end)
+        first = end if self.first_token_s is None else min(max(self.first_token_s, scheduled), end)
+        return RequestPhases(
+            e2e_s=e2e,
+            queue_s=scheduled - self.arrived_s,
+            prefill_s=first - scheduled,
+            decode_s=end - first,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class RequestPhases:
+    """Where one finished request's time went, in seconds (``Timing.phases``)."""
+
+    e2e_s: float = 0.0  # arrival to finish
+    queue_s: float = 0.0  # arrival to first scheduled
+    prefill_s: float = 0.0  # first scheduled to first token
+    decode_s: float = 0.0  # first token to finish
+
+    @property
+    def inference_s(self) -> float:
+        """Running (prefill and decode), as vLLM's request_inference_time."""
+        return self.prefill_s + self.decode_s
+
 
 @dataclass(frozen=True, slots=True)
 class Finish:
@@ -152,6 +185,7 @@ class EngineLoad:
     kv_cache_usage: float = 0.0  # fraction of KV blocks in use, [0, 1]
     prefix_cache_queried_tokens: int = 0  # cumulative since start
     prefix_cache_hit_tokens: int = 0  # cumulative since start
+    preemptions: int = 0  # requests the scheduler preempted, cumulative since start
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,6 +200,7 @@ class EngineInfo:
     connector_layout: str = ""
     # Most alternatives per token a request may ask for (sampling.logprobs); 0: no bound known.
     max_logprobs: int = 0
+    vllm_version: str = ""  # the vLLM serving it; "" for an engine that is not vLLM
 
 
 class Engine(Protocol):

@@ -36,6 +36,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
+import vllm
 from opentelemetry import propagate
 from vllm import SamplingParams
 from vllm.engine.arg_utils import AsyncEngineArgs
@@ -233,6 +234,7 @@ class _StatsSink(StatLoggerBase):
         self.latest = SchedulerStats()
         self.queried_tokens = 0
         self.hit_tokens = 0
+        self.preemptions = 0
         self.updates = 0
         self.listeners: list[Callable[[], None]] = []
         self.load_reports: OrderedDict[str, LoadReport] = OrderedDict()
@@ -261,6 +263,8 @@ class _StatsSink(StatLoggerBase):
         mm_cache_stats: MultiModalCacheStats | None = None,
         engine_idx: int = 0,
     ) -> None:
+        if iteration_stats is not None:  # vLLM's vllm:num_preemptions counts these
+            self.preemptions += iteration_stats.num_preempted_reqs
         if scheduler_stats is None:
             return
         self.latest = scheduler_stats
@@ -349,6 +353,7 @@ class VllmEngine:
                 vocab_size=vocab,
                 connector_layout=layouts[0] if layouts else "",
                 max_logprobs=vocab if max_logprobs < 0 else max_logprobs,
+                vllm_version=vllm.__version__,
             )
         except BaseException:
             llm.shutdown()
@@ -394,6 +399,7 @@ class VllmEngine:
             kv_cache_usage=min(max(usage, 0.0), 1.0),
             prefix_cache_queried_tokens=self._stats.queried_tokens,
             prefix_cache_hit_tokens=self._stats.hit_tokens,
+            preemptions=self._stats.preemptions,
         )
 
     def add_load_listener(self, listener: Callable[[], None]) -> None:

@@ -13,9 +13,10 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from kvmesh.metrics import ITL_BUCKETS_S, TTFT_BUCKETS_S, EtcdGauges
+from kvmesh.metrics import ITL_BUCKETS_S, TTFT_BUCKETS_S, EtcdGauges, MirroredCounter
 
 from .core import EngineLoad
+from .vllm_metrics import VllmMetrics
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,8 +38,12 @@ class EtcdState:
 
 
 class WorkerMetrics:
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    """``model``: the served model name, the ``model_name`` label of the vLLM-named metrics
+    (``vllm``, services/worker/vllm_metrics.py) beside the worker's own."""
+
+    def __init__(self, registry: CollectorRegistry | None = None, model: str = "") -> None:
         self.registry = r = registry or CollectorRegistry()
+        self.vllm = VllmMetrics(r, model)
         self.requests = Counter(
             "kvmesh_worker_requests",
             "Generate calls ended, by gRPC status code (OK, INVALID_ARGUMENT, CANCELLED, ...).",
@@ -96,13 +101,13 @@ class WorkerMetrics:
             "Fraction of the engine's KV cache blocks in use, [0, 1].",
             registry=r,
         )
-        # The engine's cumulative counters, mirrored as gauges named *_total (they only grow).
-        self.prefix_queried = Gauge(
+        # The engine's cumulative counters, mirrored as counters (they only grow).
+        self.prefix_queried = MirroredCounter(
             "kvmesh_worker_prefix_cache_queried_tokens_total",
             "Prompt tokens looked up in the engine's prefix cache since it started.",
             registry=r,
         )
-        self.prefix_hits = Gauge(
+        self.prefix_hits = MirroredCounter(
             "kvmesh_worker_prefix_cache_hit_tokens_total",
             "Prompt tokens found in the engine's prefix cache since it started.",
             registry=r,
@@ -117,7 +122,7 @@ class WorkerMetrics:
             "WatchKvEvents streams open (routers following this worker).",
             registry=r,
         )
-        self.kv_event_cut_off = Gauge(
+        self.kv_event_cut_off = MirroredCounter(
             "kvmesh_worker_kv_event_subscribers_cut_off_total",
             "KV event subscribers cut off for falling too far behind, since start.",
             registry=r,
@@ -161,6 +166,7 @@ class WorkerMetrics:
         self.prefix_queried.set(load.prefix_cache_queried_tokens)
         self.prefix_hits.set(load.prefix_cache_hit_tokens)
         self.draining.set(1.0 if draining else 0.0)
+        self.vllm.refresh(load)
         if kv is not None:
             self.kv_event_seq.set(kv.seq)
             self.kv_event_subscribers.set(kv.subscribers)

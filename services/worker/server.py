@@ -169,7 +169,7 @@ async def start_worker(config: WorkerConfig, engine: Engine) -> RunningWorker:
     kv_log = KvEventLog(worker_id, uuid.uuid4().hex, config.kv_event_buffer_batches)
     kv_events = KvEventHub(kv_log, config.kv_event_queue_batches)
     engine.set_kv_event_sink(kv_events.publish)
-    metrics = WorkerMetrics()
+    metrics = WorkerMetrics(model=engine.info.model)
     servicer = WorkerServicer(
         engine,
         worker_id,
@@ -200,6 +200,7 @@ async def start_worker(config: WorkerConfig, engine: Engine) -> RunningWorker:
         block_size=info.block_size,
         vocab_size=info.vocab_size,
         kv_layout=config.kv_layout or layout_key_of(info.connector_layout),
+        vllm_version=info.vllm_version,
     )
     registrar = None
     metrics_server = None

@@ -25,6 +25,7 @@ from .core import (
     GenerateRequest,
     KvSource,
     OutputDelta,
+    RequestPhases,
     TokenLogprob,
 )
 from .metrics import WorkerMetrics
@@ -67,6 +68,7 @@ def response_to_pb(d: OutputDelta, worker_id: str) -> worker_pb2.WorkerGenerateR
         msg.prompt_logprobs.extend(logprobs_to_pb(d.prompt_logprobs))
     if d.finish is not None:
         split = d.cached_split()
+        phases = d.timing.phases() if d.timing is not None else RequestPhases()
         msg.finished.CopyFrom(
             common_pb2.Finished(
                 reason=FINISH_PB[d.finish.reason],
@@ -81,6 +83,9 @@ def response_to_pb(d: OutputDelta, worker_id: str) -> worker_pb2.WorkerGenerateR
                     cached_cpu_tokens=split.cpu,
                     cached_disk_tokens=split.disk,
                     cached_peer_tokens=split.peer,
+                    queue_time_s=phases.queue_s,
+                    prefill_time_s=phases.prefill_s,
+                    decode_time_s=phases.decode_s,
                 ),
             )
         )
@@ -271,10 +276,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     now = time.monotonic()
                     if last_token_s == 0.0:
                         metrics.ttft_seconds.observe(now - started)
+                        metrics.vllm.ttft.observe(now - started)
                     else:
-                        metrics.itl_seconds.observe((now - last_token_s) / len(delta.token_ids))
+                        itl = (now - last_token_s) / len(delta.token_ids)
+                        metrics.itl_seconds.observe(itl)
+                        metrics.vllm.itl.observe(itl)
                     last_token_s = now
                     metrics.completion_tokens.inc(len(delta.token_ids))
+                    metrics.vllm.generation_tokens.inc(len(delta.token_ids))
                 if delta.finish is not None:
                     split = delta.cached_split()
                     metrics.finished(
@@ -286,6 +295,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                             "disk": split.disk,
                             "peer": split.peer,
                         },
+                    )
+                    metrics.vllm.finished(
+                        delta.finish.reason,
+                        delta.prompt_tokens,
+                        delta.completion_tokens,
+                        delta.timing,
                     )
                     code = "OK"  # a caller that stops reading after this has nothing to cancel
                 yield response_to_pb(delta, self._worker_id)

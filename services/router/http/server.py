@@ -13,11 +13,14 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, 
 from typing import Any, Protocol
 
 from aiohttp import web
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import choose_encoder
 
-from kvmesh import errors
+from kvmesh import __version__, errors
 
 from . import choices, translate
 from .backend import GrpcRouterBackend, RouterBackend
+from .cors import CorsPolicy
 from .errors import BadRequest, MethodNotAllowed, PayloadTooLarge, UnknownRoute, error_body
 from .fanout import FanOut
 
@@ -76,7 +79,13 @@ class OpenAIServer:
     or just keys (tenant derived from the key). ``default_max_tokens`` applies when a request
     sets neither max_tokens nor max_completion_tokens. ``backend`` replaces the gRPC channel
     (an in-process router, a fake in tests). ``metrics``, if given, counts every request by
-    endpoint and HTTP status."""
+    endpoint and HTTP status.
+
+    Beside the API, as vLLM's server: ``cors`` (``cors.CorsPolicy``; default: no origin
+    allowed, no CORS headers), ``GET /metrics`` serving ``metrics_registry`` (the router's own
+    registry, the one its metrics port serves; absent: 404), ``GET /health`` (200 while the
+    router can serve: ``ready()`` and at least one serving worker; else 503) and
+    ``GET /version`` (kvmesh's version and the vLLM versions ``vllm_versions()`` names)."""
 
     def __init__(
         self,
@@ -92,6 +101,10 @@ class OpenAIServer:
         backend: RouterBackend | None = None,
         metrics: HttpMetrics | None = None,
         reuse_port: bool = False,
+        cors: CorsPolicy | None = None,
+        metrics_registry: CollectorRegistry | None = None,
+        ready: Callable[[], bool] | None = None,
+        vllm_versions: Callable[[], Iterable[str]] | None = None,
     ) -> None:
         if backend is None and not router_address:
             raise ValueError("OpenAIServer needs router_address or backend")
@@ -110,20 +123,29 @@ class OpenAIServer:
         self._own_backend = backend is None
         self._metrics = metrics
         self._reuse_port = reuse_port  # several router processes share the port
+        self._cors = cors or CorsPolicy()
+        self._registry = metrics_registry
+        self._ready = ready
+        self._vllm_versions = vllm_versions
         self._runner: web.AppRunner | None = None
         self._created = int(time.time())
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def app(self) -> web.Application:
-        middlewares = [self._errors_middleware]
+        middlewares = [self._cors_middleware, self._errors_middleware]
         if self._metrics is not None:  # outermost: it sees the status the errors one set
             middlewares.insert(0, self._metrics_middleware)
         app = web.Application(client_max_size=self._max_body_bytes, middlewares=middlewares)
+        if self._cors.enabled:  # before the headers go: streamed responses get them too
+            app.on_response_prepare.append(self._cors_headers)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/v1/models/{model}", self._model)
         app.router.add_get("/health", self._health)
+        app.router.add_get("/version", self._version)
+        if self._registry is not None:
+            app.router.add_get("/metrics", self._metrics_text)
         return app
 
     async def start(self) -> None:
@@ -182,6 +204,29 @@ class OpenAIServer:
             self._metrics.http_ended(endpoint_of(request), code)
 
     @web.middleware
+    async def _cors_middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """Answers CORS preflights itself (no route serves OPTIONS)."""
+        if not CorsPolicy.is_preflight(request.method, request.headers):
+            return await handler(request)
+        origin = request.headers["Origin"]
+        status, headers = self._cors.preflight(
+            origin,
+            request.headers["Access-Control-Request-Method"],
+            request.headers.get("Access-Control-Request-Headers", ""),
+        )
+        if status != 200:
+            resp = error_response(
+                BadRequest(f"CORS preflight refused: origin {origin!r} is not allowed here")
+            )
+            resp.headers.update(headers)
+            return resp
+        return web.Response(status=status, headers=headers)
+
+    async def _cors_headers(self, request: web.Request, resp: web.StreamResponse) -> None:
+        for name, value in self._cors.simple(request.headers.get("Origin")).items():
+            resp.headers.setdefault(name, value)
+
+    @web.middleware
     async def _errors_middleware(
         self, request: web.Request, handler: Handler
     ) -> web.StreamResponse:
@@ -211,7 +256,35 @@ class OpenAIServer:
 
     # ---- endpoints ----------------------------------------------------------------------------
     async def _health(self, request: web.Request) -> web.Response:
-        return _json_response(200, {"status": "ok"})
+        """200 while this router can serve a request: not draining and at least one serving
+        worker (vLLM's /health: 200 while its engine can serve, 503 once it cannot). A
+        readiness probe, not a liveness one: a router without workers is alive."""
+        if self._ready is not None and not self._ready():
+            return error_response(errors.Unavailable("the router is shutting down"))
+        try:
+            resp = await self.backend.list_models(self._models_timeout_s)
+        except errors.KvmeshError as exc:
+            return error_response(errors.Unavailable(f"the router cannot serve: {exc}"))
+        workers = sum(m.workers for m in resp.models)
+        if not workers:
+            return error_response(
+                errors.Unavailable("no worker is registered and serving; nothing can be served")
+            )
+        return _json_response(200, {"status": "ok", "models": len(resp.models), "workers": workers})
+
+    async def _version(self, request: web.Request) -> web.Response:
+        """vLLM's /version says ``{"version": ...}``: here kvmesh's, with the vLLM versions
+        of the serving workers (none known: empty)."""
+        versions = sorted(set(self._vllm_versions())) if self._vllm_versions else []
+        return _json_response(200, {"version": __version__, "vllm_versions": versions})
+
+    async def _metrics_text(self, request: web.Request) -> web.Response:
+        """The router's registry, rendered off the event loop in the format the scraper's
+        Accept asks (Prometheus text, or OpenMetrics), as the metrics port serves it."""
+        assert self._registry is not None
+        encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
+        body = await asyncio.to_thread(encoder, self._registry)
+        return web.Response(body=body, headers={"Content-Type": content_type})
 
     async def _models(self, request: web.Request) -> web.Response:
         try:
