@@ -134,10 +134,12 @@ class PutBlocksRequest(_message.Message):
     def __init__(self, layout: _Optional[_Union[KvLayout, _Mapping]] = ..., blocks: _Optional[_Iterable[_Union[KvBlock, _Mapping]]] = ...) -> None: ...
 
 class PutBlocksResponse(_message.Message):
-    __slots__ = ("stored",)
+    __slots__ = ("stored", "already_held")
     STORED_FIELD_NUMBER: _ClassVar[int]
+    ALREADY_HELD_FIELD_NUMBER: _ClassVar[int]
     stored: int
-    def __init__(self, stored: _Optional[int] = ...) -> None: ...
+    already_held: int
+    def __init__(self, stored: _Optional[int] = ..., already_held: _Optional[int] = ...) -> None: ...
 
 class GetBlocksRequest(_message.Message):
     __slots__ = ("layout", "block_hashes", "shm")

@@ -121,7 +121,7 @@ class KvManagerServicer(kvmanager_pb2_grpc.KvManagerServicer):
         request_iterator: AsyncIterator[kvmanager_pb2.PutBlocksRequest],
         context: grpc.aio.ServicerContext,
     ) -> kvmanager_pb2.PutBlocksResponse:
-        stored = 0
+        stored = held = 0
         layout: KvLayout | None = None
         try:
             self._check_serving()
@@ -139,12 +139,13 @@ class KvManagerServicer(kvmanager_pb2_grpc.KvManagerServicer):
                 # await: once a call is cancelled or over, its regions are never read again.
                 blocks = [(b.block_hash, self._payload(layout, b), _parent(b)) for b in msg.blocks]
                 for h, data, parent in blocks:
-                    await self._store.put(layout, h, data, parent)
+                    if not await self._store.put(layout, h, data, parent):
+                        held += 1
                     stored += 1
         except Exception as exc:
             log.info("PutBlocks ended after %d blocks: %s", stored, exc)
             await abort_with(context, exc, "PutBlocks")
-        return kvmanager_pb2.PutBlocksResponse(stored=stored)
+        return kvmanager_pb2.PutBlocksResponse(stored=stored, already_held=held)
 
     def _payload(self, layout: KvLayout, block: kvmanager_pb2.KvBlock) -> bytes | memoryview:
         """A PutBlocks block's bytes: inline, or copied out of its shared-memory region straight

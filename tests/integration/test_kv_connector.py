@@ -40,6 +40,7 @@ from services.worker.connector import (
     parse_layout_key,
 )
 from services.worker.connector import plan as plans
+from services.worker.connector.client import SaveChain
 from services.worker.connector.directory import HEADER_BYTES
 from services.worker.connector.saver import BlockSaver, SaveJob
 
@@ -327,6 +328,47 @@ def test_saver_skips_instead_of_waiting_when_full() -> None:
         client.gate.set()
         saver.close(5)
     assert not saver.try_submit(_job([5], 1))
+
+
+class _GatedBatchClient(_GatedClient):
+    """A store that takes many chains per call (``BatchedSave``) and says which it held."""
+
+    def __init__(self, held: set[int]) -> None:
+        super().__init__()
+        self.held = held
+        self.calls: list[list[tuple[list[int], int | None]]] = []
+        self.entered = threading.Event()
+
+    def lookup(self, layout_key: str, block_hashes: Sequence[int]) -> int:
+        raise AssertionError("a batched store is never looked up before a save")
+
+    def save_chains(self, layout_key: str, chains: Sequence[SaveChain]) -> int:
+        self.entered.set()
+        assert self.gate.wait(10)
+        self.calls.append([(list(c.block_hashes), c.parent_hash) for c in chains])
+        hashes = [h for c in chains for h in c.block_hashes]
+        self.saved.extend(hashes)
+        return sum(h in self.held for h in hashes)
+
+
+def test_saver_sends_everything_queued_in_one_call_to_a_batched_store() -> None:
+    client = _GatedBatchClient(held={4})
+    saver = BlockSaver(client, max_pending_bytes=1000)
+    try:
+        assert saver.try_submit(_job([1], 10))
+        assert client.entered.wait(10)
+        # The first call is stuck on the gate: what queues meanwhile goes in the next call.
+        assert saver.try_submit(SaveJob("k", [2, 3], 1, [b"x", b"x"], 20))
+        assert saver.try_submit(_job([4], 10))
+        client.gate.set()
+        assert saver.flush(10)
+        stats = saver.stats()
+        assert sorted(client.saved) == [1, 2, 3, 4]
+        assert client.calls == [[([1], None)], [([2, 3], 1), ([4], None)]]
+        assert (stats.saved_blocks, stats.present_blocks, stats.pending_bytes) == (3, 1, 0)
+    finally:
+        client.gate.set()
+        saver.close(5)
 
 
 @pytest.mark.parametrize(

@@ -23,6 +23,7 @@ from kvmesh.v1 import kvmanager_pb2, kvmanager_pb2_grpc
 from services.kvmanager.config import KvManagerConfig, ShmConfig
 from services.kvmanager.core.config import StoreConfig
 from services.kvmanager.main import RunningKvManager, start_kvmanager
+from services.worker.connector.client import SaveChain
 from services.worker.connector.kvmanager_client import KvManagerBlockClient, kv_layout
 from services.worker.connector.layout import BlockLayout
 from services.worker.connector.shm import HEADER_BYTES, ShmSegment
@@ -114,6 +115,40 @@ async def test_save_and_load_through_shm_are_byte_identical(kvm, tmp_path):
     finally:
         await asyncio.to_thread(c.close)
     await until(lambda: kvm.shm.stats.attached == 0)
+
+
+async def test_save_chains_sends_many_chains_in_one_call_and_counts_held(kvm, tmp_path):
+    # Three chains (one continuing another) in one save_chains call: one PutBlocks through the
+    # segment, every parent link kept; saved again, the kvmanager says it held them all.
+    c = client(kvm, tmp_path, HEADER_BYTES + 2 * 16 * BLOCK_BYTES)
+    try:
+        assert await asyncio.to_thread(c.wait_shm, 10.0)
+        data = blocks(10, seed=5)
+        rows = [memoryview(data[i]) for i in range(10)]
+        a, b = [2000, 2001, 2002], [3000, 3001, 3002, 3003]
+        chains = [
+            SaveChain(a, None, rows[0:3]),
+            SaveChain(b, None, rows[3:7]),
+            SaveChain([2003, 2004, 2005], 2002, rows[7:10]),
+        ]
+        calls = kvm.shm.stats.bytes_in
+        assert await asyncio.to_thread(c.save_chains, KEY, chains) == 0
+        assert kvm.shm.stats.bytes_in - calls == 10 * BLOCK_BYTES
+        assert await asyncio.to_thread(c.lookup, KEY, [*a, 2003, 2004, 2005]) == 6
+        assert await asyncio.to_thread(c.lookup, KEY, b) == 4
+        got = await asyncio.to_thread(c.load, KEY, [*a, 2003, 2004, 2005])
+        want = [data[i].tobytes() for i in (0, 1, 2, 7, 8, 9)]
+        assert [bytes(x) for x in got] == want
+        del got
+        # Held already: counted, and nothing is stored twice. Past the save area (16 blocks
+        # of 2 x 16): the rest goes inline, still counted.
+        assert await asyncio.to_thread(c.save_chains, KEY, chains) == 10
+        more = blocks(20, seed=6)
+        big = [SaveChain(list(range(4000, 4020)), None, [memoryview(more[i]) for i in range(20)])]
+        assert await asyncio.to_thread(c.save_chains, KEY, [*chains, *big]) == 10
+        assert await asyncio.to_thread(c.lookup, KEY, list(range(4000, 4020))) == 20
+    finally:
+        await asyncio.to_thread(c.close)
 
 
 async def test_client_close_detaches_and_removes_the_segment(kvm, tmp_path):

@@ -79,6 +79,29 @@ class TieredLookup(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
+class SaveChain:
+    """Consecutive blocks of one chain for ``BatchedSave.save_chains``: the first follows
+    ``parent_hash`` (None: the chain's first block)."""
+
+    block_hashes: Sequence[int]
+    parent_hash: int | None
+    blocks: Sequence[BlockBytes]
+
+
+@runtime_checkable
+class BatchedSave(Protocol):
+    """A store that takes the blocks of many chains in one call and skips, by itself, the
+    blocks it already holds (optional). The saver then sends everything queued in one call,
+    without a lookup first: on a local kvmanager every call is a gRPC round trip whose CPU is
+    taken from the engines' node (issue 11: two calls per chain per engine step before)."""
+
+    def save_chains(self, layout_key: str, chains: Sequence[SaveChain]) -> int:
+        """Stores every chain (same rules as ``KvBlockClient.save``); returns how many of the
+        blocks the store held already. Saver thread only; may block (bounded)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
 class StoreConfig:
     """``kv_connector_extra_config`` of ``KvmeshConnector``. Unknown keys are errors."""
 

@@ -40,7 +40,7 @@ from kvmesh.v1 import kvmanager_pb2, kvmanager_pb2_grpc
 from services.kvmanager.convert import layout_to_pb
 from services.kvmanager.core.layout import KvLayout
 
-from .client import BlockBytes, StoreConfig
+from .client import BlockBytes, SaveChain, StoreConfig
 from .layout import parse_layout_key
 from .shm import SHM_DIR, ShmSegment
 
@@ -233,26 +233,32 @@ class KvManagerBlockClient:
         parent_hash: int | None,
         blocks: Sequence[BlockBytes],
     ) -> None:
-        if not block_hashes:
-            return
+        self.save_chains(layout_key, [SaveChain(block_hashes, parent_hash, blocks)])
+
+    def save_chains(self, layout_key: str, chains: Sequence[SaveChain]) -> int:
+        """Every chain in as few PutBlocks calls as the save area allows (one, usually); the
+        kvmanager skips the blocks it holds. Returns how many it held already."""
+        items = _items(chains)
+        if not items:
+            return 0
         layout = self._layout(layout_key)
         link = self._link
         if link is None:
             self._start_shm()
+        held = 0
         if link is not None and self._save_area.acquire(blocking=False):
             try:
                 if self._link is link:
-                    done = self._save_shm(link, layout, block_hashes, parent_hash, blocks)
-                    if done is None:
-                        return  # failed: those blocks are a later miss
-                    if done:
-                        parent_hash = block_hashes[done - 1]
-                        block_hashes, blocks = block_hashes[done:], blocks[done:]
-                    if not block_hashes:
-                        return
+                    got = self._save_shm(link, layout, items)
+                    if got is None:
+                        return 0  # failed: those blocks are a later miss
+                    done, held = got
+                    items = items[done:]
+                    if not items:
+                        return held
             finally:
                 self._save_area.release()
-        self._save_inline(layout, block_hashes, parent_hash, blocks)
+        return held + self._save_inline(layout, items)
 
     def discard(self, layout_key: str, block_hashes: Sequence[int]) -> None:
         # The kvmanager checks every block's size against its layout on PutBlocks and every disk
@@ -298,19 +304,13 @@ class KvManagerBlockClient:
             call.cancel()
         return out
 
-    def _save_inline(
-        self,
-        layout: kvmanager_pb2.KvLayout,
-        block_hashes: Sequence[int],
-        parent_hash: int | None,
-        blocks: Sequence[BlockBytes],
-    ) -> None:
+    def _save_inline(self, layout: kvmanager_pb2.KvLayout, items: Sequence[_Item]) -> int:
         try:
-            self._stub.PutBlocks(
-                _batches(layout, block_hashes, parent_hash, blocks), timeout=self._save_timeout_s
-            )
+            resp = self._stub.PutBlocks(_batches(layout, items), timeout=self._save_timeout_s)
         except grpc.RpcError as exc:
             self._warn("save", exc)
+            return 0
+        return int(resp.already_held)
 
     # ---- the bytes through shared memory ---------------------------------------------------
     def _load_shm(
@@ -359,47 +359,43 @@ class KvManagerBlockClient:
         return out
 
     def _save_shm(
-        self,
-        link: _Link,
-        layout: kvmanager_pb2.KvLayout,
-        block_hashes: Sequence[int],
-        parent_hash: int | None,
-        blocks: Sequence[BlockBytes],
-    ) -> int | None:
+        self, link: _Link, layout: kvmanager_pb2.KvLayout, items: Sequence[_Item]
+    ) -> tuple[int, int] | None:
         """PutBlocks through the save area (the caller holds it): fills it with blocks, sends
-        their regions, and once stored fills it again. Returns how many leading blocks are
-        done (the rest do not fit the area: send them inline), or None when a call failed."""
+        their regions, and once stored fills it again. Returns how many leading items are done
+        (the rest do not fit the area: send them inline) and how many of those the kvmanager
+        held already, or None when a call failed."""
         start, length = link.segment.save_area
         buf = link.segment.buf
-        done = 0
-        parent = parent_hash
-        while done < len(block_hashes):
+        done = held = 0
+        while done < len(items):
             msg = kvmanager_pb2.PutBlocksRequest(layout=layout)
             cursor = start
             n = done
-            while n < len(block_hashes):
-                data = memoryview(blocks[n]).cast("B")
+            while n < len(items):
+                h, parent, block = items[n]
+                data = memoryview(block).cast("B")
                 if cursor + data.nbytes > start + length:
                     break
                 buf[cursor : cursor + data.nbytes] = data
-                b = msg.blocks.add(block_hash=block_hashes[n])
+                b = msg.blocks.add(block_hash=h)
                 b.shm.shm_id, b.shm.offset, b.shm.length = link.shm_id, cursor, data.nbytes
                 if parent is not None:
                     b.parent_hash = parent
-                parent = block_hashes[n]
                 cursor += -(-data.nbytes // 64) * 64
                 n += 1
             if n == done:
-                return done  # a block larger than the area
+                return done, held  # a block larger than the area
             try:
-                self._stub.PutBlocks(iter((msg,)), timeout=self._save_timeout_s)
+                resp = self._stub.PutBlocks(iter((msg,)), timeout=self._save_timeout_s)
             except grpc.RpcError as exc:
                 self._warn("save", exc)
                 # It may still be reading the area: never write it again.
                 self._detach(link)
                 return None
+            held += resp.already_held
             done = n
-        return done
+        return done, held
 
     def _start_shm(self) -> None:
         """Starts the shared-memory thread once (a client that only looks up, as the scheduler's
@@ -503,20 +499,30 @@ class KvManagerBlockClient:
             )
 
 
+_Item = tuple[int, int | None, BlockBytes]
+"""One block to save: its hash, its parent's (None: a chain's first) and its bytes."""
+
+
+def _items(chains: Sequence[SaveChain]) -> list[_Item]:
+    """The blocks of ``chains``, each with its parent: one PutBlocks stream carries them all."""
+    out: list[_Item] = []
+    for c in chains:
+        parent = c.parent_hash
+        for h, data in zip(c.block_hashes, c.blocks, strict=True):
+            out.append((h, parent, data))
+            parent = h
+    return out
+
+
 def _batches(
-    layout: kvmanager_pb2.KvLayout,
-    block_hashes: Sequence[int],
-    parent_hash: int | None,
-    blocks: Sequence[BlockBytes],
+    layout: kvmanager_pb2.KvLayout, items: Sequence[_Item]
 ) -> Iterator[kvmanager_pb2.PutBlocksRequest]:
     msg = kvmanager_pb2.PutBlocksRequest(layout=layout)
     size = 0
-    parent = parent_hash
-    for h, data in zip(block_hashes, blocks, strict=True):
+    for h, parent, data in items:
         b = msg.blocks.add(block_hash=h, data=bytes(data))
         if parent is not None:
             b.parent_hash = parent
-        parent = h
         size += len(b.data)
         if size >= _PUT_BATCH_BYTES:
             yield msg
