@@ -338,8 +338,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         assert attempt is not None
         if attempt.outcome is Outcome.NO_FIRST_TOKEN:
             log.warning("%s for %s", step.progress.last_failure, route.request_id)
-        if step.error is not None and step.action in (Action.FAIL, Action.RESUME_ELSEWHERE):
-            # RESUME_ELSEWHERE: the failover issue's; ``self._retry`` never asks for it yet.
+        if step.action in (Action.FAIL, Action.RESUME_ELSEWHERE):
+            # RESUME_ELSEWHERE: the failover issue's; ``self._retry`` never asks for it yet, and
+            # until the servicer can resume a stream the client gets the step's error.
+            assert step.error is not None
             raise step.error from ended.cause
         if step.action is Action.RESEND_WITHOUT_HANDOFF:
             log.info(
