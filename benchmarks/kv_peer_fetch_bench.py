@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import grpc
 
 from kvmesh.v1 import kvmanager_pb2, kvmanager_pb2_grpc
-from services.kvmanager.dataplane_wire import preferred_algo
+from services.kvmanager.peer.wire import preferred_algo
 
 ROOT = Path(__file__).resolve().parent.parent
 KiB = 1 << 10

@@ -46,15 +46,11 @@ import grpc
 
 from kvmesh.kv.events import BlockHash
 from services.kvmanager.arena import Arena
-from services.kvmanager.dataplane_client import FetchedBlock, fetch_blocks
-from services.kvmanager.dataplane_server import (
+from services.kvmanager.peer.client import FetchedBlock, fetch_blocks
+from services.kvmanager.peer.core import Ticket
+from services.kvmanager.peer.server import DataPlaneConfig, DataPlaneServer, PinnedBlock
+from services.kvmanager.peer.wire import (
     Checksum,
-    DataPlaneConfig,
-    DataPlaneServer,
-    PinnedBlock,
-    Ticket,
-)
-from services.kvmanager.dataplane_wire import (
     ChecksumAlgo,
     ChecksumSet,
     algo_bit,

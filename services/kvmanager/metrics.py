@@ -15,8 +15,7 @@ from kvmesh.kv.events import Tier
 from kvmesh.metrics import EtcdGauges, MirroredCounter
 
 from .arena import ArenaStats
-from .dataplane_server import DataPlaneStats
-from .peer import PeerService, PeerStats
+from .peer import DataPlaneStats, PeerService, PeerStats
 from .store import StoreStats, TieredStore
 
 _TIERS = (Tier.CPU, Tier.DISK)

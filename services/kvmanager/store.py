@@ -26,7 +26,6 @@ from typing import Any, TypeVar
 
 from kvmesh.kv.events import BlockHash, Tier
 
-from . import dataplane_wire as wire
 from . import diskfile
 from .arena import PAGE_BYTES, Arena, ArenaStats
 from .core.config import Populate, StoreConfig
@@ -43,6 +42,7 @@ from .core.plan import (
     WriteToDisk,
 )
 from .core.tiers import TierIndex
+from .peer import wire
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")

@@ -5,7 +5,7 @@ kvmanager; the servicer then calls the decode worker with ``kv_source`` naming t
 the request aggregated (recomputing). The decision itself is ``core/disagg.py``.
 
 The decode half's failures: before the first token another decode worker takes the request
-(the servicer's retry); after it, ``decode_failed`` is what the client gets.
+(the servicer's retry); after it, ``core.lifecycle.decode_failed`` is what the client gets.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from enum import StrEnum
 
 import grpc
 
-from kvmesh import errors
 from kvmesh.discovery.keys import WorkerId
 from kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
@@ -107,23 +106,3 @@ def handoff_source(
     if store is None or not route.block_hashes:
         return None
     return worker_pb2.KvSource(kvmanager_id=store_parts(store)[0], blocks=len(route.block_hashes))
-
-
-def decode_failed(
-    worker_id: WorkerId, code: grpc.StatusCode, details: str, streamed_tokens: int
-) -> errors.Unavailable:
-    """What the client gets when the worker streaming its answer fails and no other worker can
-    take over: after tokens were streamed (they cannot be taken back, and the router does not
-    resume a stream elsewhere), or before when no other worker is left. Whatever the worker's
-    status (a killed worker's connection says only "Socket closed"), the request as a whole
-    may be sent again: UNAVAILABLE, saying so and naming the worker. The caller's own deadline
-    is not this (DEADLINE_EXCEEDED)."""
-    when = (
-        f"after {streamed_tokens} streamed token(s)"
-        if streamed_tokens > 0
-        else "before its first token, and no other worker could take the request"
-    )
-    return errors.Unavailable(
-        f"worker {worker_id} failed {when} ({code.name}: {details or 'no details'}); "
-        "the answer is incomplete: retry the request"
-    )

@@ -8,7 +8,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, replace
 
 import grpc
@@ -32,11 +32,13 @@ from .core import validation
 from .core.disagg import DisaggHandler
 from .core.forced_tools import TOOLS_FIELD, ForcedChoice, ForcedKind, ToolDef, forced_output
 from .core.index_types import StoreId
+from .core.lifecycle import Action, Attempt, Outcome, Progress, RetryPolicy, Step, next_step
 from .core.peers import PeerHints
 from .core.routing import RoutingPolicy
 from .core.types import ChatMessage, PeerHint, RouteDecision, RouteRequest
 from .core.workers import ModelSummary, WorkerSet
-from .disagg import Fallback, decode_failed, handoff_source, run_prefill
+from .decode import EndedEarly, Overlap, decode_stream, fell_back
+from .disagg import Fallback, handoff_source, run_prefill
 from .metrics import RouterMetrics
 from .mux import MuxCall
 from .pool import WorkerPool
@@ -60,19 +62,18 @@ class _Active:
 
 
 @dataclass(slots=True)
-class _Overlap:
-    """An overlapped hand-off's prefill, running while the decode call waits for its blocks."""
+class _Ended:
+    """How an attempt stopped short of the final message (None: it did not)."""
 
-    task: asyncio.Task[worker_pb2.KvSource | None] | None = None
-
-
-class _NoFirstToken(Exception):
-    """The worker sent nothing within the first-token timeout."""
+    attempt: Attempt | None = None
+    cause: BaseException | None = None  # the worker call's error, chained to the client's
 
 
-class _HandoffLost(Exception):
-    """An overlapped prefill fell back before the decode worker sent anything: the blocks the
-    decode worker waits for will not come, so the decode request is sent again without them."""
+# The status a worker call ended with, as the lifecycle core names it (others: FAILED).
+_OUTCOME_OF = {
+    grpc.StatusCode.UNAVAILABLE: Outcome.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED: Outcome.DEADLINE,
+}
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
@@ -89,6 +90,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         linked: Callable[[WorkerId], StoreId | None] | None = None,
     ) -> None:
         self._config = config
+        self._retry = RetryPolicy(config.max_retries)
         # The worker -> node store link (the KV index's); None: no worker can hand KV over.
         self._linked: Callable[[WorkerId], StoreId | None] = linked or (lambda _w: None)
         self._disagg = disagg or DisaggHandler(
@@ -251,203 +253,241 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         time_remaining_s: float | None,
         arrived: float,
     ) -> AsyncIterator[router_pb2.GenerateResponse]:
-        overlap = _Overlap()
+        """The request's worker attempts, until one sends the final message. Each attempt that
+        ends without it goes to the lifecycle core (``core/lifecycle.py``), whose step this
+        carries out: pick another worker, resend without the hand-off, or fail."""
+        deadline = arrived + (
+            time_remaining_s if time_remaining_s is not None else self._config.default_timeout_s
+        )
+        progress = Progress(route.request_id)
+        overlap = Overlap()
+        handoff: worker_pb2.KvSource | None = None  # set once a prefill worker computed the KV
         try:
-            async for out in self._proxy_loop(route, sampling, time_remaining_s, arrived, overlap):
-                yield out
+            while True:
+                decision, prefill = self._route(route, progress, handoff is not None)
+                if prefill is not None:
+                    handoff = await self._hand_off(route, prefill, sampling, deadline, overlap)
+                if overlap.task is not None and fell_back(overlap.task):
+                    handoff, overlap.task = None, None  # the prefill fell back: nothing to wait for
+                ended = _Ended()
+                attempt = self._attempt(
+                    route, decision, sampling, handoff, deadline, arrived, overlap, ended
+                )
+                async with contextlib.aclosing(attempt):
+                    async for out in attempt:
+                        yield out
+                if ended.attempt is None:
+                    return  # the worker's stream ended (with the final message)
+                step = next_step(progress, ended.attempt, self._retry)
+                self._carry_out(route, ended, step)
+                progress = step.progress
+                if step.action is Action.RESEND_WITHOUT_HANDOFF:
+                    handoff, overlap.task = None, None
         finally:
             if overlap.task is not None and not overlap.task.done():
                 overlap.task.cancel()  # nobody needs its KV any more; it aborts its engine call
 
-    async def _proxy_loop(
+    def _route(
+        self, route: RouteRequest, progress: Progress, handing_off: bool
+    ) -> tuple[RouteDecision, RouteDecision | None]:
+        """The attempt's decode worker, and on the first attempt the prefill worker of a
+        disaggregated request (the P/D decision is made once: a retry only picks another
+        decode worker). Span ``route``."""
+        candidates = [
+            v
+            for v in self._workers.candidates(route.model)
+            if v.record.worker_id not in progress.tried
+        ]
+        if not candidates and (exhausted := progress.exhausted()) is not None:
+            raise exhausted
+        with _tracer.start_as_current_span("route") as span:
+            started = time.perf_counter()
+            prefill: RouteDecision | None = None
+            if progress.attempts == 0:
+                dd = self._disagg.decide(route, candidates)
+                decision, prefill = dd.decode, dd.prefill
+                self.metrics.disagg_decisions.labels(route.model, dd.reason.value).inc()
+                span.set_attribute("disagg", dd.reason.value)
+                span.set_attribute("uncached_tokens", dd.uncached_tokens)
+            else:
+                decision = self._disagg.pick_decode(route, candidates)
+            if not handing_off and prefill is None:
+                decision = self._with_peer(route, decision)
+            self.metrics.decided(decision, time.perf_counter() - started)
+            span.set_attributes(decision.attributes())
+        return decision, prefill
+
+    async def _hand_off(
         self,
         route: RouteRequest,
+        prefill: RouteDecision,
         sampling: common_pb2.SamplingParams,
-        time_remaining_s: float | None,
+        deadline: float,
+        overlap: Overlap,
+    ) -> worker_pb2.KvSource | None:
+        """The decode call's ``kv_source`` of a disaggregated request: at once with the prefill
+        started as ``overlap.task`` (overlapped), or after the prefill; None: aggregated."""
+        if self._disagg.config.overlap:
+            handoff, overlap.task = self._start_prefill(route, prefill, sampling, deadline)
+            return handoff
+        return await self._prefill(route, prefill, sampling, deadline)
+
+    def _carry_out(self, route: RouteRequest, ended: _Ended, step: Step) -> None:
+        """Logs and counts an ended attempt's step; raises its error when the request fails."""
+        attempt = ended.attempt
+        assert attempt is not None
+        if attempt.outcome is Outcome.NO_FIRST_TOKEN:
+            log.warning("%s for %s", step.progress.last_failure, route.request_id)
+        if step.action in (Action.FAIL, Action.RESUME_ELSEWHERE):
+            # RESUME_ELSEWHERE: the failover issue's; ``self._retry`` never asks for it yet, and
+            # until the servicer can resume a stream the client gets the step's error.
+            assert step.error is not None
+            raise step.error from ended.cause
+        if step.action is Action.RESEND_WITHOUT_HANDOFF:
+            log.info(
+                "request %s: its overlapped prefill fell back; the decode request is sent"
+                " again, aggregated",
+                route.request_id,
+            )
+        elif attempt.outcome is Outcome.UNAVAILABLE:
+            log.warning(
+                "worker %s unavailable before the first token of %s; retrying elsewhere",
+                attempt.worker_id,
+                route.request_id,
+            )
+        if step.drain_worker:
+            self._workers.mark_draining(attempt.worker_id)
+        if step.counted:
+            self.metrics.retries.inc()
+
+    async def _attempt(
+        self,
+        route: RouteRequest,
+        decision: RouteDecision,
+        sampling: common_pb2.SamplingParams,
+        handoff: worker_pb2.KvSource | None,
+        deadline: float,
         arrived: float,
-        overlap: _Overlap,
-    ) -> AsyncIterator[router_pb2.GenerateResponse]:
-        deadline = arrived + (
-            time_remaining_s if time_remaining_s is not None else self._config.default_timeout_s
-        )
-        tried: set[WorkerId] = set()
-        last_failure = ""
+        overlap: Overlap,
+        ended: _Ended,
+    ) -> AsyncGenerator[router_pb2.GenerateResponse, None]:
+        """One worker call, proxied message by message (the only per-token work of the
+        router). An attempt that stops short of the final message says how in ``ended``."""
+        wid = decision.worker_id
+        stub = self._pool.stub(wid)
+        if stub is None:  # left between pick and call
+            ended.attempt = Attempt(wid, Outcome.WORKER_GONE)
+            return
+        self._routed(route, decision)
         metrics = self.metrics
         model = route.model
-        handoff: worker_pb2.KvSource | None = None  # set once a prefill worker computed the KV
-        first = True
-        # Checked once per request: the default path copies nothing more per chunk.
+        # Checked once per attempt: the default path copies nothing more per chunk.
         with_logprobs = sampling.HasField("logprobs") or sampling.HasField("prompt_logprobs")
-        while True:
-            candidates = [
-                v for v in self._workers.candidates(route.model) if v.record.worker_id not in tried
-            ]
-            if not candidates and last_failure:
-                raise errors.Unavailable(f"{last_failure}; no other serving worker to try")
-            with _tracer.start_as_current_span("route") as span:
-                started = time.perf_counter()
-                prefill: RouteDecision | None = None
-                if first:  # the P/D decision, once; a retry only picks another decode worker
-                    first = False
-                    dd = self._disagg.decide(route, candidates)
-                    decision, prefill = dd.decode, dd.prefill
-                    metrics.disagg_decisions.labels(model, dd.reason.value).inc()
-                    span.set_attribute("disagg", dd.reason.value)
-                    span.set_attribute("uncached_tokens", dd.uncached_tokens)
-                else:
-                    decision = self._disagg.pick_decode(route, candidates)
-                if handoff is None and prefill is None:
-                    decision = self._with_peer(route, decision)
-                metrics.decided(decision, time.perf_counter() - started)
-                span.set_attributes(decision.attributes())
-            if prefill is not None and self._disagg.config.overlap:
-                handoff, overlap.task = self._start_prefill(route, prefill, sampling, deadline)
-            elif prefill is not None:
-                handoff = await self._prefill(route, prefill, sampling, deadline)
-            if overlap.task is not None and _fell_back(overlap.task):
-                handoff, overlap.task = None, None  # the prefill fell back: nothing to wait for
-            stub = self._pool.stub(decision.worker_id)
-            if stub is None:  # left between pick and call
-                tried.add(decision.worker_id)
-                continue
-            explanation = decision.explanation
-            peer = decision.peer
-            log.info(
-                "request %s -> worker %s (%s: %s) predicted_cached_blocks=%d of %d (gpu %d)%s",
-                route.request_id,
-                decision.worker_id,
-                decision.policy,
-                decision.reason,
-                explanation.cached_blocks if explanation is not None else -1,
-                len(route.block_hashes),
-                explanation.cached_gpu_blocks if explanation is not None else -1,
-                f" peer={peer.kvmanager_id} peer_blocks={peer.blocks}" if peer else "",
-            )
-            metrics.routed(
-                model,
-                route.prompt_tokens,
-                explanation.cached_tokens if explanation is not None else 0,
-            )
-            if peer is not None:
-                metrics.peer_hints.labels(model).inc()
-                metrics.peer_hint_blocks.labels(model).inc(peer.gain_blocks)
-            sent_any = False
-            streamed = 0
-            last_token_s = 0.0
-            self._active[route.request_id] = _Active(decision.worker_id)
-            self._workers.started(decision.worker_id)
-            self._policy.on_routed(route, decision)
-            dispatched = time.monotonic()
-            call = self._call_worker(
-                decision.worker_id,
-                stub,
-                worker_pb2.WorkerGenerateRequest(
-                    request_id=route.request_id,
-                    prompt_token_ids=route.prompt_token_ids,
-                    sampling=sampling,
-                    kv_source=handoff if handoff is not None else kv_source_pb(peer),
-                ),
-                max(deadline - time.monotonic(), 0.001),
-            )
-            try:
-                first_token_s = self._config.first_token_timeout_s
-                if handoff is not None:
-                    first_token_s += handoff.handoff_wait_s
-                async for msg in _decode_stream(call, overlap, first_token_s):
-                    out = router_pb2.GenerateResponse(
-                        request_id=route.request_id, token_ids=msg.token_ids, text=msg.text
-                    )
-                    if with_logprobs:
-                        out.logprobs.extend(msg.logprobs)
-                        out.prompt_logprobs.extend(msg.prompt_logprobs)
-                    finished = msg.HasField("finished")
-                    if finished:
-                        out.finished.CopyFrom(msg.finished)
-                        out.finished.usage.worker_id = decision.worker_id
-                        metrics.cached_tokens.labels(model).inc(
-                            msg.finished.usage.cached_prompt_tokens
-                        )
-                    now = time.monotonic()
-                    if finished:
-                        u = msg.finished.usage
-                        metrics.finished(
-                            model,
-                            FINISH_NAMES.get(msg.finished.reason, "unknown"),
-                            u.completion_tokens,
-                            now - arrived,
-                            dispatched - arrived,
-                            (u.queue_time_s, u.prefill_time_s, u.decode_time_s),
-                        )
-                    if not sent_any and (msg.token_ids or finished):
-                        ttft = now - arrived
-                        if finished:
-                            out.finished.usage.time_to_first_token_s = ttft
-                        trace_first_token(ttft)
-                        metrics.ttft_seconds.labels(model).observe(ttft)
-                        self._policy.on_first_token(route, decision.worker_id)
-                        sent_any = True
-                    elif msg.token_ids:
-                        per_token = (now - last_token_s) / len(msg.token_ids)
-                        metrics.itl_seconds.labels(model).observe(per_token)
-                    if msg.token_ids:
-                        last_token_s = now
-                        streamed += len(msg.token_ids)
-                    if finished:  # the worker's status first: this RPC ends with its message
-                        await await_status(call)
-                    yield out
-                return
-            except _NoFirstToken:
-                last_failure = (
-                    f"worker {decision.worker_id} sent no token in {first_token_s:.1f}s"
-                    " (--first-token-timeout-s)"
+        sent_any = False
+        streamed = 0
+        last_token_s = 0.0
+        self._active[route.request_id] = _Active(wid)
+        self._workers.started(wid)
+        self._policy.on_routed(route, decision)
+        dispatched = time.monotonic()
+        call = self._call_worker(
+            wid,
+            stub,
+            worker_pb2.WorkerGenerateRequest(
+                request_id=route.request_id,
+                prompt_token_ids=route.prompt_token_ids,
+                sampling=sampling,
+                kv_source=handoff if handoff is not None else kv_source_pb(decision.peer),
+            ),
+            max(deadline - time.monotonic(), 0.001),
+        )
+        first_token_s = self._config.first_token_timeout_s
+        if handoff is not None:
+            first_token_s += handoff.handoff_wait_s
+        try:
+            async for msg in decode_stream(call, overlap, first_token_s):
+                out = router_pb2.GenerateResponse(
+                    request_id=route.request_id, token_ids=msg.token_ids, text=msg.text
                 )
-                log.warning("%s for %s", last_failure, route.request_id)
-                tried.add(decision.worker_id)
-                if len(tried) <= self._config.max_retries:
-                    metrics.retries.inc()
-                    continue
-                raise errors.Unavailable(f"{last_failure}; retry the request") from None
-            except _HandoffLost:
-                log.info(
-                    "request %s: its overlapped prefill fell back; the decode request is sent"
-                    " again, aggregated",
-                    route.request_id,
-                )
-                handoff, overlap.task = None, None
-                continue
-            except grpc.aio.AioRpcError as exc:
-                code = exc.code()
-                retryable = code is grpc.StatusCode.UNAVAILABLE and not sent_any
-                if retryable and len(tried) < self._config.max_retries:
-                    last_failure = f"worker {decision.worker_id} unavailable: {exc.details()}"
-                    log.warning(
-                        "worker %s unavailable before the first token of %s; retrying elsewhere",
-                        decision.worker_id,
-                        route.request_id,
+                if with_logprobs:
+                    out.logprobs.extend(msg.logprobs)
+                    out.prompt_logprobs.extend(msg.prompt_logprobs)
+                finished = msg.HasField("finished")
+                if finished:
+                    out.finished.CopyFrom(msg.finished)
+                    out.finished.usage.worker_id = wid
+                    metrics.cached_tokens.labels(model).inc(msg.finished.usage.cached_prompt_tokens)
+                now = time.monotonic()
+                if finished:
+                    u = msg.finished.usage
+                    metrics.finished(
+                        model,
+                        FINISH_NAMES.get(msg.finished.reason, "unknown"),
+                        u.completion_tokens,
+                        now - arrived,
+                        dispatched - arrived,
+                        (u.queue_time_s, u.prefill_time_s, u.decode_time_s),
                     )
-                    tried.add(decision.worker_id)
-                    self._workers.mark_draining(decision.worker_id)
-                    metrics.retries.inc()
-                    continue
-                if code is grpc.StatusCode.DEADLINE_EXCEEDED:
-                    raise errors.DeadlineExceeded(
-                        f"request {route.request_id} did not finish within its deadline"
-                    ) from exc
-                if sent_any or retryable:  # nobody else can take it over: the client may retry
-                    raise decode_failed(
-                        decision.worker_id, code, exc.details() or "", streamed
-                    ) from exc
-                mapped = from_rpc_error(exc)
-                if mapped is not None:
-                    raise mapped from exc
-                raise errors.Unavailable(
-                    f"worker {decision.worker_id} failed: {code.name}: {exc.details()}"
-                ) from exc
-            finally:
-                call.cancel()  # no-op when finished; aborts the engine request otherwise
-                self._workers.finished(decision.worker_id)
-                self._policy.on_finished(route, decision.worker_id)
-                self._active.pop(route.request_id, None)
+                if not sent_any and (msg.token_ids or finished):
+                    ttft = now - arrived
+                    if finished:
+                        out.finished.usage.time_to_first_token_s = ttft
+                    trace_first_token(ttft)
+                    metrics.ttft_seconds.labels(model).observe(ttft)
+                    self._policy.on_first_token(route, wid)
+                    sent_any = True
+                elif msg.token_ids:
+                    per_token = (now - last_token_s) / len(msg.token_ids)
+                    metrics.itl_seconds.labels(model).observe(per_token)
+                if msg.token_ids:
+                    last_token_s = now
+                    streamed += len(msg.token_ids)
+                if finished:  # the worker's status first: this RPC ends with its message
+                    await await_status(call)
+                yield out
+        except EndedEarly as exc:
+            ended.attempt = Attempt(wid, exc.outcome, waited_s=first_token_s)
+        except grpc.aio.AioRpcError as exc:
+            code = exc.code()
+            ended.cause = exc
+            ended.attempt = Attempt(
+                wid,
+                _OUTCOME_OF.get(code, Outcome.FAILED),
+                answered=sent_any,
+                streamed_tokens=streamed,
+                code=code.name,
+                details=exc.details() or "",
+                cause=from_rpc_error(exc),
+            )
+        finally:
+            call.cancel()  # no-op when finished; aborts the engine request otherwise
+            self._workers.finished(wid)
+            self._policy.on_finished(route, wid)
+            self._active.pop(route.request_id, None)
+
+    def _routed(self, route: RouteRequest, decision: RouteDecision) -> None:
+        """Logs and counts the decision an attempt is about to carry out."""
+        explanation = decision.explanation
+        peer = decision.peer
+        log.info(
+            "request %s -> worker %s (%s: %s) predicted_cached_blocks=%d of %d (gpu %d)%s",
+            route.request_id,
+            decision.worker_id,
+            decision.policy,
+            decision.reason,
+            explanation.cached_blocks if explanation is not None else -1,
+            len(route.block_hashes),
+            explanation.cached_gpu_blocks if explanation is not None else -1,
+            f" peer={peer.kvmanager_id} peer_blocks={peer.blocks}" if peer else "",
+        )
+        self.metrics.routed(
+            route.model,
+            route.prompt_tokens,
+            explanation.cached_tokens if explanation is not None else 0,
+        )
+        if peer is not None:
+            self.metrics.peer_hints.labels(route.model).inc()
+            self.metrics.peer_hint_blocks.labels(route.model).inc(peer.gain_blocks)
 
     def _call_worker(
         self,
@@ -618,49 +658,6 @@ def kv_source_pb(peer: PeerHint | None) -> worker_pb2.KvSource | None:
 
 def trace_first_token(ttft_s: float) -> None:
     trace.get_current_span().add_event("first_token", {"ttft_s": ttft_s})
-
-
-def _fell_back(task: asyncio.Task[worker_pb2.KvSource | None]) -> bool:
-    """An overlapped prefill that ended without handing its KV over."""
-    return task.done() and (task.cancelled() or task.result() is None)
-
-
-async def _decode_stream(
-    call: AsyncIterator[worker_pb2.WorkerGenerateResponse],
-    overlap: _Overlap,
-    first_token_timeout_s: float,
-) -> AsyncIterator[worker_pb2.WorkerGenerateResponse]:
-    """The decode call's messages; ``_NoFirstToken`` when the first does not come within
-    ``first_token_timeout_s``. While an overlapped prefill runs and nothing has come yet, also
-    watches the prefill: if it falls back, the blocks the decode worker waits for will not come
-    (``_HandoffLost``: send it again without them). Once the first message is here the prefill
-    is not needed any more (the blocks were loaded, or recomputed after the wait)."""
-    stream = aiter(call)
-    loop = asyncio.get_running_loop()
-    give_up_at = loop.time() + first_token_timeout_s
-    step: asyncio.Future[worker_pb2.WorkerGenerateResponse] = asyncio.ensure_future(anext(stream))
-    try:
-        while not step.done():
-            task = overlap.task
-            watch = {step} if task is None or task.done() else {step, task}
-            left = give_up_at - loop.time()
-            if left <= 0:
-                raise _NoFirstToken
-            await asyncio.wait(watch, timeout=left, return_when=asyncio.FIRST_COMPLETED)
-            if task is not None and not step.done() and _fell_back(task):
-                raise _HandoffLost  # the prefill fell back: its blocks will not come
-        try:
-            msg = step.result()
-        except StopAsyncIteration:
-            return
-    finally:
-        if not step.done():
-            step.cancel()
-    if overlap.task is not None and not overlap.task.done():
-        overlap.task.cancel()  # the decode worker has its blocks, or recomputed them
-    yield msg
-    async for msg in stream:
-        yield msg
 
 
 def forced_choice(request: router_pb2.GenerateRequest) -> ForcedChoice | None:

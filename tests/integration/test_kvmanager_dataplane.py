@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from kvmesh.kv.events import BlockHash
-from services.kvmanager import dataplane_wire as w
-from services.kvmanager.dataplane_client import (
+from services.kvmanager.peer import wire as w
+from services.kvmanager.peer.client import (
     ChecksumMismatch,
     FetchDeadlineExceeded,
     FetchedBlock,
@@ -32,14 +32,15 @@ from services.kvmanager.dataplane_client import (
     TicketRefused,
     fetch_blocks,
 )
-from services.kvmanager.dataplane_server import (
+from services.kvmanager.peer.core import Ticket
+from services.kvmanager.peer.server import DataPlaneConfig, DataPlaneServer, PinnedBlock
+from services.kvmanager.peer.wire import (
     Checksum,
-    DataPlaneConfig,
-    DataPlaneServer,
-    PinnedBlock,
-    Ticket,
+    ChecksumAlgo,
+    ChecksumSet,
+    FrameHeader,
+    FrameKind,
 )
-from services.kvmanager.dataplane_wire import ChecksumAlgo, ChecksumSet, FrameHeader, FrameKind
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(30)]
 
@@ -549,7 +550,7 @@ async def test_nobody_listening_is_a_peer_fetch_error() -> None:
 CHILD = textwrap.dedent(
     """
     import asyncio, sys
-    from services.kvmanager.dataplane_server import DataPlaneServer, PinnedBlock
+    from services.kvmanager.peer.server import DataPlaneServer, PinnedBlock
 
     SIZE = 1 << 20
 

@@ -26,10 +26,11 @@ from kvmesh.v1 import kvmanager_pb2, kvmanager_pb2_grpc, worker_pb2
 from services.kvmanager.config import KvManagerConfig, PeerConfig
 from services.kvmanager.convert import layout_from_pb
 from services.kvmanager.core.config import StoreConfig
-from services.kvmanager.dataplane_client import TicketRefused, fetch_blocks
-from services.kvmanager.dataplane_server import BlockSource, PinnedBlock, Ticket
-from services.kvmanager.dataplane_wire import Status
 from services.kvmanager.main import RunningKvManager, parse_args, start_kvmanager
+from services.kvmanager.peer.client import TicketRefused, fetch_blocks
+from services.kvmanager.peer.core import Ticket
+from services.kvmanager.peer.server import BlockSource, PinnedBlock
+from services.kvmanager.peer.wire import Status
 from services.kvmanager.servicer import FETCHED_KEY
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]

@@ -508,7 +508,7 @@ async def test_without_the_arena_blocks_live_on_the_heap(tmp_path: Path, opened)
 
 
 async def test_ram_blocks_keep_a_checksum_for_peers(tmp_path: Path, opened) -> None:
-    from services.kvmanager import dataplane_wire as wire
+    from services.kvmanager.peer import wire
 
     store = await opened(config(tmp_path, 1, 4))
     assert await store.put(L, 0, payload(0))

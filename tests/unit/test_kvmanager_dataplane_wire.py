@@ -1,4 +1,4 @@
-"""The data plane's wire format (services/kvmanager/dataplane_wire.py): headers round-trip, and
+"""The data plane's wire format (services/kvmanager/peer/wire.py): headers round-trip, and
 bytes that are not this protocol are refused with a WireError naming what is wrong."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.kvmanager import dataplane_wire as w
-from services.kvmanager.dataplane_wire import (
+from services.kvmanager.peer import wire as w
+from services.kvmanager.peer.wire import (
     ChecksumAlgo,
     ChecksumSet,
     FrameHeader,

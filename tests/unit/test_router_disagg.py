@@ -1,25 +1,22 @@
 """The prefill/decode decision (services/router/core/disagg.py): threshold on the decode pick's
 uncached prompt, role selection for each stage, and the cases that stay aggregated; joint
 placement of the (prefill, decode) pair by cost (services/router/core/placement.py: nodes,
-prefix matches and loads as plain values); and the error a client gets when the decode worker
-fails with no one to take over (services/router/disagg.py)."""
+prefix matches and loads as plain values). The error a client gets when the decode worker fails
+with no one to take over is the lifecycle's (tests/unit/test_router_lifecycle.py)."""
 
 from __future__ import annotations
 
 import random
 from dataclasses import replace
 
-import grpc
 import pytest
 
 from kvmesh.discovery.keys import Role, WorkerId
 from kvmesh.errors import InvalidArgument, Unavailable
-from kvmesh.grpc_errors import status_for
 from services.router.core.disagg import DisaggConfig, DisaggHandler, Reason
 from services.router.core.placement import POLICY, Placement, PlacementConfig, profile_prefix
 from services.router.core.routing import make_policy
 from services.router.core.scheduler import Matched
-from services.router.disagg import decode_failed
 from tests.unit.scheduler_fakes import BLOCK, FakeIndex, gpu, request, view
 
 P, D, B = Role.PREFILL, Role.DECODE, Role.BOTH
@@ -378,23 +375,3 @@ def test_placement_config_is_checked(kw) -> None:
 def test_config_is_checked(kw) -> None:
     with pytest.raises(InvalidArgument):
         DisaggConfig(**kw)
-
-
-@pytest.mark.parametrize(
-    ("code", "details", "streamed", "says"),
-    [
-        # what a SIGKILLed worker's connection says mid-stream (tests/e2e/test_disagg_failures.py)
-        (grpc.StatusCode.UNAVAILABLE, "Socket closed", 37, "after 37 streamed token(s)"),
-        (grpc.StatusCode.INTERNAL, "engine died", 1, "after 1 streamed token(s)"),
-        (grpc.StatusCode.CANCELLED, "", 5, "(CANCELLED: no details)"),
-        (grpc.StatusCode.UNAVAILABLE, "failed to connect", 0, "no other worker could take"),
-    ],
-    ids=["killed-mid-stream", "internal-mid-stream", "cancelled-by-worker", "none-left-before"],
-)
-def test_a_failed_decode_worker_is_a_retryable_unavailable(code, details, streamed, says) -> None:
-    exc = decode_failed(WorkerId("decode-1"), code, details, streamed)
-    assert status_for(exc) is grpc.StatusCode.UNAVAILABLE
-    msg = str(exc)
-    assert says in msg
-    assert "worker decode-1" in msg and "retry the request" in msg
-    assert details in msg

@@ -1,4 +1,4 @@
-"""The overlapped prefill/decode hand-off's stream logic (``servicer._decode_stream``) against a
+"""The overlapped prefill/decode hand-off's stream logic (``services/router/decode.py``) against a
 fake decode call and prefill task, and the router flag that turns the overlap off."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 
 from kvmesh.v1 import worker_pb2
 from services.router.core.placement import Placement
+from services.router.decode import HandoffLost, NoFirstToken, Overlap, decode_stream
 from services.router.main import parse_args
-from services.router.servicer import _decode_stream, _HandoffLost, _NoFirstToken, _Overlap
 
 SOURCE = worker_pb2.KvSource(kvmanager_id="kvm-a", blocks=4)
 
@@ -34,29 +34,29 @@ async def prefill(after_s: float, result: worker_pb2.KvSource | None) -> worker_
 
 
 async def collect(
-    overlap: _Overlap,
+    overlap: Overlap,
     call: AsyncIterator[worker_pb2.WorkerGenerateResponse],
     first_token_timeout_s: float = 30.0,
 ) -> list[int]:
-    return [m.token_ids[0] async for m in _decode_stream(call, overlap, first_token_timeout_s)]
+    return [m.token_ids[0] async for m in decode_stream(call, overlap, first_token_timeout_s)]
 
 
-async def test_prefill_done_first_then_the_decode_streams() -> None:
-    overlap = _Overlap(asyncio.create_task(prefill(0.01, SOURCE)))
+async def test_prefill_done_first_then_thedecode_streams() -> None:
+    overlap = Overlap(asyncio.create_task(prefill(0.01, SOURCE)))
     assert await collect(overlap, decode_call(0.05)) == [0, 1, 2]
 
 
 async def test_a_prefill_falling_back_first_withdraws_the_decode_call() -> None:
-    overlap = _Overlap(asyncio.create_task(prefill(0.01, None)))
+    overlap = Overlap(asyncio.create_task(prefill(0.01, None)))
     started = asyncio.get_running_loop().time()
-    with pytest.raises(_HandoffLost):
+    with pytest.raises(HandoffLost):
         await collect(overlap, decode_call(5.0))  # would wait out its hand-off
     assert asyncio.get_running_loop().time() - started < 1.0
 
 
 async def test_the_first_token_makes_the_prefill_unneeded() -> None:
     task = asyncio.create_task(prefill(5.0, None))  # would fall back, but too late to matter
-    overlap = _Overlap(task)
+    overlap = Overlap(task)
     assert await collect(overlap, decode_call(0.01)) == [0, 1, 2]
     await asyncio.sleep(0)
     assert task.cancelled()
@@ -70,21 +70,21 @@ async def test_a_decode_error_propagates_while_the_prefill_runs() -> None:
 
     task = asyncio.create_task(prefill(5.0, SOURCE))
     with pytest.raises(RuntimeError, match="decode worker gone"):
-        await collect(_Overlap(task), failing())
+        await collect(Overlap(task), failing())
     assert not task.done()  # a retry on another decode worker still wants its blocks
     task.cancel()
 
 
 async def test_without_an_overlapped_prefill_it_is_the_call() -> None:
-    assert await collect(_Overlap(), decode_call(0.0)) == [0, 1, 2]
+    assert await collect(Overlap(), decode_call(0.0)) == [0, 1, 2]
 
 
 @pytest.mark.parametrize("overlapped", [False, True])
 async def test_a_worker_silent_past_the_first_token_timeout_is_given_up(overlapped: bool) -> None:
     task = asyncio.create_task(prefill(0.01, SOURCE)) if overlapped else None
     started = asyncio.get_running_loop().time()
-    with pytest.raises(_NoFirstToken):
-        await collect(_Overlap(task), decode_call(30.0), first_token_timeout_s=0.2)
+    with pytest.raises(NoFirstToken):
+        await collect(Overlap(task), decode_call(30.0), first_token_timeout_s=0.2)
     assert 0.15 < asyncio.get_running_loop().time() - started < 2.0
 
 
@@ -94,7 +94,7 @@ async def test_tokens_after_the_first_are_not_timed() -> None:
         await asyncio.sleep(0.3)
         yield msg(1)
 
-    assert await collect(_Overlap(), slow(), first_token_timeout_s=0.1) == [0, 1]
+    assert await collect(Overlap(), slow(), first_token_timeout_s=0.1) == [0, 1]
 
 
 def test_overlap_is_on_by_default_and_can_be_turned_off() -> None:

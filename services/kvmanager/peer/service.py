@@ -1,18 +1,14 @@
-"""Peer fetch: a kvmanager fetches the KV blocks it lacks from another node's kvmanager.
+"""Both sides of peer fetch for one kvmanager, over its ``TieredStore``.
 
 Holder side: ``StoreBlockSource`` lets the data plane server send blocks straight out of the
-``TieredStore`` (a RAM block is pinned and its own bytes handed to the kernel, no copy; a disk
-block is read through the store), and ``PeerService.open_fetch`` grants a one-time ticket for
-the leading run of the asked blocks held here.
+store (a RAM block is pinned and its own bytes handed to the kernel, no copy; a disk block is
+read through the store), and ``PeerService.open_fetch`` grants a one-time ticket for the
+leading run of the asked blocks held here.
 
-Fetching side: ``PeerService.fetch`` skips the blocks held here, finds the peer (by address, or
-by kvmanager id through etcd: ``PeerDirectory``), asks it for a ticket over gRPC (OpenFetch,
-with a deadline), pulls the blocks over its data plane (``dataplane_client.fetch_blocks``:
-checksummed, flow-controlled, stall and deadline bounded) and puts each whole verified block
-into the CPU tier with its parent hash, as it arrives. A peer that dies or stalls mid-stream
-leaves the blocks stored before it (whole and verified) and nothing partial; the fetch raises
-``PeerFetchFailed`` / ``PeerFetchTimedOut`` saying how many blocks were fetched, and the caller
-recomputes the rest. See docs/kvmanager.md.
+Fetching side: ``PeerService.fetch`` skips the blocks held here (``core.FetchPlan``), finds the
+peer (``directory.PeerDirectory``), asks it for a ticket over gRPC (OpenFetch, with a deadline),
+pulls the blocks over its data plane (``client.fetch_blocks``) and puts each whole verified
+block into the CPU tier with its parent hash, as it arrives (``core.FetchProgress`` counts).
 
 Each fetch is a ``kv.fetch_from_peer`` span (the peer's id, blocks asked, fetched, already held,
 missing on the peer, bytes): the OpenFetch call to the peer is its child.
@@ -26,40 +22,38 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 
-from kvmesh.discovery.etcd import PrefixWatcher
-from kvmesh.discovery.keys import KvManagerRecord, kvmanagers_prefix
 from kvmesh.errors import InvalidArgument
 from kvmesh.kv.events import BlockHash, Tier
 from kvmesh.telemetry import tracer
 from kvmesh.v1 import kvmanager_pb2, kvmanager_pb2_grpc
 
-from .convert import layout_to_pb
-from .core.config import PeerConfig
-from .core.errors import (
-    DataPlaneOff,
-    PeerFetchFailed,
-    PeerFetchTimedOut,
-    PeerNotFound,
+from ..convert import layout_to_pb
+from ..core.config import PeerConfig
+from ..core.errors import DataPlaneOff, PeerFetchFailed, PeerFetchTimedOut
+from ..core.layout import KvLayout, check_block_hash
+from .client import FetchDeadlineExceeded, FetchedBlock, PeerFetchError, StreamBroken, fetch_blocks
+from .core import (
+    FetchGrant,
+    FetchPlan,
+    FetchProgress,
+    PeerRef,
+    Ticket,
+    grant_matches,
+    split_address,
+    ticket_ttl_s,
 )
-from .core.layout import KvLayout, check_block_hash
-from .dataplane_client import (
-    FetchDeadlineExceeded,
-    FetchedBlock,
-    PeerFetchError,
-    StreamBroken,
-    fetch_blocks,
-)
-from .dataplane_server import DataPlaneServer, DataPlaneStats, PinnedBlock, Ticket
-from .dataplane_wire import TOKEN_BYTES
-from .store import TieredStore
+from .directory import PeerDirectory
+from .server import DataPlaneServer, DataPlaneStats, PinnedBlock
+
+if TYPE_CHECKING:  # the store imports the wire format of this package: no import cycle
+    from ..store import TieredStore
 
 log = logging.getLogger(__name__)
 _tracer = tracer(__name__)
-
-_MAX_TTL_FACTOR = 10  # a caller may ask for at most 10x the configured ticket TTL
 
 
 class StoreBlockSource:
@@ -98,41 +92,6 @@ class StoreBlockSource:
         return None if read is None else PinnedBlock(read)
 
 
-@dataclass(frozen=True, slots=True)
-class PeerRef:
-    """The peer to fetch from: by kvmanager id (looked up in etcd) or by gRPC address."""
-
-    kvmanager_id: str = ""
-    address: str = ""
-
-    def describe(self) -> str:
-        return f"kvmanager {self.kvmanager_id}" if self.kvmanager_id else f"peer {self.address}"
-
-
-@dataclass(frozen=True, slots=True)
-class FetchGrant:
-    """What OpenFetch hands out: a ticket for the leading run held (none when empty)."""
-
-    data_plane_address: str
-    token: bytes
-    block_hashes: tuple[BlockHash, ...]
-    parent_hash: BlockHash | None
-    layout_key: str
-    ttl_s: float
-
-
-@dataclass(slots=True)
-class FetchProgress:
-    """How far one fetch got; filled in as it goes, so it is right however the fetch ends."""
-
-    fetched: int = 0  # blocks stored here
-    already_held: int = 0
-    bytes: int = 0
-    peer_missing: int = 0
-    seconds: float = 0.0
-    prefix_blocks: int = 0  # the leading run of the request held here at the end
-
-
 @dataclass(slots=True)
 class PeerStats:
     """Counters since start (for metrics)."""
@@ -142,81 +101,6 @@ class PeerStats:
     fetch_failures: int = 0
     blocks_fetched: int = 0
     bytes_fetched: int = 0
-
-
-class PeerDirectory:
-    """Finds peers: kvmanager id -> gRPC address from etcd (a ``PrefixWatcher`` on the
-    kvmanagers prefix), and one cached gRPC channel per peer address."""
-
-    def __init__(
-        self,
-        self_id: str,
-        endpoints: Sequence[str],
-        cluster: str,
-        interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
-    ) -> None:
-        self._self_id = self_id
-        self._interceptors = list(interceptors)
-        self._endpoints = list(endpoints)
-        self._prefix = kvmanagers_prefix(cluster)
-        self._records: dict[str, KvManagerRecord] = {}
-        self._watcher: PrefixWatcher | None = None
-        self._channels: dict[str, grpc.aio.Channel] = {}
-
-    async def start(self) -> None:
-        if not self._endpoints:
-            return
-        self._watcher = PrefixWatcher(
-            self._endpoints, self._prefix, self._on_snapshot, self._on_put, self._on_delete
-        )
-        await self._watcher.start()
-
-    async def close(self) -> None:
-        if self._watcher is not None:
-            await self._watcher.close()
-        channels, self._channels = list(self._channels.values()), {}
-        await asyncio.gather(*(ch.close() for ch in channels), return_exceptions=True)
-
-    def resolve(self, peer: PeerRef) -> str:
-        """The peer's gRPC address; PeerNotFound for an id etcd does not know."""
-        if peer.address:
-            return peer.address
-        if not peer.kvmanager_id:
-            raise InvalidArgument("name the peer: set peer_kvmanager_id or peer_address")
-        if self._watcher is None:
-            raise PeerNotFound(
-                f"kvmanager {peer.kvmanager_id!r}: this kvmanager runs without etcd; name the"
-                " peer by address"
-            )
-        rec = self._records.get(peer.kvmanager_id)
-        if rec is None:
-            raise PeerNotFound(
-                f"kvmanager {peer.kvmanager_id!r} is not registered in etcd under {self._prefix}"
-            )
-        return rec.address
-
-    def channel(self, address: str) -> grpc.aio.Channel:
-        ch = self._channels.get(address)
-        if ch is None:
-            ch = grpc.aio.insecure_channel(address, interceptors=self._interceptors)
-            self._channels[address] = ch
-        return ch
-
-    def _on_snapshot(self, snapshot: dict[str, str]) -> None:
-        self._records = {}
-        for key, value in snapshot.items():
-            self._on_put(key, value)
-
-    def _on_put(self, key: str, value: str) -> None:
-        try:
-            rec = KvManagerRecord.from_json(value)
-        except (ValueError, TypeError) as exc:
-            log.warning("ignoring a bad kvmanager record at %s: %s", key, exc)
-            return
-        self._records[key.removeprefix(self._prefix)] = rec
-
-    def _on_delete(self, key: str) -> None:
-        self._records.pop(key.removeprefix(self._prefix), None)
 
 
 class PeerService:
@@ -251,9 +135,7 @@ class PeerService:
         if self._data_plane is None:
             raise DataPlaneOff(f"kvmanager {self._id} serves no data plane (--data-plane-port -1)")
         checked = [check_block_hash(h) for h in hashes]
-        if ttl_s < 0:
-            raise InvalidArgument(f"ttl_s must be >= 0, got {ttl_s}")
-        ttl = min(ttl_s or self._config.ticket_ttl_s, _MAX_TTL_FACTOR * self._config.ticket_ttl_s)
+        ttl = ticket_ttl_s(ttl_s, self._config.ticket_ttl_s)
         layout = self._store.layout_of(layout_key, checked[0]) if checked else None
         run = checked[: len(self._store.lookup(layout, checked))] if layout is not None else []
         if layout is None or not run:
@@ -321,30 +203,31 @@ class PeerService:
         deadline: float,
         progress: FetchProgress,
     ) -> None:
-        wanted = [i for i, h in enumerate(hashes) if not self._store.contains(layout, h)]
-        progress.already_held = len(hashes) - len(wanted)
-        if not wanted:
+        plan = FetchPlan.of(hashes, functools.partial(self._store.contains, layout))
+        progress.planned(plan)
+        if not plan.wanted:
             return
         what = peer.describe() if peer.kvmanager_id else f"peer {address}"
-        grant = await self._open(layout, [hashes[i] for i in wanted], what, address, deadline)
-        progress.peer_missing = len(wanted) - len(grant.block_hashes)
-        if not grant.block_hashes:
+        grant = await self._open(layout, plan.asked(), what, address, deadline)
+        granted = len(grant.block_hashes)
+        progress.granted(plan, granted)
+        if not granted:
             return
-        parents: dict[BlockHash, BlockHash | None] = {}
-        for i in wanted[: len(grant.block_hashes)]:
-            parents[hashes[i]] = hashes[i - 1] if i > 0 else grant.parent_hash
-        host, port = _split_address(grant.data_plane_address, what)
+        parents = plan.parents(granted, grant.parent_hash)
+        parts = split_address(grant.data_plane_address)
+        if parts is None:
+            raise PeerFetchFailed(
+                f"{what} has no usable data plane address ({grant.data_plane_address!r})"
+            )
+        host, port = parts
         ticket = Ticket(grant.token, layout.key, grant.block_hashes, 0.0)
         block_bytes = layout.block_bytes
 
         def stored(ok: bool, nbytes: int) -> None:
+            progress.stored(ok, nbytes)
             if ok:
-                progress.fetched += 1
-                progress.bytes += nbytes
                 self.stats.blocks_fetched += 1
                 self.stats.bytes_fetched += nbytes
-            else:
-                progress.already_held += 1
 
         async def stored_later(got: Awaitable[bool], nbytes: int) -> None:
             stored(await got, nbytes)
@@ -385,18 +268,9 @@ class PeerService:
                 max_block_bytes=block_bytes,
             )
         except FetchDeadlineExceeded as exc:
-            raise PeerFetchTimedOut(
-                f"fetch from {what} ran out of its deadline after {progress.fetched} of"
-                f" {len(grant.block_hashes)} blocks ({progress.fetched} kept, verified): {exc}",
-                fetched=progress.fetched,
-            ) from None
+            raise progress.timed_out(what, granted, str(exc)) from None
         except PeerFetchError as exc:
-            raise PeerFetchFailed(
-                f"fetch from {what} failed after {progress.fetched} of"
-                f" {len(grant.block_hashes)} blocks ({progress.fetched} kept, verified;"
-                f" recompute the rest): {type(exc).__name__}: {exc}",
-                fetched=progress.fetched,
-            ) from None
+            raise progress.failed(what, granted, f"{type(exc).__name__}: {exc}") from None
         progress.peer_missing += len(result.missing)
 
     async def _open(
@@ -421,16 +295,9 @@ class PeerService:
                 raise PeerFetchTimedOut(f"{why}; no block fetched") from None
             raise PeerFetchFailed(f"{why}; no block fetched") from None
         granted = tuple(BlockHash(h) for h in resp.block_hashes)
-        if granted != tuple(hashes[: len(granted)]) or (granted and len(resp.token) != TOKEN_BYTES):
+        if not grant_matches(hashes, granted, resp.token):
             raise PeerFetchFailed(f"{what} granted a ticket that does not match the request")
         parent = BlockHash(resp.parent_hash) if resp.HasField("parent_hash") else None
         return FetchGrant(
             resp.data_plane_address, resp.token, granted, parent, resp.layout_key, resp.ttl_s
         )
-
-
-def _split_address(address: str, what: str) -> tuple[str, int]:
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise PeerFetchFailed(f"{what} has no usable data plane address ({address!r})")
-    return host.strip("[]"), int(port)

@@ -1,11 +1,11 @@
 """The fetching side of the bulk data plane: ``fetch_blocks`` redeems a ticket a peer's
-``DataPlaneServer`` issued and receives its blocks (protocol: docs/kvmanager-dataplane.md).
+``server.DataPlaneServer`` issued and receives its blocks (protocol: docs/kvmanager-dataplane.md).
 
 Bulk bytes never cross the event loop. Each fetch has its own thread doing blocking
 ``recv_into`` (which releases the GIL) straight into the buffer that becomes the block, and
 verifying its checksum on that same thread. The loop only hands verified blocks to
-``on_block``. Flow control is TCP's plus a bounded window: the thread stops reading the socket
-while ``window_bytes`` of verified blocks wait for ``on_block``.
+``on_block``. Flow control is TCP's plus a bounded window (``core.RecvWindow``): the thread
+stops reading the socket while ``window_bytes`` of verified blocks wait for ``on_block``.
 
 Failure semantics: ``on_block`` sees only whole blocks whose checksum matched, in order. Any
 failure (peer gone, stall, deadline, bad checksum, protocol violation) raises a
@@ -27,16 +27,11 @@ from dataclasses import dataclass
 
 from kvmesh.errors import Unavailable
 from kvmesh.kv.events import BlockHash
-from services.kvmanager import dataplane_wire as wire
-from services.kvmanager.dataplane_server import (
-    Buffer,
-    Checksum,
-    Ticket,
-    byte_view,
-    conn_shutdown,
-    set_sock_timeout,
-)
-from services.kvmanager.dataplane_wire import ChecksumAlgo, ChecksumSet, FrameKind, Status
+
+from . import wire
+from .core import RecvWindow, Ticket
+from .sockets import Buffer, byte_view, conn_shutdown, set_sock_timeout
+from .wire import Checksum, ChecksumAlgo, ChecksumSet, FrameKind, Status
 
 # ---------------------------------------------------------------------------------------------
 # Values and errors
@@ -232,9 +227,8 @@ class _Receiver:
         self._signalled = False  # a wake-up is on its way to the loop
         self._unsignalled = 0  # bytes queued since the last wake-up
         self._signal_bytes = max(1, window_bytes // 4)
-        self._window = threading.Condition()
-        self._window_limit = window_bytes
-        self._held = 0  # bytes queued or with on_block
+        self._window = threading.Condition()  # guards _held
+        self._held = RecvWindow(window_bytes)  # bytes queued or with on_block
         self._stopped = False
         self._deadline_bound = False  # the last wait was cut by the deadline, not the stall
         self._rcvtimeo = 0.0  # SO_RCVTIMEO as last set
@@ -258,7 +252,7 @@ class _Receiver:
 
     def taken(self, nbytes: int) -> None:
         with self._window:
-            self._held -= nbytes
+            self._held.taken(nbytes)
             self._window.notify()
 
     def close(self) -> None:
@@ -364,12 +358,12 @@ class _Receiver:
     def _reserve(self, nbytes: int) -> None:
         """Waits until the window has room for a block of ``nbytes`` (one block always fits)."""
         with self._window:
-            while self._held and self._held + nbytes > self._window_limit and not self._stopped:
+            while not self._held.fits(nbytes) and not self._stopped:
                 self._flush()
                 self._window.wait(self._timeout())
             if self._stopped:
                 raise EOFError("fetch stopped")
-            self._held += nbytes
+            self._held.reserve(nbytes)
 
     def _fetch(self) -> None:
         sock = socket.create_connection(self._addr, timeout=self._timeout())

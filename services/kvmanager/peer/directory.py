@@ -1,0 +1,93 @@
+"""Finds peers: kvmanager id -> gRPC address from etcd, and one gRPC channel per peer."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+
+import grpc
+
+from kvmesh.discovery.etcd import PrefixWatcher
+from kvmesh.discovery.keys import KvManagerRecord, kvmanagers_prefix
+from kvmesh.errors import InvalidArgument
+
+from ..core.errors import PeerNotFound
+from .core import PeerRef
+
+log = logging.getLogger(__name__)
+
+
+class PeerDirectory:
+    """Finds peers: kvmanager id -> gRPC address from etcd (a ``PrefixWatcher`` on the
+    kvmanagers prefix), and one cached gRPC channel per peer address."""
+
+    def __init__(
+        self,
+        self_id: str,
+        endpoints: Sequence[str],
+        cluster: str,
+        interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
+    ) -> None:
+        self._self_id = self_id
+        self._interceptors = list(interceptors)
+        self._endpoints = list(endpoints)
+        self._prefix = kvmanagers_prefix(cluster)
+        self._records: dict[str, KvManagerRecord] = {}
+        self._watcher: PrefixWatcher | None = None
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    async def start(self) -> None:
+        if not self._endpoints:
+            return
+        self._watcher = PrefixWatcher(
+            self._endpoints, self._prefix, self._on_snapshot, self._on_put, self._on_delete
+        )
+        await self._watcher.start()
+
+    async def close(self) -> None:
+        if self._watcher is not None:
+            await self._watcher.close()
+        channels, self._channels = list(self._channels.values()), {}
+        await asyncio.gather(*(ch.close() for ch in channels), return_exceptions=True)
+
+    def resolve(self, peer: PeerRef) -> str:
+        """The peer's gRPC address; PeerNotFound for an id etcd does not know."""
+        if peer.address:
+            return peer.address
+        if not peer.kvmanager_id:
+            raise InvalidArgument("name the peer: set peer_kvmanager_id or peer_address")
+        if self._watcher is None:
+            raise PeerNotFound(
+                f"kvmanager {peer.kvmanager_id!r}: this kvmanager runs without etcd; name the"
+                " peer by address"
+            )
+        rec = self._records.get(peer.kvmanager_id)
+        if rec is None:
+            raise PeerNotFound(
+                f"kvmanager {peer.kvmanager_id!r} is not registered in etcd under {self._prefix}"
+            )
+        return rec.address
+
+    def channel(self, address: str) -> grpc.aio.Channel:
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = grpc.aio.insecure_channel(address, interceptors=self._interceptors)
+            self._channels[address] = ch
+        return ch
+
+    def _on_snapshot(self, snapshot: dict[str, str]) -> None:
+        self._records = {}
+        for key, value in snapshot.items():
+            self._on_put(key, value)
+
+    def _on_put(self, key: str, value: str) -> None:
+        try:
+            rec = KvManagerRecord.from_json(value)
+        except (ValueError, TypeError) as exc:
+            log.warning("ignoring a bad kvmanager record at %s: %s", key, exc)
+            return
+        self._records[key.removeprefix(self._prefix)] = rec
+
+    def _on_delete(self, key: str) -> None:
+        self._records.pop(key.removeprefix(self._prefix), None)

@@ -1,0 +1,429 @@
+"""The serving side of the bulk data plane for peer fetch: one TCP connection per fetch, raw
+framed bytes, no gRPC.
+
+The gRPC control plane decides *what* a peer may fetch and asks this node's ``DataPlaneServer``
+for a one-time ``Ticket`` (``core.TicketBook``) naming a layout key and a list of block hashes.
+The fetching kvmanager redeems it with ``client.fetch_blocks``; the server streams each block as
+a 32-byte frame header (hash, length, checksum) followed by the payload, in the ticket's order.
+The wire format lives in ``wire.py``; the protocol and measurements in
+docs/kvmanager-dataplane.md.
+
+Bulk bytes never cross the event loop. Each stream has its own thread doing blocking
+``sendmsg`` (which releases the GIL): it hands the kernel the store's own buffers (the headers
+and payloads of a batch of blocks gathered in one call, no concatenation, nothing copied in
+Python). The loop only redeems tickets and pins blocks, at most ``prefetch_bytes`` ahead of
+the send, hands them over ``batch_bytes`` at a time (``core.SendWindow``), and releases each
+batch's pins once the kernel has its bytes or the stream failed: a few loop wake-ups per MiB,
+not one per block.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+import queue
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvmesh.errors import InvalidArgument, Unavailable
+from kvmesh.kv.events import BlockHash
+
+from . import wire
+from .core import SendWindow, Ticket, TicketBook
+from .sockets import (
+    Buffer,
+    byte_view,
+    conn_shutdown,
+    sendmsg_all,
+    set_sock_timeout,
+    sock_recv_exact,
+)
+from .wire import Checksum, ChecksumAlgo, ChecksumSet, FrameHeader, FrameKind, Status
+
+log = logging.getLogger(__name__)
+
+# ---------------------------------------------------------------------------------------------
+# Values
+
+
+def _no_release() -> None:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class PinnedBlock:
+    """A block the source holds still until ``release()``: the server sends ``data`` as is
+    (no copy) and calls ``release`` once, on the loop, when the kernel has the bytes or the
+    stream failed. A store that knows the block's checksum (it verified one when the block
+    arrived) passes it, so the server does not recompute it."""
+
+    data: Buffer
+    checksum: Checksum | None = None
+    release: Callable[[], None] = _no_release
+
+
+class BlockSource(Protocol):
+    """What the server reads blocks from (the kvmanager's store). Called on the loop."""
+
+    def pin(
+        self, layout_key: str, block_hash: BlockHash
+    ) -> PinnedBlock | Awaitable[PinnedBlock | None] | None:
+        """The block, pinned, or None when it is not held (sent as a missing block): at once
+        when it can (a RAM block), else an awaitable of it (a disk read). The server sends
+        the blocks it has batched so far before it awaits one."""
+        ...
+
+
+# ---------------------------------------------------------------------------------------------
+# Server
+
+
+@dataclass(frozen=True, slots=True)
+class DataPlaneConfig:
+    host: str = "127.0.0.1"  # address to bind; "0.0.0.0" for every interface
+    port: int = 0  # 0: the OS picks a free port
+    max_streams: int = 16  # concurrent fetches served; more are refused with BUSY
+    max_tickets: int = 4096  # outstanding unredeemed tickets
+    request_timeout_s: float = 5.0  # a connection must send its request within this
+    stall_timeout_s: float = 10.0  # a send making no progress this long ends the stream
+    prefetch_bytes: int = 8 << 20  # payload pinned ahead of the send (at least one block)
+    batch_bytes: int = 1 << 20  # payload handed to the send thread, and sent, per batch
+    checksum: ChecksumAlgo | None = None  # computed when the store has none; None: BLAKE3_64
+    # when installed, else CRC32 (a client that lacks it gets CRC32)
+    socket_buffer_bytes: int = 0  # SO_SNDBUF of each stream; 0 keeps the kernel's autotuning
+
+
+@dataclass(slots=True)
+class DataPlaneStats:
+    streams: int = 0  # fetches served (accepted requests)
+    refused: int = 0
+    blocks_sent: int = 0
+    blocks_missing: int = 0
+    bytes_sent: int = 0
+    aborted: int = 0  # streams that ended early (client gone, stall, source error, shutdown)
+
+
+class DataPlaneServer:
+    """Serves blocks of ``source`` to holders of tickets it issued."""
+
+    def __init__(self, source: BlockSource, config: DataPlaneConfig | None = None) -> None:
+        self._source = source
+        self.config = config or DataPlaneConfig()
+        self._checksum = self.config.checksum or wire.preferred_algo()
+        if not wire.algo_bit(self._checksum) & wire.available_algos():
+            raise InvalidArgument(f"checksum {self._checksum.name} is not available here")
+        self.stats = DataPlaneStats()
+        self._tickets = TicketBook(self.config.max_tickets)
+        self._listener: socket.socket | None = None
+        self._accept_task: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._active = 0
+        self._closing = False
+        self.host = self.config.host
+        self.port = self.config.port
+
+    async def start(self) -> None:
+        lsock = socket.create_server((self.config.host, self.config.port), backlog=128)
+        lsock.setblocking(False)
+        self._listener = lsock
+        self.host, self.port = lsock.getsockname()[:2]
+        self._accept_task = asyncio.create_task(self._accept_loop(lsock), name="kvdp-accept")
+        log.info("data plane listening on %s:%s", self.host, self.port)
+
+    async def close(self, grace_s: float = 0.0) -> None:
+        """Stops accepting and forgets all tickets; gives the streams in flight up to
+        ``grace_s`` to finish, then ends the rest (their clients see a broken stream)."""
+        self._closing = True
+        self._tickets.clear()
+        if self._accept_task is not None:
+            self._accept_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._accept_task
+        if self._listener is not None:
+            self._listener.close()
+        if grace_s > 0 and self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=grace_s)
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    # -- tickets (called by the gRPC control plane, on the loop)
+
+    def issue_ticket(self, layout_key: str, hashes: Sequence[int], ttl_s: float = 30.0) -> Ticket:
+        if self._closing:
+            raise Unavailable("the data plane is shutting down; recompute or try another peer")
+        return self._tickets.issue(
+            secrets.token_bytes(wire.TOKEN_BYTES),
+            layout_key,
+            hashes,
+            ttl_s,
+            now=time.monotonic(),
+            wall_now=time.time(),
+        )
+
+    def revoke_ticket(self, token: bytes) -> bool:
+        return self._tickets.revoke(token)
+
+    # -- connections
+
+    async def _accept_loop(self, lsock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                conn, _addr = await loop.sock_accept(lsock)
+            except OSError as exc:  # e.g. EMFILE: back off rather than spin
+                log.warning("data plane accept failed: %s", exc)
+                await asyncio.sleep(0.1)
+                continue
+            task = asyncio.create_task(self._handle(conn), name="kvdp-stream")
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _handle(self, conn: socket.socket) -> None:
+        owned_by_thread = False
+        try:
+            conn.setblocking(False)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self.config.socket_buffer_bytes:
+                conn.setsockopt(
+                    socket.SOL_SOCKET, socket.SO_SNDBUF, self.config.socket_buffer_bytes
+                )
+            loop = asyncio.get_running_loop()
+            try:
+                async with asyncio.timeout(self.config.request_timeout_s):
+                    raw = await sock_recv_exact(loop, conn, wire.REQUEST_SIZE)
+            except (TimeoutError, OSError, EOFError):
+                return  # a stranger or a dead client; nothing to answer
+            try:
+                req = wire.unpack_request(raw)
+            except wire.WireError as exc:
+                log.info("data plane: bad request: %s", exc)
+                await self._refuse(loop, conn, Status.BAD_REQUEST)
+                return
+            if self._closing:
+                await self._refuse(loop, conn, Status.SHUTTING_DOWN)
+                return
+            if self._active >= self.config.max_streams:
+                await self._refuse(loop, conn, Status.BUSY)  # the ticket stays valid
+                return
+            algo = wire.choose_algo(req.accepted, self._checksum)
+            if algo is None:
+                await self._refuse(loop, conn, Status.BAD_REQUEST)
+                return
+            status, ticket = self._tickets.redeem(req.token, time.monotonic())
+            if ticket is None:
+                await self._refuse(loop, conn, status)
+                return
+            self.stats.streams += 1
+            self._active += 1
+            try:
+                header = wire.pack_stream_header(wire.StreamHeader(Status.OK, len(ticket.hashes)))
+                await loop.sock_sendall(conn, header)
+                owned_by_thread = True
+                await self._stream(loop, conn, ticket, req.accepted, algo)
+            finally:
+                self._active -= 1
+        except OSError as exc:
+            log.debug("data plane connection failed: %s", exc)
+        finally:
+            if not owned_by_thread:
+                conn.close()
+
+    async def _refuse(
+        self, loop: asyncio.AbstractEventLoop, conn: socket.socket, status: Status
+    ) -> None:
+        self.stats.refused += 1
+        with contextlib.suppress(OSError):
+            async with asyncio.timeout(self.config.request_timeout_s):
+                await loop.sock_sendall(conn, wire.pack_stream_header(wire.StreamHeader(status)))
+
+    async def _stream(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        conn: socket.socket,
+        ticket: Ticket,
+        accepted: ChecksumSet,
+        algo: ChecksumAlgo,
+    ) -> None:
+        """Pins blocks in order on the loop and feeds them to the stream's send thread in
+        batches of ``batch_bytes``, with at most ``prefetch_bytes`` pinned at once."""
+        window = SendWindow.of(self.config.prefetch_bytes, self.config.batch_bytes)
+        room = asyncio.Event()
+
+        def sent(batch: list[_Outgoing], ok: bool) -> None:
+            for item in batch:
+                window.sent(item.size)
+                if item.pinned is None:
+                    continue
+                try:
+                    item.pinned.release()
+                except Exception:
+                    log.exception("data plane: block source release() failed")
+                if ok:
+                    self.stats.blocks_sent += 1
+                    self.stats.bytes_sent += item.size
+            room.set()
+
+        sender = _SendThread(conn, loop, accepted, algo, self.config.stall_timeout_s, sent)
+        sender.start()
+        batch: list[_Outgoing] = []
+
+        def hand_over() -> None:
+            nonlocal batch
+            if batch:
+                sender.put(batch)
+                batch = []
+            window.handed()
+
+        completed = False
+        try:
+            for index, block_hash in enumerate(ticket.hashes):
+                while window.full() and sender.error is None:
+                    hand_over()
+                    room.clear()
+                    if window.full():
+                        await room.wait()
+                if sender.error is not None:
+                    break
+                try:
+                    got = self._source.pin(ticket.layout_key, block_hash)
+                    if inspect.isawaitable(got):
+                        hand_over()  # what is pinned already goes out while this one waits
+                        got = await got
+                    pinned = got
+                except Exception:
+                    log.exception("data plane: block source failed on %016x", block_hash)
+                    batch.append(_Outgoing(FrameKind.ABORT, index, block_hash))
+                    break
+                if pinned is None:
+                    self.stats.blocks_missing += 1
+                    batch.append(_Outgoing(FrameKind.MISSING, index, block_hash))
+                    continue
+                item = _Outgoing(FrameKind.BLOCK, index, block_hash, pinned)
+                batch.append(item)
+                if window.pinned(item.size):
+                    hand_over()
+                    await asyncio.sleep(0)  # let the loop's other work in between batches
+            else:
+                completed = True
+        except BaseException:
+            conn_shutdown(conn)  # cancelled (server closing): wake a blocked send
+            raise
+        finally:
+            hand_over()
+            sender.finish()
+            await sender.done
+            if not completed or sender.error is not None:
+                self.stats.aborted += 1
+                if sender.error is not None:
+                    log.info("data plane stream ended early: %s", sender.error)
+
+
+@dataclass(slots=True)
+class _Outgoing:
+    kind: FrameKind
+    index: int
+    block_hash: int
+    pinned: PinnedBlock | None = None
+    size: int = 0  # payload bytes
+
+    def __post_init__(self) -> None:
+        if self.pinned is not None:
+            self.size = memoryview(self.pinned.data).nbytes
+
+
+# sendmsg takes at most IOV_MAX (1024 on Linux) buffers: two per block.
+_MAX_BLOCKS_PER_SENDMSG = 256
+
+
+class _SendThread:
+    """Writes one stream's frames with blocking ``sendmsg`` (a batch's headers and payloads
+    gathered, no copy) and tells the loop once per batch when its bytes are in the kernel.
+    Owns the socket from ``start()`` and closes it when done; after a failure it only hands
+    back what is queued."""
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        loop: asyncio.AbstractEventLoop,
+        accepted: ChecksumSet,
+        algo: ChecksumAlgo,
+        stall_timeout_s: float,
+        sent: Callable[[list[_Outgoing], bool], None],
+    ) -> None:
+        self._sock = sock
+        self._loop = loop
+        self._accepted = accepted
+        self._algo = algo
+        self._stall = stall_timeout_s
+        self._sent = sent
+        self._queue: queue.SimpleQueue[list[_Outgoing] | None] = queue.SimpleQueue()
+        self.error: BaseException | None = None
+        self.done: asyncio.Future[None] = loop.create_future()
+        self._thread = threading.Thread(target=self._run, name="kvdp-send", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def put(self, batch: list[_Outgoing]) -> None:
+        self._queue.put(batch)
+
+    def finish(self) -> None:
+        self._queue.put(None)
+
+    def _run(self) -> None:
+        sock = self._sock
+        try:
+            sock.settimeout(None)  # blocking; SO_SNDTIMEO bounds each wait
+            set_sock_timeout(sock, socket.SO_SNDTIMEO, self._stall)
+            while (batch := self._queue.get()) is not None:
+                if self.error is None:
+                    try:
+                        for i in range(0, len(batch), _MAX_BLOCKS_PER_SENDMSG):
+                            self._send(sock, batch[i : i + _MAX_BLOCKS_PER_SENDMSG])
+                    except BaseException as exc:
+                        self.error = exc
+                self._call(self._sent, batch, self.error is None)
+            if self.error is None:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_WR)  # a clean end of stream
+        finally:
+            sock.close()
+            self._call(_set_result, self.done)
+
+    def _send(self, sock: socket.socket, batch: list[_Outgoing]) -> None:
+        bufs: list[bytes | memoryview] = []
+        for item in batch:
+            if item.pinned is None:
+                bufs.append(
+                    wire.pack_frame_header(FrameHeader(item.kind, item.index, item.block_hash))
+                )
+                continue
+            data = byte_view(item.pinned.data)
+            known = item.pinned.checksum
+            if known is not None and wire.algo_bit(known.algo) & self._accepted:
+                algo, value = known.algo, known.value  # the store's own: no pass over the bytes
+            else:
+                algo, value = self._algo, wire.checksum(self._algo, data)
+            header = FrameHeader(
+                FrameKind.BLOCK, item.index, item.block_hash, data.nbytes, algo, value
+            )
+            bufs += (wire.pack_frame_header(header), data)
+        sendmsg_all(sock, bufs)
+
+    def _call(self, fn: Callable[..., None], *args: object) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting
+            self._loop.call_soon_threadsafe(fn, *args)
+
+
+def _set_result(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
