@@ -146,7 +146,7 @@ def _sha256_pickle(obj: Any) -> bytes:
 
 
 def _sha256_cbor(obj: Any) -> bytes:
-    import cbor2  # installed with vLLM; only needed for this algorithm
+    import cbor2  # only needed for this algorithm
 
     return hashlib.sha256(cbor2.dumps(obj, canonical=True)).digest()
 

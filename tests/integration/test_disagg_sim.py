@@ -12,7 +12,7 @@ import asyncio
 import functools
 import time
 import urllib.request
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import grpc
 import pytest
@@ -35,6 +35,7 @@ from services.worker.server import start_worker
 from services.worker.sim.engine import SimEngineConfig, SimulatedEngine
 from services.worker.sim.handoff import HandoffConfig, SimKvStores
 from services.worker.sim.model import SimWorkerConfig
+from tests.support import eventually
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -142,7 +143,7 @@ async def mesh(etcd, request):
         )
     )
     try:
-        await until(lambda: all(router.index.linked(WorkerId(w)) for w in engines))
+        await eventually(lambda: all(router.index.linked(WorkerId(w)) for w in engines), 15.0)
         async with RouterClient(router.address) as client:
             await client.wait_for_models()
             yield router, client, engines
@@ -152,13 +153,6 @@ async def mesh(etcd, request):
             await w.stop()
         await kvm.stop()
         stores.close()
-
-
-async def until(predicate: Callable[[], object], timeout_s: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.02)
 
 
 def counter(router, name: str, **labels: str) -> float:

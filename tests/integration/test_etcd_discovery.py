@@ -9,7 +9,6 @@ import signal
 import sys
 import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 
 import aetcd
@@ -27,6 +26,7 @@ from kvmesh.discovery.keys import (
     workers_prefix,
 )
 from kvmesh.etcd_server import EtcdStartError, LocalEtcd, find_etcd_binary, free_port
+from tests.support import eventually
 
 pytestmark = pytest.mark.integration
 
@@ -54,16 +54,6 @@ class Recorder:
 
     def watcher(self, endpoints: list[str], prefix: str, **kw: float) -> PrefixWatcher:
         return PrefixWatcher(endpoints, prefix, self.on_snapshot, self.on_put, self.on_delete, **kw)
-
-
-async def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> float:
-    """Seconds until ``predicate()`` held; fails the test after ``timeout_s``."""
-    start = time.monotonic()
-    while not predicate():
-        if time.monotonic() - start > timeout_s:
-            raise AssertionError(f"not within {timeout_s} s: {what}")
-        await asyncio.sleep(0.02)
-    return time.monotonic() - start
 
 
 def new_cluster() -> str:
@@ -160,14 +150,14 @@ async def test_watcher_snapshot_then_events_in_order(etcd: LocalEtcd, etcd_clien
         key = worker_key(cluster, Role.BOTH, "w1")
         reg = Registrar(etcd.endpoints, key, record("w1"), ttl_s=3)
         await reg.start()
-        seen_s = await wait_until(lambda: key in rec.state, 1.0, "watcher sees the registration")
+        seen_s = await eventually(lambda: key in rec.state, 1.0, "watcher sees the registration")
         assert seen_s < 1.0
         await reg.update(record("w1", WorkerState.DRAINING))
-        await wait_until(lambda: len(rec.calls) == 3, 1.0, "watcher sees the update")
+        await eventually(lambda: len(rec.calls) == 3, 1.0, "watcher sees the update")
         await reg.close()
-        await wait_until(lambda: key not in rec.state, 1.0, "watcher sees the revoke")
+        await eventually(lambda: key not in rec.state, 1.0, "watcher sees the revoke")
         await etcd_client.delete(old_key.encode())
-        await wait_until(lambda: not rec.state, 1.0, "watcher sees a plain delete")
+        await eventually(lambda: not rec.state, 1.0, "watcher sees a plain delete")
 
         assert rec.calls[1:] == [
             ("put", key, record("w1")),
@@ -195,7 +185,7 @@ async def test_a_failing_callback_does_not_stop_the_watch(
     async with PrefixWatcher(etcd.endpoints, prefix, lambda s: None, on_put, lambda k: None) as w:
         await etcd_client.put(f"{prefix}both/a".encode(), b"boom")
         await etcd_client.put(f"{prefix}both/a".encode(), b"fine")
-        await wait_until(lambda: seen == ["boom", "fine"], 1.0, "both puts delivered")
+        await eventually(lambda: seen == ["boom", "fine"], 1.0, "both puts delivered")
         assert w.connected
 
 
@@ -225,7 +215,7 @@ async def test_killed_process_disappears_within_its_ttl(etcd: LocalEtcd):
         try:
             line = await asyncio.wait_for(proc.stdout.readline(), 20)  # type: ignore[union-attr]
             assert line.strip() == b"registered"
-            await wait_until(lambda: rec.state.get(key) == "alive", 1.0, "watcher sees the worker")
+            await eventually(lambda: rec.state.get(key) == "alive", 1.0, "watcher sees the worker")
             await asyncio.sleep(1.0)  # a few keepalives
             assert key in rec.state
             proc.send_signal(signal.SIGKILL)
@@ -234,7 +224,7 @@ async def test_killed_process_disappears_within_its_ttl(etcd: LocalEtcd):
             if proc.returncode is None:
                 proc.kill()
             await proc.wait()
-        await wait_until(lambda: key not in rec.state, 4.0, "the dead worker's key expires")
+        await eventually(lambda: key not in rec.state, 4.0, "the dead worker's key expires")
         gone_after_s = time.monotonic() - killed_at
         # TTL 2 s counted from the last keepalive (<= 0.67 s before the kill); etcd checks expiry
         # every 0.5 s.
@@ -259,20 +249,20 @@ async def test_etcd_restart_watcher_keeps_state_and_resumes(private_etcd: LocalE
         await client.put(other.encode(), b"x")
         await watcher.start()
         await reg.start()
-        await wait_until(lambda: key in rec.state, 1.0, "registration seen")
+        await eventually(lambda: key in rec.state, 1.0, "registration seen")
         before = dict(rec.state)
         calls_before = len(rec.calls)
 
         await private_etcd.astop()
-        await wait_until(lambda: not watcher.connected, 3.0, "watcher notices etcd is down")
-        await wait_until(lambda: not reg.connected, 3.0, "registrar notices etcd is down")
+        await eventually(lambda: not watcher.connected, 3.0, "watcher notices etcd is down")
+        await eventually(lambda: not reg.connected, 3.0, "registrar notices etcd is down")
         await asyncio.sleep(1.0)
         assert rec.state == before, "the last state is kept while etcd is down"
         assert len(rec.calls) == calls_before, "no callbacks while etcd is down"
 
         await private_etcd.astart()  # same ports, same data
-        await wait_until(lambda: watcher.connected, 3.0, "watcher reconnects by itself")
-        await wait_until(lambda: reg.connected, 3.0, "registrar reconnects by itself")
+        await eventually(lambda: watcher.connected, 3.0, "watcher reconnects by itself")
+        await eventually(lambda: reg.connected, 3.0, "registrar reconnects by itself")
         stored = await client.get(key.encode())
         assert stored is not None and stored.value.decode() == record("w1")
 
@@ -281,7 +271,7 @@ async def test_etcd_restart_watcher_keeps_state_and_resumes(private_etcd: LocalE
         await client.delete(other.encode())
         await reg.update(record("w1", WorkerState.DRAINING))
         expected = {new: "y", key: record("w1", WorkerState.DRAINING)}
-        await wait_until(lambda: rec.state == expected, 2.0, "changes after the restart seen")
+        await eventually(lambda: rec.state == expected, 2.0, "changes after the restart seen")
         assert watcher.snapshots == 1, "resumed from the last revision, no re-list needed"
     finally:
         await reg.close()
@@ -301,11 +291,11 @@ async def test_lease_lost_during_partition_is_granted_again(
         await reg.start()
         try:
             first_lease = reg.lease_id
-            await wait_until(lambda: key in rec.state, 1.0, "registration seen")
+            await eventually(lambda: key in rec.state, 1.0, "registration seen")
             await proxy.cut()  # etcd stays up, the registrar cannot reach it
-            await wait_until(lambda: key not in rec.state, 4.0, "lease expires in the partition")
+            await eventually(lambda: key not in rec.state, 4.0, "lease expires in the partition")
             await proxy.resume()
-            await wait_until(lambda: key in rec.state, 3.0, "registrar puts the key again")
+            await eventually(lambda: key in rec.state, 3.0, "registrar puts the key again")
             assert reg.lease_id != first_lease
             stored = await etcd_client.get(key.encode())
             assert stored is not None and stored.lease == reg.lease_id
@@ -351,20 +341,20 @@ async def test_watcher_relists_after_compaction_while_away(
     async with rec.watcher([proxy.endpoint], prefix) as watcher:
         seen_revision = watcher.last_revision
         await proxy.cut()
-        await wait_until(lambda: not watcher.connected, 3.0, "watcher notices the partition")
+        await eventually(lambda: not watcher.connected, 3.0, "watcher notices the partition")
         await etcd_client.delete(drop.encode())
         await etcd_client.put(add.encode(), b"3")
         head = await etcd_client.put(router_key(cluster, "r").encode(), b"bump")
         await etcd_client.compact(head.header.revision, physical=True)
         assert head.header.revision > seen_revision + 1
         await proxy.resume()
-        await wait_until(lambda: watcher.snapshots == 2, 3.0, "a fresh snapshot after compaction")
+        await eventually(lambda: watcher.snapshots == 2, 3.0, "a fresh snapshot after compaction")
         assert rec.state == {keep: "1", add: "3"}
         assert rec.calls[-1] == ("snapshot", add, keep)
         assert watcher.last_revision >= head.header.revision
-        await wait_until(lambda: watcher.connected, 2.0, "watching again after the re-list")
+        await eventually(lambda: watcher.connected, 2.0, "watching again after the re-list")
         await etcd_client.put(keep.encode(), b"4")
-        await wait_until(lambda: rec.state[keep] == "4", 1.0, "events after the re-list")
+        await eventually(lambda: rec.state[keep] == "4", 1.0, "events after the re-list")
 
 
 # -- endpoints and LocalEtcd ---------------------------------------------------------------------

@@ -30,6 +30,7 @@ from services.router.kvsync import KvEventSubscriber
 from services.worker.config import EngineConfig, WorkerConfig
 from services.worker.main import VLLM_ENVIRONMENT
 from tests.integration.conftest import TcpProxy
+from tests.support import eventually
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -251,13 +252,13 @@ async def test_router_subscriber_resumes_after_a_cut_without_a_snapshot(h: Harne
     )
     sub.start()
     try:
-        await _until(lambda: sub.stats.live)
+        await eventually(lambda: sub.stats.live, 20.0)
         await proxy.cut()
-        await _until(lambda: lost)
+        await eventually(lambda: lost, 20.0)
         prompt = prompt_of(2 * BLOCK_SIZE, salt=4)
         await generate(h, "kv-4", prompt)  # its events wait in the worker's buffer
         await proxy.resume()
-        await _until(lambda: set(vllm_block_hashes(prompt)) <= set(stored_hashes(got)))
+        await eventually(lambda: set(vllm_block_hashes(prompt)) <= set(stored_hashes(got)), 20.0)
         assert [b.snapshot for b in got] == [True] + [False] * (len(got) - 1)
         assert [b.seq for b in got[1:]] == list(range(got[0].seq + 1, got[-1].seq + 1))
         assert sub.stats.reconnects >= 1 and sub.stats.snapshots == 1
@@ -305,10 +306,3 @@ async def test_prefix_cache_reset_is_all_blocks_cleared(h: Harness) -> None:
             later.close()
     finally:
         s.close()
-
-
-async def _until(predicate, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.02)

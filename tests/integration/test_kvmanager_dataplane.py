@@ -41,6 +41,7 @@ from services.kvmanager.peer.wire import (
     FrameHeader,
     FrameKind,
 )
+from tests.support import eventually
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(30)]
 
@@ -97,15 +98,6 @@ class MemorySource:
     async def settled(self) -> None:
         """Waits until the server released every pin (its stream may end after the client's)."""
         await eventually(lambda: self.pins == self.releases)
-
-
-async def eventually(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    """Waits for what the server does after its client has already returned."""
-    for _ in range(int(timeout_s / 0.01)):
-        if predicate():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("condition not reached")
 
 
 @dataclass

@@ -32,6 +32,7 @@ from services.kvmanager.peer.core import Ticket
 from services.kvmanager.peer.server import BlockSource, PinnedBlock
 from services.kvmanager.peer.wire import Status
 from services.kvmanager.servicer import FETCHED_KEY
+from tests.support import eventually
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 
@@ -136,14 +137,6 @@ def trailer(metadata: object) -> int:
 
 def fetched_trailer(err: grpc.aio.AioRpcError) -> int:
     return trailer(err.trailing_metadata())
-
-
-async def eventually(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    for _ in range(int(timeout_s / 0.02)):
-        if predicate():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError("condition not reached")
 
 
 # -- the happy path

@@ -11,7 +11,7 @@ import asyncio
 import os
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ from services.worker.connector.client import SaveChain
 from services.worker.connector.kvmanager_client import KvManagerBlockClient, kv_layout
 from services.worker.connector.layout import BlockLayout
 from services.worker.connector.shm import HEADER_BYTES, ShmSegment
+from tests.support import eventually
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -44,14 +45,6 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def blocks(n: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, (n, BLOCK_BYTES), dtype=np.uint8)
-
-
-async def until(cond: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    for _ in range(int(timeout_s / 0.02)):
-        if cond():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError("condition not met in time")
 
 
 async def start(shm_dir: Path | None) -> RunningKvManager:
@@ -114,7 +107,7 @@ async def test_save_and_load_through_shm_are_byte_identical(kvm, tmp_path):
         del got
     finally:
         await asyncio.to_thread(c.close)
-    await until(lambda: kvm.shm.stats.attached == 0)
+    await eventually(lambda: kvm.shm.stats.attached == 0)
 
 
 async def test_save_chains_sends_many_chains_in_one_call_and_counts_held(kvm, tmp_path):
@@ -158,7 +151,7 @@ async def test_client_close_detaches_and_removes_the_segment(kvm, tmp_path):
     assert shm_id is not None
     segment = kvm.shm.get(shm_id)
     await asyncio.to_thread(c.close)
-    await until(lambda: kvm.shm.stats.attached == 0)
+    await eventually(lambda: kvm.shm.stats.attached == 0)
     assert segment.detached.is_set()
     with pytest.raises(Exception, match="detached"):
         segment.write(HEADER_BYTES, b"x")  # the stale mapping is closed: never written again
@@ -185,7 +178,7 @@ async def test_a_killed_client_is_detached(kvm, tmp_path):
         assert kvm.shm.stats.attached == 1
         proc.kill()
         await proc.wait()
-        await until(lambda: kvm.shm.stats.attached == 0)
+        await eventually(lambda: kvm.shm.stats.attached == 0)
         assert os.listdir(tmp_path) == []
     finally:
         if proc.returncode is None:
@@ -209,12 +202,12 @@ async def test_a_detached_client_goes_inline_then_attaches_a_new_segment(kvm, tm
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
         data = blocks(3, seed=2)
         hashes = [2001, 2002, 2003]
-        await until(lambda: c.shm_id != old)  # the lease ended; then a new segment
+        await eventually(lambda: c.shm_id != old)  # the lease ended; then a new segment
         await asyncio.to_thread(c.save, KEY, hashes, None, [data[i] for i in range(3)])
         got = await asyncio.to_thread(c.load, KEY, hashes)
         assert [bytes(b) for b in got] == [data[i].tobytes() for i in range(3)]
         del got
-        await until(lambda: c.shm_id is not None)
+        await eventually(lambda: c.shm_id is not None)
         assert kvm.shm.stats.attaches == 2
     finally:
         await asyncio.to_thread(c.close)
@@ -230,10 +223,12 @@ async def test_a_segment_that_cannot_be_attached_leaves_bytes_inline(tmp_path, s
     c = client(kvm, tmp_path, 1 << 20)
     try:
         assert not await asyncio.to_thread(c.wait_shm, 1.0)
-        await until(lambda: kvm.shm.stats.refused == 1)
+        await eventually(lambda: kvm.shm.stats.refused == 1)
         assert c.shm_id is None
         # The refused segment is removed at once (the next try is 30 s later).
-        await until(lambda: not [p for p in tmp_path.iterdir() if p.name.startswith("kvmesh-")])
+        await eventually(
+            lambda: not [p for p in tmp_path.iterdir() if p.name.startswith("kvmesh-")]
+        )
         data = blocks(4, seed=3)
         hashes = [3001, 3002, 3003, 3004]
         await asyncio.to_thread(c.save, KEY, hashes, None, [data[i] for i in range(4)])
@@ -346,7 +341,7 @@ async def test_out_of_range_regions_are_refused(kvm, stub, tmp_path):
         assert msg.blocks[0].data == block.tobytes()
     finally:
         call.cancel()
-        await until(lambda: kvm.shm.stats.attached == 0)
+        await eventually(lambda: kvm.shm.stats.attached == 0)
         segment.close()
 
 

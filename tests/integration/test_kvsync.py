@@ -5,8 +5,6 @@ index asks for one, a slow subscriber cut off and resuming, and the worker set's
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -22,6 +20,7 @@ from services.worker.config import WorkerConfig
 from services.worker.core import EngineInfo, EngineLoad, KvEventSink
 from services.worker.server import RunningWorker, start_worker
 from tests.integration.conftest import TcpProxy
+from tests.support import eventually
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
@@ -89,13 +88,6 @@ class Index:
         return out
 
 
-async def until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
-
-
 @pytest.fixture
 async def worker() -> AsyncIterator[tuple[RunningWorker, EventsOnlyEngine]]:
     engine = EventsOnlyEngine()
@@ -122,14 +114,14 @@ async def test_snapshot_first_then_live_batches(worker):
     sub = subscriber(w.address, index)
     sub.start()
     try:
-        await until(lambda: "live" in index.events)
+        await eventually(lambda: "live" in index.events)
         assert index.events == ["snapshot", "live"]
         snap = index.batches[0]
         assert (snap.worker_id, snap.epoch, snap.seq) == ("kv-w", w.kv_events.log.epoch, 1)
         assert index.held() == set(before)
         for _ in range(3):
             engine.emit()
-        await until(lambda: len(index.batches) == 4)
+        await eventually(lambda: len(index.batches) == 4)
         assert [b.seq for b in index.batches[1:]] == [2, 3, 4]
         assert sub.stats.last_seq == 4 and sub.stats.blocks_stored == 6
         assert sub.stats.live and sub.stats.snapshots == 1
@@ -146,12 +138,12 @@ async def test_resumes_after_a_cut_connection_without_a_snapshot(worker):
     sub.start()
     try:
         engine.emit()
-        await until(lambda: index.held() == {1})
+        await eventually(lambda: index.held() == {1})
         await proxy.cut()
-        await until(lambda: "lost" in index.events)
+        await eventually(lambda: "lost" in index.events)
         missed = engine.emit(2) + engine.emit()  # seq 2 and 3, while nobody listens
         await proxy.resume()
-        await until(lambda: len(index.batches) >= 3 and index.events[-1] == "live")
+        await eventually(lambda: len(index.batches) >= 3 and index.events[-1] == "live")
         assert [b.snapshot for b in index.batches] == [True, False, False]
         assert [b.seq for b in index.batches[1:]] == [2, 3]
         assert index.held() == {1, *missed}
@@ -171,11 +163,11 @@ async def test_resume_with_nothing_missed_is_live_at_once(worker):
     sub.start()
     try:
         engine.emit()
-        await until(lambda: index.held() == {1})
+        await eventually(lambda: index.held() == {1})
         await proxy.cut()
-        await until(lambda: "lost" in index.events)
+        await eventually(lambda: "lost" in index.events)
         await proxy.resume()
-        await until(lambda: index.events[-1] == "live")
+        await eventually(lambda: index.events[-1] == "live")
         assert len(index.batches) == 1  # nothing re-sent
     finally:
         await sub.close()
@@ -188,10 +180,10 @@ async def test_index_asking_for_a_resync_gets_a_snapshot(worker):
     sub = subscriber(w.address, index)
     sub.start()
     try:
-        await until(lambda: "live" in index.events)
+        await eventually(lambda: "live" in index.events)
         index.resync_next = True
         engine.emit()
-        await until(lambda: len(index.batches) == 3)
+        await eventually(lambda: len(index.batches) == 3)
         assert [b.snapshot for b in index.batches] == [True, False, True]
         assert index.batches[2].seq == 1 and index.held() == {1}
         assert sub.stats.resyncs == 1
@@ -207,18 +199,18 @@ async def test_restarted_worker_new_epoch_gets_a_snapshot(worker):
     sub.start()
     try:
         engine.emit(2)
-        await until(lambda: index.held() == {1, 2})
+        await eventually(lambda: index.held() == {1, 2})
         old_epoch = w.kv_events.log.epoch
         await w.stop()
         engine2 = EventsOnlyEngine()
         w2 = await start_worker(WorkerConfig(worker_id="kv-w", port=w.port), engine2)
         try:
             new_epoch = w2.kv_events.log.epoch
-            await until(lambda: index.batches[-1].epoch == new_epoch)
+            await eventually(lambda: index.batches[-1].epoch == new_epoch)
             assert index.batches[-1].snapshot and new_epoch != old_epoch
             assert index.held() == set()  # the new engine holds nothing yet
             engine2.emit()
-            await until(lambda: index.held() == {1})
+            await eventually(lambda: index.held() == {1})
         finally:
             await w2.stop()
     finally:
@@ -232,10 +224,10 @@ async def test_slow_subscriber_is_cut_and_resumes(worker):
     sub = subscriber(w.address, index)
     sub.start()
     try:
-        await until(lambda: "live" in index.events)
+        await eventually(lambda: "live" in index.events)
         hashes = [h for _ in range(20) for h in engine.emit()]  # no await: it cannot keep up
         assert w.kv_events.cut_off == 1
-        await until(lambda: index.held() == set(hashes))
+        await eventually(lambda: index.held() == set(hashes))
         assert [b.seq for b in index.batches[1:]] == list(range(1, 21))
         assert sub.stats.snapshots == 1  # resumed from the worker's buffer
     finally:
@@ -258,12 +250,12 @@ async def test_sync_follows_the_worker_set(worker):
     try:
         sync.apply(Change(added=(rec,)))
         sync.apply(Change(updated=(rec,)))  # same address: the stream stays
-        await until(lambda: "live" in index.events)
+        await eventually(lambda: "live" in index.events)
         engine.emit()
-        await until(lambda: index.held() == {1})
+        await eventually(lambda: index.held() == {1})
         assert sync.stats()[WorkerId("kv-w")].last_seq == 1
         sync.apply(Change(removed=(WorkerId("kv-w"),)))
-        await until(lambda: w.kv_events.subscribers == 0)
+        await eventually(lambda: w.kv_events.subscribers == 0)
         assert sync.stats() == {}
     finally:
         await sync.close()

@@ -12,10 +12,8 @@ stream of several choices aborts all of them."""
 
 from __future__ import annotations
 
-import asyncio
 import os
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +32,7 @@ from services.router.main import RunningRouter, start_router
 from services.worker.config import EngineConfig, WorkerConfig
 from services.worker.main import VLLM_ENVIRONMENT
 from services.worker.server import start_worker
+from tests.support import eventually
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -61,13 +60,6 @@ class Mesh:
             "kvmesh_router_requests_total", labels
         )
         return value or 0.0
-
-
-async def until(predicate: Callable[[], object], what: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
-        await asyncio.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +98,9 @@ async def mesh(tiny_model: Path, etcd) -> AsyncIterator[Mesh]:
                     drain_grace_s=1.0,
                 )
             )
-            await until(lambda: router.workers.candidates("tiny"), "the router sees the worker")
+            await eventually(
+                lambda: router.workers.candidates("tiny"), 30.0, "the router sees the worker"
+            )
             assert router.http is not None
             tokenizer = Tokenizer.from_file(str(tiny_model / "tokenizer.json"))
             yield Mesh(router, router.http.base_url, tokenizer)
@@ -208,7 +202,7 @@ async def test_a_client_leaving_a_stream_of_choices_aborts_them_all(
                 if len(seen) == 3:
                     break
             assert mesh.in_flight() == 3
-    await until(lambda: mesh.in_flight() == 0, "the choices' requests are aborted", 10)
+    await eventually(lambda: mesh.in_flight() == 0, 10, "the choices' requests are aborted")
     assert mesh.ended("CANCELLED") - cancelled == 3  # none ran to its end
 
 
@@ -241,7 +235,7 @@ async def test_a_refused_prompt_fails_the_whole_batch(mesh: Mesh, client: openai
                 stream=stream,
             )
         assert bad.value.body["param"] == "prompt", bad.value.body  # type: ignore[index]
-    await until(lambda: mesh.in_flight() == 0, "the good prompt's request is aborted", 10)
+    await eventually(lambda: mesh.in_flight() == 0, 10, "the good prompt's request is aborted")
     assert mesh.ended("INVALID_ARGUMENT") - refused == 2
     assert mesh.ended("CANCELLED") - cancelled == 2  # the good prompt's, not run to its end
 

@@ -11,10 +11,7 @@ A's. A hint naming a kvmanager that does not exist costs nothing but the recompu
 
 from __future__ import annotations
 
-import asyncio
 import os
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -34,6 +31,7 @@ from services.worker.config import EngineConfig, WorkerConfig
 from services.worker.connector import kv_transfer_config
 from services.worker.main import VLLM_ENVIRONMENT
 from services.worker.server import layout_key_of
+from tests.support import eventually
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -49,13 +47,6 @@ def prompt(n: int, salt: int) -> list[int]:
 LONG = prompt(330, 5)  # 10 full blocks and 10 tokens
 HASHES = tuple(block_hashes(LONG, HashConfig(block_size=BLOCK)))
 WHOLE = (len(LONG) - 1) // BLOCK * BLOCK  # what a full hit loads: never the last token
-
-
-async def until(predicate: Callable[[], object], timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.05)
 
 
 async def start_node(kid: str, node: str, cluster: str, etcd) -> RunningKvManager:
@@ -136,9 +127,13 @@ async def test_a_prefix_computed_on_node_a_is_served_on_node_b_via_the_peer_hint
         # Node b has never seen the prompt; the router can only send it there. It follows kvm-a's
         # blocks of B's layout although no worker runs on node-a any more: a peer.
         _engine_b, worker_b = await start_vllm_worker(tiny_model, kvm_b, "worker-b", cluster, etcd)
-        await until(lambda: router.index.linked(WorkerId("worker-b")) == store_id("kvm-b", key))
-        await until(lambda: router.index.match_stores(HASHES).get(peer) is not None)
-        await until(lambda: router.index.match_stores(HASHES)[peer].blocks == len(HASHES))
+        await eventually(
+            lambda: router.index.linked(WorkerId("worker-b")) == store_id("kvm-b", key), 30.0
+        )
+        await eventually(lambda: router.index.match_stores(HASHES).get(peer) is not None, 30.0)
+        await eventually(
+            lambda: router.index.match_stores(HASHES)[peer].blocks == len(HASHES), 30.0
+        )
         second = await generate(router, LONG)
         assert second.usage is not None and second.usage.worker_id == "worker-b"
         assert second.token_ids == first.token_ids, "identical greedy output from fetched KV"

@@ -3,7 +3,6 @@ forgets them when their lease goes, and fails fast and clearly when nobody can s
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import grpc
@@ -14,6 +13,7 @@ from kvmesh.discovery.etcd import Registrar
 from kvmesh.discovery.keys import Role, WorkerId, WorkerRecord, WorkerState, worker_key
 from services.router.config import RouterConfig
 from services.router.main import start_router
+from tests.support import eventually
 
 pytestmark = pytest.mark.integration
 
@@ -31,15 +31,6 @@ def record(
         block_size=32,
         vocab_size=100,
     )
-
-
-async def wait_until(predicate, timeout_s: float) -> float:
-    start = time.monotonic()
-    while not predicate():
-        if time.monotonic() - start > timeout_s:
-            raise AssertionError(f"condition not met within {timeout_s} s")
-        await asyncio.sleep(0.02)
-    return time.monotonic() - start
 
 
 @pytest.fixture
@@ -69,13 +60,13 @@ async def test_new_worker_is_seen_within_a_second_and_leaves_on_revoke(router, e
     )
     await reg.start()
     try:
-        seen_after_s = await wait_until(lambda: router.workers.get(WorkerId("w1")) is not None, 1.0)
+        seen_after_s = await eventually(lambda: router.workers.get(WorkerId("w1")) is not None, 1.0)
         assert seen_after_s < 1.0
         await reg.update(record("w1", state=WorkerState.DRAINING).to_json())
-        await wait_until(lambda: not router.workers.candidates("m"), 1.0)
+        await eventually(lambda: not router.workers.candidates("m"), 1.0)
     finally:
         await reg.close(revoke=True)
-    await wait_until(lambda: router.workers.get(WorkerId("w1")) is None, 1.0)
+    await eventually(lambda: router.workers.get(WorkerId("w1")) is None, 1.0)
 
 
 async def test_dead_worker_disappears_within_its_ttl(router, etcd):
@@ -85,9 +76,9 @@ async def test_dead_worker_disappears_within_its_ttl(router, etcd):
         etcd.endpoints, worker_key(cluster, Role.BOTH, "w2"), record("w2").to_json(), ttl_s=ttl_s
     )
     await reg.start()
-    await wait_until(lambda: router.workers.get(WorkerId("w2")) is not None, 1.0)
+    await eventually(lambda: router.workers.get(WorkerId("w2")) is not None, 1.0)
     await reg.close(revoke=False)  # the process "dies": no revoke, no more keepalives
-    gone_after_s = await wait_until(lambda: router.workers.get(WorkerId("w2")) is None, ttl_s + 2.0)
+    gone_after_s = await eventually(lambda: router.workers.get(WorkerId("w2")) is None, ttl_s + 2.0)
     assert gone_after_s <= ttl_s + 1.5
 
 
@@ -98,7 +89,7 @@ async def test_unreachable_worker_is_unavailable_not_a_hang(router, etcd):
     )
     await reg.start()
     try:
-        await wait_until(lambda: router.workers.get(WorkerId("w3")) is not None, 1.0)
+        await eventually(lambda: router.workers.get(WorkerId("w3")) is not None, 1.0)
         async with RouterClient(router.address) as client:
             start = time.monotonic()
             with pytest.raises(grpc.aio.AioRpcError) as err:

@@ -11,9 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import time
 import urllib.request
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +39,7 @@ from services.worker.server import RunningWorker, start_worker
 from services.worker.sim.engine import SimEngineConfig, SimulatedEngine
 from services.worker.sim.model import SimWorkerConfig
 from tests.integration.conftest import TcpProxy
+from tests.support import eventually
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -92,13 +91,6 @@ class Mesh:
         if not self.kvm_stopped:
             self.kvm_stopped = True
             await self.kvm.stop()
-
-
-async def until(predicate: Callable[[], object], timeout_s: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.02)
 
 
 def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -159,9 +151,11 @@ async def mesh(etcd, tmp_path: Path, request):
     )
     m = Mesh(router, kvm, workers)
     try:
-        await until(lambda: set(router.index.workers()) == {A1, A2, B1})
-        await until(lambda: router.tier_sync.stats().get(STORE, (None, None))[1] is not None)
-        await until(lambda: router.tier_sync.stats()[STORE][1].live)
+        await eventually(lambda: set(router.index.workers()) == {A1, A2, B1}, 15.0)
+        await eventually(
+            lambda: router.tier_sync.stats().get(STORE, (None, None))[1] is not None, 15.0
+        )
+        await eventually(lambda: router.tier_sync.stats()[STORE][1].live, 15.0)
         yield m
     finally:
         await router.stop()
@@ -199,7 +193,7 @@ async def test_kvmanager_blocks_are_lower_tiers_of_its_nodes_workers_only(mesh: 
         m = mesh.match().get(A1)
         return m is not None and m.blocks == len(HASHES) and m.disk_blocks > 0
 
-    await until(lower_tiers_in)
+    await eventually(lower_tiers_in, 15.0)
     got = mesh.match()
     assert set(got) == {A1, A2}  # b1 is on another node
     for wid in (A1, A2):
@@ -218,7 +212,7 @@ async def test_kvmanager_blocks_are_lower_tiers_of_its_nodes_workers_only(mesh: 
     hot = WorkerId(done.usage.worker_id)
     assert hot in (A1, A2)
     cold = A2 if hot == A1 else A1
-    await until(lambda: mesh.match()[hot].gpu_blocks == len(HASHES))
+    await eventually(lambda: mesh.match()[hot].gpu_blocks == len(HASHES), 15.0)
     scores = mesh.scores()
     assert scores[hot] > scores[cold] > scores[B1] == 0.0
 
@@ -238,9 +232,11 @@ async def test_kvmanager_blocks_are_lower_tiers_of_its_nodes_workers_only(mesh: 
 async def test_kvmanager_leaving_takes_its_tiers_away(mesh: Mesh):
     router = mesh.router
     await put_prompt_blocks(mesh.kvm)
-    await until(lambda: mesh.match().get(A1, PrefixMatch(A1, 0, 0, 0, 0, True)).blocks == 20)
+    await eventually(
+        lambda: mesh.match().get(A1, PrefixMatch(A1, 0, 0, 0, 0, True)).blocks == 20, 15.0
+    )
     await mesh.stop_kvm()  # revokes its lease: its etcd key goes at once
-    await until(lambda: router.index.stores() == ())
+    await eventually(lambda: router.index.stores() == (), 15.0)
     assert mesh.match() == {}
     assert router.tier_sync.stats() == {}
     assert dict(router.index.links()) == {}
@@ -294,14 +290,14 @@ async def test_lost_tier_stream_degrades_the_matches_until_it_resumes(etcd, etcd
         stack.push_async_callback(router.stop)
 
         await put_prompt_blocks(kvm)
-        await until(lambda: router.index.match(HASHES).get(p1) is not None)
-        await until(lambda: router.index.match(HASHES)[p1].blocks == len(HASHES))
+        await eventually(lambda: router.index.match(HASHES).get(p1) is not None, 15.0)
+        await eventually(lambda: router.index.match(HASHES)[p1].blocks == len(HASHES), 15.0)
         assert router.index.match(HASHES)[p1].exact
         await proxy.cut()
-        await until(lambda: router.index.view(sid).state is ViewState.DEGRADED)
+        await eventually(lambda: router.index.view(sid).state is ViewState.DEGRADED, 15.0)
         m = router.index.match(HASHES)[p1]
         assert m.cpu_blocks == len(HASHES) and not m.exact  # kept, as a hint
         await proxy.resume()
-        await until(lambda: router.index.view(sid).state is ViewState.EXACT)
+        await eventually(lambda: router.index.view(sid).state is ViewState.EXACT, 15.0)
         assert router.index.match(HASHES)[p1].exact
         assert router.tier_sync.stats()[sid][1].lost >= 1

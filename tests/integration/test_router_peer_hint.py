@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import time
 import urllib.request
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -35,6 +34,7 @@ from services.worker.core import GenerateRequest, KvSource, OutputDelta
 from services.worker.server import start_worker
 from services.worker.sim.engine import SimEngineConfig, SimulatedEngine
 from services.worker.sim.model import SimWorkerConfig
+from tests.support import eventually
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -69,13 +69,6 @@ class RecordingEngine(SimulatedEngine):
         self.seen.append(request)
         async for delta in super().generate(request):
             yield delta
-
-
-async def until(predicate: Callable[[], object], timeout_s: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.02)
 
 
 async def put_blocks(kvm: RunningKvManager, n: int) -> None:
@@ -146,12 +139,12 @@ async def test_router_names_the_peer_kvmanager_holding_the_prefix(etcd, tmp_path
     peer, own = store_id("kvm-a", KEY), store_id("kvm-b", KEY)
     try:
         # node-a has no worker: its kvmanager is still followed, as a peer of b1's layout.
-        await until(lambda: set(router.tier_sync.plan.streams) == {peer, own})
+        await eventually(lambda: set(router.tier_sync.plan.streams) == {peer, own}, 15.0)
         assert dict(router.index.links()) == {B1: own}
-        await until(lambda: B1 in router.index.workers())
+        await eventually(lambda: B1 in router.index.workers(), 15.0)
         await put_blocks(kvms[0], 20)
-        await until(lambda: router.index.match_stores(HASHES).get(peer) is not None)
-        await until(lambda: router.index.match_stores(HASHES)[peer].blocks == 20)
+        await eventually(lambda: router.index.match_stores(HASHES).get(peer) is not None, 15.0)
+        await eventually(lambda: router.index.match_stores(HASHES)[peer].blocks == 20, 15.0)
 
         async with RouterClient(router.address) as client:
             await client.wait_for_models()
@@ -165,8 +158,8 @@ async def test_router_names_the_peer_kvmanager_holding_the_prefix(etcd, tmp_path
             assert blocks == 20
 
             # b1's engine now holds the prompt itself (its KV events say so): no hint.
-            await until(lambda: router.index.match(HASHES, [B1]).get(B1) is not None)
-            await until(lambda: router.index.match(HASHES, [B1])[B1].gpu_blocks == 20)
+            await eventually(lambda: router.index.match(HASHES, [B1]).get(B1) is not None, 15.0)
+            await eventually(lambda: router.index.match(HASHES, [B1])[B1].gpu_blocks == 20, 15.0)
             await client.complete(make_request([*PROMPT, 8], max_tokens=2))
             assert engine.seen[-1].kv_source is None
             assert await asyncio.to_thread(counter, url, "kvmesh_router_peer_hints_total") == 1

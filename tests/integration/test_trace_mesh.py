@@ -18,8 +18,7 @@ import asyncio
 import functools
 import logging
 import os
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
@@ -49,6 +48,7 @@ from services.worker.server import start_worker
 from services.worker.sim.engine import SimEngineConfig, SimulatedEngine
 from services.worker.sim.model import SimWorkerConfig
 from services.worker.traced import TracedEngine
+from tests.support import eventually
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -71,13 +71,6 @@ def spans() -> InMemorySpanExporter:
     else:
         setup_tracing("kvmesh-trace-mesh-test", extra_processor=SimpleSpanProcessor(exporter))
     return exporter
-
-
-async def until(predicate: Callable[[], object], what: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
-        await asyncio.sleep(0.05)
 
 
 def _trace_of(spans: InMemorySpanExporter, request_id: str) -> int:
@@ -159,7 +152,9 @@ async def test_one_trace_from_router_through_worker_to_kvmanager(
                 drain_grace_s=1.0,
             )
         )
-        await until(lambda: router.workers.candidates("tiny"), "the router sees the worker")
+        await eventually(
+            lambda: router.workers.candidates("tiny"), 30.0, "the router sees the worker"
+        )
         async with RouterClient(router.address) as client:
             # Cold: computed, then saved to the kvmanager in the background.
             cold = await client.complete(
@@ -168,8 +163,9 @@ async def test_one_trace_from_router_through_worker_to_kvmanager(
             assert cold.usage is not None and cold.usage.cached_prompt_tokens == 0
             layout = kv_layout(engine.info.connector_layout)
             hashes = block_hashes(PROMPT, HashConfig(block_size=BLOCK))
-            await until(
+            await eventually(
                 lambda: len(kvm.store.lookup(layout, hashes)) == len(hashes),
+                30.0,
                 "the prompt's blocks reach the kvmanager",
             )
             # Forget the engine's own copy: the prefix now comes from the kvmanager.
@@ -198,10 +194,10 @@ async def test_one_trace_from_router_through_worker_to_kvmanager(
         return [s for s in spans.get_finished_spans() if s.context.trace_id == trace_id]
 
     # Server spans end as their calls wind down, after the client has its last message.
-    await until(
+    await eventually(
         lambda: {"/kvmesh.v1.Router/Generate", "kv.get_blocks"} <= {s.name for s in in_trace()},
+        5,
         "the router's and the kvmanager's spans end",
-        timeout_s=5,
     )
     got = in_trace()
     by_id = {s.context.span_id: s for s in got}
@@ -294,7 +290,9 @@ async def sim_mesh(etcd, spans: InMemorySpanExporter) -> AsyncIterator[RunningRo
         RouterConfig(cluster=cluster, etcd_endpoints=endpoints, metrics_port=-1, drain_grace_s=1.0)
     )
     try:
-        await until(lambda: router.workers.candidates("sim"), "the router sees the worker")
+        await eventually(
+            lambda: router.workers.candidates("sim"), 30.0, "the router sees the worker"
+        )
         yield router
     finally:
         await router.stop()
@@ -319,7 +317,7 @@ async def test_client_leaving_mid_stream_detaches_no_context(
                 assert await resp.content.readline()
             resp.close()
             await asyncio.sleep(0.1)
-    await until(lambda: sim_mesh.servicer.in_flight == 0, "the router call ends", 10)
+    await eventually(lambda: sim_mesh.servicer.in_flight == 0, 10, "the router call ends")
     await asyncio.sleep(0.5)  # abandoned generators are closed from tasks of their own
     errors = [r for r in caplog.records if "detach" in r.getMessage().lower()]
     assert not errors, errors[0].getMessage()
