@@ -31,6 +31,7 @@ class KvManagerConfig:
     drain_grace_s: float = 5.0  # on SIGTERM, time given to calls in flight
     metrics_host: str = "127.0.0.1"  # address of the Prometheus /metrics endpoint
     metrics_port: int = 0  # its port; 0 lets the OS pick, -1 turns it off
+    metrics_refresh_s: float = 2.0  # how often the store, peer and etcd gauges are refreshed
     trace_exporter: Exporter = Exporter.NONE
     otlp_endpoint: str = ""
     log_level: str = "INFO"

@@ -11,16 +11,12 @@ import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
-
 from kvmesh import __version__, errors
-from kvmesh.discovery.etcd import PrefixWatcher, Registrar
-from kvmesh.discovery.hosts import advertised_host
+from kvmesh.discovery.etcd import PrefixWatcher
 from kvmesh.discovery.keys import RouterRecord, kvmanagers_prefix, router_key, workers_prefix
-from kvmesh.metrics import MetricsServer, serve_metrics
-from kvmesh.telemetry import Exporter, server_interceptors, setup_logging, setup_tracing
+from kvmesh.metrics import MetricsServer
+from kvmesh.service import Bind, ServiceHost
+from kvmesh.telemetry import Exporter, setup_logging, setup_tracing
 from kvmesh.v1 import router_pb2, router_pb2_grpc
 
 from .config import RouterConfig
@@ -56,42 +52,24 @@ class RunningRouter:
     servicer: RouterServicer
     workers: WorkerSet
     watcher: PrefixWatcher
-    _server: grpc.aio.Server
-    _health: health.aio.HealthServicer
-    _pool: WorkerPool
     kv_sync: KvEventSync
     tier_sync: TierSync  # the kvmanagers' tier event streams (node stores in the index)
     kvmanager_watcher: PrefixWatcher
     index: KvIndex
-    _registrar: Registrar
-    _executor: ThreadPoolExecutor
-    _config: RouterConfig
     metrics: RouterMetrics
     metrics_server: MetricsServer | None
-    _metrics_task: asyncio.Task[None]
     http: OpenAIServer | None  # the OpenAI-compatible front door; None: off
+    _host: ServiceHost
+    _config: RouterConfig
 
     async def stop(self) -> None:
-        """Health NOT_SERVING -> refuse new work -> let streams finish (bounded) -> leave etcd."""
-        await self._health.enter_graceful_shutdown()
-        self.servicer.draining = True
-        await self._registrar.close(revoke=True)
-        await self._server.stop(grace=self._config.drain_grace_s)
-        if self.http is not None:
-            await self.http.close()
-        await self.watcher.close()
-        await self.kvmanager_watcher.close()
-        await self.kv_sync.close()
-        await self.tier_sync.close()
-        await self._pool.close()
-        self._metrics_task.cancel()
-        await asyncio.gather(self._metrics_task, return_exceptions=True)
-        if self.metrics_server is not None:
-            await asyncio.to_thread(self.metrics_server.close)
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        """Health NOT_SERVING -> refuse new work -> leave etcd -> let streams finish (bounded)
+        -> the rest, in reverse order of start (kvmesh/service.py)."""
+        await self._host.stop()
 
 
 async def start_router(config: RouterConfig) -> RunningRouter:
+    """Starts a router on this loop; a step that fails undoes the ones before it."""
     workers = WorkerSet(config.cluster)
     pool = WorkerPool(workers, load_interval_s=config.load_interval_s)
     executor = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tokenize")
@@ -121,23 +99,19 @@ async def start_router(config: RouterConfig) -> RunningRouter:
         disagg,
         index.linked,
     )
-    server = grpc.aio.server(
-        interceptors=server_interceptors(),
-        options=[
-            ("grpc.max_receive_message_length", config.max_request_bytes),
-            ("grpc.max_send_message_length", config.max_request_bytes),
-        ],
+    host = ServiceHost(
+        (SERVICE_NAME,),
+        Bind(
+            config.host,
+            config.port,
+            config.advertise_host,
+            config.max_request_bytes,
+            config.max_request_bytes,
+        ),
+        config.drain_grace_s,
     )
-    router_pb2_grpc.add_RouterServicer_to_server(servicer, server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-    )
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
-    address = f"{advertised_host(config.host, config.advertise_host)}:{port}"
-    await server.start()
-
+    router_pb2_grpc.add_RouterServicer_to_server(servicer, host.server)
+    host.on_draining.append(lambda: setattr(servicer, "draining", True))
     ready = asyncio.Event()
     starting: list[Future[None]] = []  # tokenizer loads to wait for before SERVING
 
@@ -159,7 +133,6 @@ async def start_router(config: RouterConfig) -> RunningRouter:
         on_put=lambda k, v: on_change(workers.apply_put(k, v)),
         on_delete=lambda k: on_change(workers.apply_delete(k)),
     )
-    await watcher.start()
     kvmanager_watcher = PrefixWatcher(
         list(config.etcd_endpoints),
         kvmanagers_prefix(config.cluster),
@@ -167,87 +140,84 @@ async def start_router(config: RouterConfig) -> RunningRouter:
         on_put=tier_sync.on_put,
         on_delete=tier_sync.on_delete,
     )
-    await kvmanager_watcher.start()
-    # Tokenizers of the models already served load before we report SERVING, so the first
-    # request's time to first token is not spent importing transformers.
-    if starting:
-        await asyncio.wait([asyncio.wrap_future(f) for f in starting], timeout=60.0)
-    ready.set()
-    starting.clear()
-    router_id = config.router_id or f"{socket.gethostname()}-{port}"
-    registrar = Registrar(
-        list(config.etcd_endpoints),
-        router_key(config.cluster, router_id),
-        RouterRecord(router_id=router_id, address=address, version=__version__).to_json(),
-        ttl_s=config.etcd_ttl_s,
-    )
-    await registrar.start()
-    metrics_server = None
-    if config.metrics_port >= 0:
-        metrics_server = serve_metrics(metrics.registry, config.metrics_host, config.metrics_port)
-    metrics_task = asyncio.get_running_loop().create_task(
-        _refresh_metrics(metrics, kv_sync, tier_sync, index, registrar, config.metrics_refresh_s),
-        name="metrics",
-    )
     http = None
-    if config.http_port >= 0:
-        # The front door calls this router's servicer in-process (no loopback gRPC hop).
-        http = OpenAIServer(
-            "",
-            config.http_host,
-            config.http_port,
-            api_keys=config.api_keys or None,
-            max_body_bytes=config.http_max_body_bytes,
-            request_timeout_s=config.default_timeout_s,
-            metrics=metrics,
-            backend=InProcessRouterBackend(servicer),
-            reuse_port=config.reuse_port,
-            cors=config.cors,
-            metrics_registry=metrics.registry,  # the metrics port's registry, on the HTTP port
-            ready=lambda: not servicer.draining,
-            vllm_versions=lambda: (
-                v.record.vllm_version for v in workers.all() if v.serving and v.record.vllm_version
-            ),
+    async with host.starting():
+        host.callback(executor.shutdown, False, cancel_futures=True)
+        host.callback(pool.close)
+        host.callback(kv_sync.close)
+        host.callback(tier_sync.close)
+        port = await host.start_server()
+        await watcher.start()
+        host.callback(watcher.close)
+        await kvmanager_watcher.start()
+        host.callback(kvmanager_watcher.close)
+        # Tokenizers of the models already served load before we report SERVING, so the first
+        # request's time to first token is not spent importing transformers.
+        if starting:
+            await asyncio.wait([asyncio.wrap_future(f) for f in starting], timeout=60.0)
+        ready.set()
+        starting.clear()
+        router_id = config.router_id or f"{socket.gethostname()}-{port}"
+        record = RouterRecord(router_id=router_id, address=host.address, version=__version__)
+        await host.register(
+            config.etcd_endpoints,
+            router_key(config.cluster, router_id),
+            record.to_json(),
+            config.etcd_ttl_s,
         )
-        await http.start()
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("router %s serving on %s with %d workers known", router_id, address, len(workers))
+        host.serve_metrics(metrics.registry, config.metrics_host, config.metrics_port)
+
+        def refresh() -> None:
+            metrics.refresh_kv(kv_sync.stats(), index)
+            metrics.refresh_tiers(tier_sync.stats(), index)
+            if (etcd := host.etcd_state()) is not None:
+                metrics.etcd.refresh(*etcd)
+
+        host.refresh_every(config.metrics_refresh_s, refresh)
+        if config.http_port >= 0:
+            http = _front_door(config, servicer, workers, metrics)
+            await http.start()
+            host.callback(http.close)
+    log.info("router %s serving on %s with %d workers known", router_id, host.address, len(workers))
     return RunningRouter(
-        address=address,
+        address=host.address,
         servicer=servicer,
         workers=workers,
         watcher=watcher,
-        _server=server,
-        _health=health_servicer,
-        _pool=pool,
         kv_sync=kv_sync,
         tier_sync=tier_sync,
         kvmanager_watcher=kvmanager_watcher,
         index=index,
-        _registrar=registrar,
-        _executor=executor,
-        _config=config,
         metrics=metrics,
-        metrics_server=metrics_server,
-        _metrics_task=metrics_task,
+        metrics_server=host.metrics_server,
         http=http,
+        _host=host,
+        _config=config,
     )
 
 
-async def _refresh_metrics(
-    metrics: RouterMetrics,
-    kv_sync: KvEventSync,
-    tier_sync: TierSync,
-    index: KvIndex,
-    registrar: Registrar,
-    every_s: float,
-) -> None:
-    while True:
-        metrics.refresh_kv(kv_sync.stats(), index)
-        metrics.refresh_tiers(tier_sync.stats(), index)
-        metrics.etcd.refresh(registrar.connected, registrar.lease_id is not None)
-        await asyncio.sleep(every_s)
+def _front_door(
+    config: RouterConfig, servicer: RouterServicer, workers: WorkerSet, metrics: RouterMetrics
+) -> OpenAIServer:
+    """The OpenAI-compatible HTTP API, calling this router's servicer in-process (no loopback
+    gRPC hop)."""
+    return OpenAIServer(
+        "",
+        config.http_host,
+        config.http_port,
+        api_keys=config.api_keys or None,
+        max_body_bytes=config.http_max_body_bytes,
+        request_timeout_s=config.default_timeout_s,
+        metrics=metrics,
+        backend=InProcessRouterBackend(servicer),
+        reuse_port=config.reuse_port,
+        cors=config.cors,
+        metrics_registry=metrics.registry,  # the metrics port's registry, on the HTTP port
+        ready=lambda: not servicer.draining,
+        vllm_versions=lambda: (
+            v.record.vllm_version for v in workers.all() if v.serving and v.record.vllm_version
+        ),
+    )
 
 
 def parse_args(argv: list[str] | None) -> RouterConfig:
