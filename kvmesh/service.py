@@ -32,7 +32,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+import signal
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +43,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvmesh.discovery.etcd import Registrar
 from kvmesh.discovery.hosts import advertised_host
+from kvmesh.errors import KvmeshError
 from kvmesh.grpc_errors import ErrorStatus
 from kvmesh.metrics import MetricsServer, serve_metrics
 from kvmesh.telemetry import server_interceptors
@@ -224,3 +226,25 @@ async def _every(every_s: float, refresh: Callable[[], None]) -> None:
 async def _cancel(task: asyncio.Task[None]) -> None:
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
+
+
+# ---- process entry points ------------------------------------------------------------------
+def signal_event() -> asyncio.Event:
+    """An event set by the first SIGTERM or SIGINT from now on (instead of the default exit)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+def run(serve: Coroutine[Any, Any, None], service: str) -> int:
+    """``asyncio.run(serve)``: 0; a failure the operator fixes (a domain error such as etcd
+    unreachable, or the OS's: a port in use) is one error line and exit status 2 (start-up
+    undid what it started, so there is no trace and nothing left running)."""
+    try:
+        asyncio.run(serve)
+    except (KvmeshError, OSError) as exc:
+        log.error("%s failed: %s", service, exc)
+        return 2
+    return 0

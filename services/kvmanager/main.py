@@ -12,9 +12,7 @@ within the grace, stop the server and the data plane, close the store). See docs
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
-import signal
 import sys
 import uuid
 from collections.abc import Callable
@@ -28,7 +26,7 @@ from kvmesh.errors import KvmeshError
 from kvmesh.kv.events import Tier
 from kvmesh.kv_wire import TIER_PB
 from kvmesh.metrics import MetricsServer
-from kvmesh.service import Bind, ServiceHost
+from kvmesh.service import Bind, ServiceHost, run, signal_event
 from kvmesh.telemetry import Exporter, client_interceptors, setup_logging, setup_tracing
 from kvmesh.units import parse_bytes
 from kvmesh.v1 import kvmanager_pb2, kvmanager_pb2_grpc
@@ -373,28 +371,19 @@ def parse_args(argv: list[str] | None) -> KvManagerConfig:
     )
 
 
-async def serve(config: KvManagerConfig) -> int:
+async def serve(config: KvManagerConfig) -> None:
     running = await start_kvmanager(config)
     print(running.ready_line(), flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await signal_event().wait()
     log.info("signal received: stopping kvmanager %s", running.kvmanager_id)
     await running.stop()
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     config = parse_args(argv)
     setup_logging("kvmanager", config.log_level)
     setup_tracing("kvmesh-kvmanager", config.trace_exporter, config.otlp_endpoint)
-    try:
-        return asyncio.run(serve(config))
-    except KvmeshError as exc:
-        log.error("kvmanager failed: %s", exc)
-        return 2
+    return run(serve(config), "kvmanager")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import signal
 import socket
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -15,7 +14,7 @@ from kvmesh import __version__, errors
 from kvmesh.discovery.etcd import PrefixWatcher
 from kvmesh.discovery.keys import RouterRecord, kvmanagers_prefix, router_key, workers_prefix
 from kvmesh.metrics import MetricsServer
-from kvmesh.service import Bind, ServiceHost
+from kvmesh.service import Bind, ServiceHost, run, signal_event
 from kvmesh.telemetry import Exporter, setup_logging, setup_tracing
 from kvmesh.v1 import router_pb2, router_pb2_grpc
 
@@ -472,11 +471,7 @@ async def serve(config: RouterConfig) -> None:
     metrics = f" metrics={router.metrics_server.url}" if router.metrics_server else ""
     http = f" http={router.http.base_url}" if router.http is not None else ""
     print(f"{READY_LINE} address={router.address}{metrics}{http}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await signal_event().wait()
     log.info("router stopping: draining %d in-flight requests", router.servicer.in_flight)
     await router.stop()
 
@@ -498,8 +493,7 @@ def main(argv: list[str] | None = None) -> int:
             metrics=config.metrics_port >= 0,
         )
     setup_tracing("kvmesh-router", config.trace_exporter, config.otlp_endpoint)
-    asyncio.run(serve(config))
-    return 0
+    return run(serve(config), "router")
 
 
 if __name__ == "__main__":

@@ -11,17 +11,14 @@ vLLM starts its engine core with ``spawn``, which imports this module again in t
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
 import math
 import os
-import signal
 import sys
 from typing import Any
 
 from kvmesh.discovery.keys import Role
-from kvmesh.errors import KvmeshError
 from kvmesh.telemetry import Exporter, setup_logging, setup_tracing
 from kvmesh.units import parse_bytes
 
@@ -257,14 +254,13 @@ def simulated_engine(config: WorkerConfig):  # type: ignore[no-untyped-def]
     return SimulatedEngine(cfg, hasher=partial(block_hashes, cfg=hash_cfg))
 
 
-async def serve(config: WorkerConfig) -> int:
+async def serve(config: WorkerConfig) -> None:
+    from kvmesh.service import signal_event
+
     from .server import start_worker
     from .traced import TracedEngine
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    stop = signal_event()  # a signal during the engine's start: stop once it is up
     if config.engine_kind == "simulated":
         engine = simulated_engine(config)
     else:
@@ -280,7 +276,6 @@ async def serve(config: WorkerConfig) -> int:
     await stop.wait()
     log.info("signal received: stopping worker %s", worker.worker_id)
     await worker.stop()
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -288,11 +283,9 @@ def main(argv: list[str] | None = None) -> int:
     prepare_environment(config.engine.hash_seed)
     setup_logging("worker", config.log_level)
     setup_tracing("kvmesh-worker", config.trace_exporter, config.otlp_endpoint)
-    try:
-        return asyncio.run(serve(config))
-    except KvmeshError as exc:
-        log.error("worker failed: %s", exc)
-        return 2
+    from kvmesh.service import run
+
+    return run(serve(config), "worker")
 
 
 if __name__ == "__main__":
