@@ -13,26 +13,24 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 
 from kvmesh import __version__
 from kvmesh.discovery.hosts import advertised_host, node_name
 from kvmesh.discovery.keys import KvManagerRecord, check_name, kvmanager_key
-from kvmesh.errors import KvmeshError
 from kvmesh.kv.events import Tier
 from kvmesh.kv_wire import TIER_PB
 from kvmesh.metrics import MetricsServer
 from kvmesh.service import Bind, ServiceHost, run, signal_event
-from kvmesh.telemetry import Exporter, client_interceptors, setup_logging, setup_tracing
-from kvmesh.units import parse_bytes
+from kvmesh.settings import add_config_flags, load_config
+from kvmesh.telemetry import client_interceptors, setup_logging, setup_tracing
 from kvmesh.v1 import kvmanager_pb2, kvmanager_pb2_grpc
 
-from .config import KvManagerConfig, PeerConfig, ShmConfig
-from .core.config import Populate, StoreConfig
+from .config import KvManagerConfig, PeerConfig
 from .dataplane_server import BlockSource, DataPlaneConfig, DataPlaneServer
 from .metrics import KvManagerMetrics
 from .peer import PeerDirectory, PeerService, StoreBlockSource
@@ -43,6 +41,7 @@ from .store import TieredStore
 log = logging.getLogger(__name__)
 
 READY_LINE = "KVMESH_KVMANAGER_READY"
+ENV = "KVMESH_KVMANAGER_"  # environment variables: KVMESH_KVMANAGER_<FLAG>
 SERVICE_NAME = kvmanager_pb2.DESCRIPTOR.services_by_name["KvManager"].full_name
 
 
@@ -230,145 +229,16 @@ def _info(
     )
 
 
-def parse_args(argv: list[str] | None) -> KvManagerConfig:
-    d = KvManagerConfig()
-    s = d.store
-    pc = d.peer
+def parse_args(argv: list[str] | None, environ: Mapping[str, str] | None = None) -> KvManagerConfig:
+    """The kvmanager's config: defaults < ``--config`` file < ``KVMESH_KVMANAGER_*`` < flags."""
     p = argparse.ArgumentParser(
         prog="kvmesh kvmanager",
         description="Run a node's KV cache manager (CPU and disk KV tiers under the engines).",
     )
-    p.add_argument("--host", default=d.host, help="address to listen on (default %(default)s)")
-    p.add_argument("--port", type=int, default=d.port, help="gRPC port; 0 = OS picks")
-    p.add_argument("--advertise-host", default=d.advertise_host, help="host others reach us at")
-    p.add_argument("--kvmanager-id", default=d.kvmanager_id, help="id in etcd (default: node)")
-    p.add_argument("--node", default=d.node, help="node served (default: hostname)")
-    p.add_argument("--cluster", default=d.cluster, help="etcd cluster name (default %(default)s)")
-    p.add_argument(
-        "--etcd",
-        default=",".join(d.etcd_endpoints),
-        help="etcd endpoints host:port,...; empty: standalone (no registration)",
-    )
-    p.add_argument(
-        "--cpu-bytes", type=parse_bytes, default=s.cpu_bytes, help="CPU tier budget (e.g. 4GiB)"
-    )
-    p.add_argument(
-        "--disk-dir", type=Path, default=None, help="disk tier directory (default: no disk tier)"
-    )
-    p.add_argument("--disk-bytes", type=parse_bytes, default=s.disk_bytes, help="disk tier budget")
-    p.add_argument(
-        "--write-through",
-        action="store_true",
-        help="write every block to disk as it is stored (default: write back under pressure)",
-    )
-    p.add_argument("--fsync", action="store_true", help="fsync block files (survive power loss)")
-    p.add_argument("--io-threads", type=int, default=s.io_threads, help="disk I/O threads")
-    p.add_argument(
-        "--no-cpu-arena",
-        dest="cpu_arena",
-        action="store_false",
-        help="keep RAM blocks in heap buffers, not in one mapping of --cpu-bytes (slower)",
-    )
-    p.add_argument(
-        "--cpu-populate",
-        default=s.cpu_populate.value,
-        choices=[m.value for m in Populate],
-        help="when the CPU arena is faulted in: background (a thread from start; default),"
-        " start (before serving), off (as blocks land)",
-    )
-    p.add_argument(
-        "--data-plane-host", default=pc.data_plane_host, help="data plane address (default: --host)"
-    )
-    p.add_argument(
-        "--data-plane-port",
-        type=int,
-        default=pc.data_plane_port,
-        help="bulk data plane TCP port for peer fetch; 0 = OS picks, -1 = off",
-    )
-    p.add_argument(
-        "--data-plane-max-streams",
-        type=int,
-        default=pc.max_streams,
-        help="peer fetches served at once (default %(default)s)",
-    )
-    p.add_argument(
-        "--peer-stall-timeout-s",
-        type=float,
-        default=pc.stall_timeout_s,
-        help="give up a peer stream that moves no byte this long (default %(default)s)",
-    )
-    p.add_argument(
-        "--peer-fetch-timeout-s",
-        type=float,
-        default=pc.fetch_timeout_s,
-        help="deadline of a FetchFromPeer call that sets none (default %(default)s)",
-    )
-    p.add_argument(
-        "--shm-dir",
-        default=str(d.shm.dir or ""),
-        help="where same-node clients' shared-memory segments are; empty: off (default %(default)s)",
-    )
-    p.add_argument(
-        "--shm-max-segments",
-        type=int,
-        default=d.shm.max_segments,
-        help="shared-memory segments attached at once (default %(default)s)",
-    )
-    p.add_argument("--max-message-bytes", type=parse_bytes, default=d.max_message_bytes)
-    p.add_argument("--drain-grace-s", type=float, default=d.drain_grace_s)
-    p.add_argument("--metrics-host", default=d.metrics_host)
-    p.add_argument(
-        "--metrics-port",
-        type=int,
-        default=d.metrics_port,
-        help="Prometheus /metrics port; 0 = OS picks, -1 = off",
-    )
-    p.add_argument(
-        "--trace-exporter", default=d.trace_exporter.value, choices=[e.value for e in Exporter]
-    )
-    p.add_argument("--otlp-endpoint", default=d.otlp_endpoint)
-    p.add_argument("--log-level", default=d.log_level)
-    a = p.parse_args(argv)
-    try:
-        store = StoreConfig(
-            cpu_bytes=a.cpu_bytes,
-            disk_bytes=a.disk_bytes,
-            disk_dir=a.disk_dir,
-            write_through=a.write_through,
-            fsync=a.fsync,
-            io_threads=a.io_threads,
-            cpu_arena=a.cpu_arena,
-            cpu_populate=Populate(a.cpu_populate),
-        )
-        peer = PeerConfig(
-            data_plane_host=a.data_plane_host,
-            data_plane_port=a.data_plane_port,
-            max_streams=a.data_plane_max_streams,
-            stall_timeout_s=a.peer_stall_timeout_s,
-            fetch_timeout_s=a.peer_fetch_timeout_s,
-        )
-        shm = ShmConfig(dir=Path(a.shm_dir) if a.shm_dir else None, max_segments=a.shm_max_segments)
-    except KvmeshError as exc:
-        p.error(str(exc))
-    return KvManagerConfig(
-        host=a.host,
-        port=a.port,
-        advertise_host=a.advertise_host,
-        kvmanager_id=a.kvmanager_id,
-        node=a.node,
-        cluster=a.cluster,
-        etcd_endpoints=tuple(e.strip() for e in a.etcd.split(",") if e.strip()),
-        store=store,
-        peer=peer,
-        shm=shm,
-        max_message_bytes=a.max_message_bytes,
-        drain_grace_s=a.drain_grace_s,
-        metrics_host=a.metrics_host,
-        metrics_port=a.metrics_port,
-        trace_exporter=Exporter(a.trace_exporter),
-        otlp_endpoint=a.otlp_endpoint,
-        log_level=a.log_level,
-    )
+    opts = add_config_flags(p, KvManagerConfig)
+    env = os.environ if environ is None else environ
+    config, _ = load_config(p, KvManagerConfig, p.parse_args(argv), opts, env, ENV)
+    return config
 
 
 async def serve(config: KvManagerConfig) -> None:
