@@ -107,7 +107,9 @@ def options(cls: type, prefix: str = "", path: tuple[str, ...] = ()) -> list[Opt
             sub = prefix + (spec.prefix if spec.prefix is not None else "")
             out += options(kind, sub, (*path, f.name))  # type: ignore[arg-type]
             continue
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        default: Any = f.default
+        if f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
         if spec.flag.startswith("--"):
             flag = spec.flag[2:]
         else:
