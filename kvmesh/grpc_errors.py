@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, NoReturn
 
 import grpc
 
@@ -35,13 +39,16 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
 
 
 async def abort_with(
-    context: grpc.aio.ServicerContext, exc: BaseException, request_id: str = ""
-) -> None:
-    """Ends the call with the status for ``exc``. Unexpected errors become INTERNAL with the
-    request id and no stack trace on the wire (the trace goes to the log)."""
-    code, message = status_of(exc, request_id)
+    context: grpc.aio.ServicerContext, exc: BaseException, request_id: str = "", method: str = ""
+) -> NoReturn:
+    """Ends the call with the status for ``exc`` (raises ``grpc.aio.AbortError``). Unexpected
+    errors become INTERNAL with the request id and no stack trace on the wire (the trace goes
+    to the log)."""
+    code, message = status_of(exc, request_id, method)
     field = field_of(exc)
     await context.abort(code, message, ((FIELD_KEY, field),) if field else ())
+    # abort() always raises; its stub is not typed NoReturn, so the one such line lives here.
+    raise RuntimeError("grpc.aio ServicerContext.abort() returned")
 
 
 def field_of(exc: BaseException) -> str:
@@ -50,12 +57,15 @@ def field_of(exc: BaseException) -> str:
     return field if isinstance(field, str) else ""
 
 
-def status_of(exc: BaseException, request_id: str = "") -> tuple[grpc.StatusCode, str]:
+def status_of(
+    exc: BaseException, request_id: str = "", method: str = ""
+) -> tuple[grpc.StatusCode, str]:
     """The status code and message that ``exc`` is sent as (``abort_with``, and the per-request
     ends of a ``GenerateMany`` stream); an unexpected error is logged with its trace."""
     code = status_for(exc)
     if code is grpc.StatusCode.INTERNAL:
-        log.exception("internal error request_id=%s", request_id, exc_info=exc)
+        where = f" in {method}" if method else ""
+        log.exception("internal error%s request_id=%s", where, request_id, exc_info=exc)
         return code, f"internal error (request_id={request_id}); see the service log"
     return code, str(exc)
 
@@ -89,3 +99,94 @@ async def await_status(call: grpc.aio.Call, timeout_s: float = STATUS_WAIT_S) ->
     nothing, and a finished request is OK on every hop."""
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(call.code(), timeout_s)
+
+
+# ---- the server interceptor -----------------------------------------------------------------
+class ErrorStatus(grpc.aio.ServerInterceptor):
+    """Ends every RPC whose handler raises with the status of ``status_of``: a domain error
+    with its code (an INVALID_ARGUMENT with its field), anything else INTERNAL naming a request
+    id (the request's ``request_id``, else a fresh one, logged with the trace). Handlers just
+    raise; an ``abort`` of their own and cancellations pass through.
+
+    The cost is per call, never per message: each method's wrapped handler is built once, a
+    unary handler (or a streaming one written as a coroutine, like ``Health/Watch``) is awaited
+    whole, and a streaming one returns its generator from a plain function, so this wrapper's
+    generator takes the place of the handler's own (see services/router/servicer.py's
+    ``Generate``) rather than adding a hop per message."""
+
+    def __init__(self) -> None:
+        self._handlers: dict[str, grpc.RpcMethodHandler] = {}
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        method = handler_call_details.method  # type: ignore[attr-defined]
+        wrapped = self._handlers.get(method)
+        if wrapped is not None:
+            return wrapped
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return handler
+        name = method.decode() if isinstance(method, bytes) else method
+        wrapped = _wrap(handler, name.rpartition("/")[2])
+        self._handlers[method] = wrapped
+        return wrapped
+
+
+def _wrap(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+    if handler.response_streaming:
+        if handler.request_streaming:
+            behavior, factory = handler.stream_stream, grpc.stream_stream_rpc_method_handler
+        else:
+            behavior, factory = handler.unary_stream, grpc.unary_stream_rpc_method_handler
+        # gRPC tells a coroutine handler (streaming with context.write) from a generator one by
+        # the function, so the wrapper is of the same kind.
+        if inspect.iscoroutinefunction(behavior):
+            wrapped: Any = _unary(behavior, method)
+        else:
+            wrapped = _stream(behavior, method)
+    else:
+        if handler.request_streaming:
+            behavior, factory = handler.stream_unary, grpc.stream_unary_rpc_method_handler
+        else:
+            behavior, factory = handler.unary_unary, grpc.unary_unary_rpc_method_handler
+        wrapped = _unary(behavior, method)
+    return factory(
+        wrapped,
+        request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
+
+
+def request_id_of(request: Any) -> str:
+    """The request's ``request_id`` when it has one, else a fresh id for the log and status."""
+    rid = getattr(request, "request_id", "")
+    return rid if isinstance(rid, str) and rid else uuid.uuid4().hex[:16]
+
+
+def _unary(behavior: Any, method: str) -> Any:
+    async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await behavior(request, context)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:
+            await abort_with(context, exc, request_id_of(request), method)
+
+    return unary
+
+
+def _stream(behavior: Any, method: str) -> Any:
+    async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        try:
+            async with contextlib.aclosing(behavior(request, context)) as responses:
+                async for msg in responses:
+                    yield msg
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:
+            await abort_with(context, exc, request_id_of(request), method)
+
+    return stream

@@ -11,7 +11,6 @@ from collections.abc import AsyncIterator
 import grpc
 
 from kvmesh import errors
-from kvmesh.grpc_errors import abort_with
 from kvmesh.kv.fanout import KvEventHub
 from kvmesh.kv_wire import KV_EPOCH_KEY, KV_RESUMED_KEY, KV_SEQ_KEY, kv_batch_to_pb
 from kvmesh.v1 import worker_pb2
@@ -74,10 +73,8 @@ async def serve_kv_events(
             yield msg
         while (batch := await sub.next()) is not None:
             yield kv_batch_to_pb(batch)
-    except errors.KvmeshError as exc:
+    except errors.KvmeshError as exc:  # sent with its status by the host's error interceptor
         log.info("%s stream ended: %s", what, exc)
-        await abort_with(context, exc)
-    except Exception as exc:
-        await abort_with(context, exc, "WatchKvEvents")
+        raise
     finally:
         sub.close()

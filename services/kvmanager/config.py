@@ -1,9 +1,12 @@
-"""The kvmanager daemon's configuration: one frozen tree, defaults < flags (loaded in main())."""
+"""The kvmanager daemon's configuration: one frozen tree, every field a flag
+(``kvmesh.settings``: defaults < config file < environment ``KVMESH_KVMANAGER_*`` < flags,
+loaded in main())."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from kvmesh.settings import setting
 from kvmesh.telemetry import Exporter
 
 from .core.config import PeerConfig, StoreConfig
@@ -14,23 +17,46 @@ __all__ = ["KvManagerConfig", "PeerConfig", "ShmConfig", "StoreConfig"]
 
 @dataclass(frozen=True, slots=True)
 class KvManagerConfig:
-    host: str = "127.0.0.1"  # address to listen on
-    port: int = 0  # gRPC port; 0 lets the OS pick (printed at start)
-    advertise_host: str = ""  # host others reach us at (etcd record); empty: host, or hostname
-    kvmanager_id: str = ""  # etcd id; empty: the node name
-    node: str = ""  # the node served (workers with the same node use it); empty: hostname
-    cluster: str = "default"  # etcd cluster name (key prefix /kvmesh/<cluster>/)
-    etcd_endpoints: tuple[str, ...] = ("127.0.0.1:2379",)  # host:port of etcd; () = no etcd
-    etcd_ttl_s: float = 10.0  # lease TTL of the etcd record
-    store: StoreConfig = field(default_factory=StoreConfig)  # tier budgets and the disk dir
-    peer: PeerConfig = field(default_factory=PeerConfig)  # data plane and peer fetch
-    shm: ShmConfig = field(default_factory=ShmConfig)  # same-node shared memory for block bytes
-    max_message_bytes: int = 64 * 1024 * 1024  # largest gRPC message (a PutBlocks batch)
-    event_buffer_batches: int = 4096  # event batches kept per layout for resuming subscribers
-    event_queue_batches: int = 1024  # a subscriber further behind than this is cut off
-    drain_grace_s: float = 5.0  # on SIGTERM, time given to calls in flight
-    metrics_host: str = "127.0.0.1"  # address of the Prometheus /metrics endpoint
-    metrics_port: int = 0  # its port; 0 lets the OS pick, -1 turns it off
-    trace_exporter: Exporter = Exporter.NONE
-    otlp_endpoint: str = ""
-    log_level: str = "INFO"
+    host: str = setting("127.0.0.1", "address the gRPC server listens on")
+    port: int = setting(0, "gRPC port; 0: the OS picks (printed at start)")
+    advertise_host: str = setting(
+        "", "host others reach this kvmanager at (etcd record); empty: host, or the hostname"
+    )
+    kvmanager_id: str = setting("", "id in etcd; empty: the node name")
+    node: str = setting(
+        "", "the node served (workers naming the same node use it); empty: hostname"
+    )
+    cluster: str = setting("default", "etcd cluster name (key prefix /kvmesh/<cluster>/)")
+    etcd_endpoints: tuple[str, ...] = setting(
+        ("127.0.0.1:2379",),
+        "etcd endpoints, host:port,...; empty: standalone (no registration)",
+        flag="etcd",
+    )
+    etcd_ttl_s: float = setting(10.0, "lease TTL of the kvmanager's etcd record, seconds")
+    store: StoreConfig = setting(
+        factory=StoreConfig, doc="tier budgets, the disk directory, the write policy", prefix=""
+    )
+    peer: PeerConfig = setting(factory=PeerConfig, doc="data plane and peer fetch", prefix="")
+    shm: ShmConfig = setting(
+        factory=ShmConfig, doc="same-node shared memory for block bytes", prefix="shm-"
+    )
+    max_message_bytes: int = setting(
+        64 * 1024 * 1024, "largest gRPC message (a PutBlocks batch), bytes"
+    )
+    event_buffer_batches: int = setting(
+        4096, "tier event batches kept per layout for resuming subscribers"
+    )
+    event_queue_batches: int = setting(
+        1024, "tier event batches queued per subscriber; one further behind is cut off"
+    )
+    drain_grace_s: float = setting(5.0, "on SIGTERM, seconds given to calls in flight")
+    metrics_host: str = setting("127.0.0.1", "address of the Prometheus /metrics endpoint")
+    metrics_port: int = setting(0, "Prometheus /metrics port; 0: the OS picks, -1: off")
+    metrics_refresh_s: float = setting(
+        2.0, "how often the store, peer and etcd gauges are refreshed, seconds"
+    )
+    trace_exporter: Exporter = setting(Exporter.NONE, "where spans go (docs/tracing.md)")
+    otlp_endpoint: str = setting(
+        "", "OTLP collector, host:port or http(s)://host:port, with --trace-exporter otlp"
+    )
+    log_level: str = setting("INFO", "logging level: DEBUG, INFO, WARNING, ERROR")

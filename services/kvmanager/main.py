@@ -12,43 +12,34 @@ within the grace, stop the server and the data plane, close the store). See docs
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
 import logging
-import signal
+import os
 import sys
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
-
-import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from kvmesh import __version__
-from kvmesh.discovery.etcd import Registrar
 from kvmesh.discovery.hosts import advertised_host, node_name
 from kvmesh.discovery.keys import KvManagerRecord, check_name, kvmanager_key
-from kvmesh.errors import KvmeshError
 from kvmesh.kv.events import Tier
 from kvmesh.kv_wire import TIER_PB
-from kvmesh.metrics import MetricsServer, serve_metrics
-from kvmesh.telemetry import (
-    Exporter,
-    client_interceptors,
-    server_interceptors,
-    setup_logging,
-    setup_tracing,
-)
-from kvmesh.units import parse_bytes
+from kvmesh.metrics import MetricsServer
+from kvmesh.service import Bind, ServiceHost, run, signal_event
+from kvmesh.settings import add_config_flags, load_config
+from kvmesh.telemetry import client_interceptors, setup_logging, setup_tracing
 from kvmesh.v1 import kvmanager_pb2, kvmanager_pb2_grpc
 
-from .config import KvManagerConfig, PeerConfig, ShmConfig
-from .core.config import Populate, StoreConfig
-from .dataplane_server import BlockSource, DataPlaneConfig, DataPlaneServer
+from .config import KvManagerConfig, PeerConfig
 from .metrics import KvManagerMetrics
-from .peer import PeerDirectory, PeerService, StoreBlockSource
+from .peer import (
+    BlockSource,
+    DataPlaneConfig,
+    DataPlaneServer,
+    PeerDirectory,
+    PeerService,
+    StoreBlockSource,
+)
 from .servicer import KvManagerServicer, LayoutHubs
 from .shm import ShmRegistry
 from .store import TieredStore
@@ -56,6 +47,7 @@ from .store import TieredStore
 log = logging.getLogger(__name__)
 
 READY_LINE = "KVMESH_KVMANAGER_READY"
+ENV = "KVMESH_KVMANAGER_"  # environment variables: KVMESH_KVMANAGER_<FLAG>
 SERVICE_NAME = kvmanager_pb2.DESCRIPTOR.services_by_name["KvManager"].full_name
 
 
@@ -73,12 +65,7 @@ class RunningKvManager:
     peers: PeerService
     data_plane: DataPlaneServer | None
     shm: ShmRegistry
-    _directory: PeerDirectory
-    _server: grpc.aio.Server
-    _health: health.aio.HealthServicer
-    _registrar: Registrar | None
-    _tasks: list[asyncio.Task[None]]
-    _config: KvManagerConfig
+    _host: ServiceHost
 
     def ready_line(self) -> str:
         metrics = f" metrics={self.metrics_server.url}" if self.metrics_server else ""
@@ -89,35 +76,11 @@ class RunningKvManager:
         )
 
     async def stop(self) -> None:
-        await self._health.enter_graceful_shutdown()
-        self.servicer.draining = True
-        if self._registrar is not None:
-            try:
-                await self._registrar.close(revoke=True)
-            except Exception as exc:  # etcd down: the lease expires on its own
-                log.warning("could not revoke the etcd lease of %s: %s", self.kvmanager_id, exc)
-        self.hubs.close()  # ends the event streams, so the server's grace is not spent on them
-        self.shm.close()  # ends the AttachShm streams (their clients send bytes inline from now)
-        # Calls in flight (peer fetches included) and the peer streams this node serves get the
-        # grace to finish; new data plane connections are refused from now on.
-        grace = self._config.drain_grace_s
-        closing = [self._server.stop(grace=grace)]
-        if self.data_plane is not None:
-            closing.append(self.data_plane.close(grace_s=grace))
-        await asyncio.gather(*closing)
-        self.shm.close()
-        await self._directory.close()
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self.store.close()
-        if self.metrics_server is not None:
-            await asyncio.to_thread(self.metrics_server.close)
+        """Health NOT_SERVING -> refuse new calls -> leave etcd -> end the event and shared
+        memory streams -> calls, peer fetches and peer streams in flight get the grace -> the
+        rest in reverse order of start (kvmesh/service.py)."""
+        await self._host.stop()
         log.info("kvmanager %s stopped", self.kvmanager_id)
-
-
-def _advertised(config: KvManagerConfig, bind_host: str, port: int) -> str:
-    return f"{advertised_host(bind_host, config.advertise_host)}:{port}"
 
 
 def _data_plane_config(peer: PeerConfig, host: str) -> DataPlaneConfig:
@@ -134,123 +97,91 @@ async def start_kvmanager(
     *,
     wrap_source: Callable[[BlockSource], BlockSource] | None = None,
 ) -> RunningKvManager:
-    """Starts a kvmanager on this loop. ``wrap_source`` wraps the block source the data plane
-    serves from (tracing, or a test's injected faults)."""
+    """Starts a kvmanager on this loop; a step that fails undoes the ones before it.
+    ``wrap_source`` wraps the block source the data plane serves from (tracing, or a test's
+    injected faults)."""
     node = config.node or node_name()
     kvmanager_id = check_name("kvmanager id", config.kvmanager_id or node)
     check_name("cluster", config.cluster)
     epoch = uuid.uuid4().hex
     hubs = LayoutHubs(kvmanager_id, epoch, config.event_buffer_batches, config.event_queue_batches)
-    store = await TieredStore.open(config.store, on_events=hubs.publish)
-    server = grpc.aio.server(
-        interceptors=server_interceptors(),
-        options=[
-            ("grpc.max_receive_message_length", config.max_message_bytes),
-            ("grpc.max_send_message_length", config.max_message_bytes),
-        ],
+    bind = Bind(
+        config.host,
+        config.port,
+        config.advertise_host,
+        config.max_message_bytes,
+        config.max_message_bytes,
     )
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
-    address = _advertised(config, config.host, port)
+    host = ServiceHost((SERVICE_NAME,), bind, config.drain_grace_s)
     data_plane: DataPlaneServer | None = None
     data_plane_address = ""
-    if config.peer.data_plane_port >= 0:
-        source: BlockSource = StoreBlockSource(store)
-        if wrap_source is not None:
-            source = wrap_source(source)
-        data_plane = DataPlaneServer(source, _data_plane_config(config.peer, config.host))
-
-    def info() -> kvmanager_pb2.KvManagerInfo:
-        tiers = []
-        for tier in (Tier.CPU, Tier.DISK):
-            u = store.usage(tier)
-            tiers.append(
-                kvmanager_pb2.TierUsage(
-                    tier=TIER_PB[tier],
-                    capacity_bytes=u.budget_bytes,
-                    used_bytes=u.used_bytes,
-                    blocks=u.blocks,
-                )
-            )
-        return kvmanager_pb2.KvManagerInfo(
-            kvmanager_id=kvmanager_id,
-            node=node,
-            tiers=tiers,
-            epoch=epoch,
-            version=__version__,
-            data_plane_address=data_plane_address,
-        )
-
-    directory = PeerDirectory(
-        kvmanager_id, config.etcd_endpoints, config.cluster, client_interceptors()
-    )
-    peers = PeerService(kvmanager_id, address, store, data_plane, directory, config.peer)
-    shm = ShmRegistry(config.shm)
-    servicer = KvManagerServicer(
-        store, hubs, info, config.max_message_bytes, peers, config.peer.fetch_timeout_s, shm
-    )
-    kvmanager_pb2_grpc.add_KvManagerServicer_to_server(servicer, server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-    )
     metrics = KvManagerMetrics()
-    metrics_server = None
-    registrar = None
-    tasks: list[asyncio.Task[None]] = []
-    try:
-        if data_plane is not None:
-            await data_plane.start()
-            data_plane_address = _advertised(config, data_plane.config.host, data_plane.port)
-            peers.data_plane_address = data_plane_address
-        await server.start()
-        if config.metrics_port >= 0:
-            metrics_server = serve_metrics(
-                metrics.registry, config.metrics_host, config.metrics_port
-            )
-        tasks.append(
-            asyncio.get_running_loop().create_task(
-                _refresh(metrics, store, peers, lambda: registrar)
-            )
+    async with host.starting():
+        store = await TieredStore.open(config.store, on_events=hubs.publish)
+        host.callback(store.close)
+        if config.peer.data_plane_port >= 0:
+            source: BlockSource = StoreBlockSource(store)
+            if wrap_source is not None:
+                source = wrap_source(source)
+            data_plane = DataPlaneServer(source, _data_plane_config(config.peer, config.host))
+
+        def info() -> kvmanager_pb2.KvManagerInfo:
+            return _info(store, kvmanager_id, node, epoch, data_plane_address)
+
+        host.bind_port()  # the address peers are told to call back at
+        directory = PeerDirectory(
+            kvmanager_id, config.etcd_endpoints, config.cluster, client_interceptors()
         )
+        host.callback(directory.close)
+        peers = PeerService(kvmanager_id, host.address, store, data_plane, directory, config.peer)
+        shm = ShmRegistry(config.shm)
+        host.callback(shm.close)  # again after the grace: attaches that arrived meanwhile
+        servicer = KvManagerServicer(
+            store, hubs, info, config.max_message_bytes, peers, config.peer.fetch_timeout_s, shm
+        )
+        kvmanager_pb2_grpc.add_KvManagerServicer_to_server(servicer, host.server)
+        host.on_draining.append(lambda: setattr(servicer, "draining", True))
+        # The event and AttachShm streams end before the grace, so it is not spent on them
+        # (AttachShm clients send bytes inline from then on).
+        host.before_server_stop += [hubs.close, shm.close]
+        if data_plane is not None:
+            dp = data_plane
+            await dp.start()
+            # During the grace, new data plane connections are refused, streams in flight end.
+            host.in_grace.append(lambda grace_s: dp.close(grace_s=grace_s))
+            host.callback(dp.close)
+            data_plane_address = _advertised(config, dp.config.host, dp.port)
+            peers.data_plane_address = data_plane_address
+        await host.start_server()
+        host.serve_metrics(metrics.registry, config.metrics_host, config.metrics_port)
         if config.etcd_endpoints:
             record = KvManagerRecord(
                 kvmanager_id=kvmanager_id,
-                address=address,
+                address=host.address,
                 node=node,
                 data_plane_address=data_plane_address,
                 version=__version__,
             )
-            registrar = Registrar(
-                list(config.etcd_endpoints),
+            await host.register(
+                config.etcd_endpoints,
                 kvmanager_key(config.cluster, kvmanager_id),
                 record.to_json(),
-                ttl_s=config.etcd_ttl_s,
+                config.etcd_ttl_s,
             )
-            await registrar.start()
         await directory.start()
-        for name in ("", SERVICE_NAME):
-            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    except BaseException:
-        for t in tasks:
-            t.cancel()
-        await server.stop(grace=None)
-        if registrar is not None:
-            with contextlib.suppress(Exception):
-                await registrar.close(revoke=True)
-        await directory.close()
-        if data_plane is not None:
-            await data_plane.close()
-        await store.close()
-        if metrics_server is not None:
-            metrics_server.close()
-        raise
+
+        def refresh() -> None:
+            metrics.refresh(store, peers)
+            if (etcd := host.etcd_state()) is not None:  # none without etcd
+                metrics.etcd.refresh(*etcd)
+
+        host.refresh_every(config.metrics_refresh_s, refresh)
     log.info(
         "kvmanager %s for node %s serving on %s (data plane %s, shared memory %s): cpu %d bytes,"
         " disk %s",
         kvmanager_id,
         node,
-        address,
+        host.address,
         data_plane_address or "off",
         config.shm.dir or "off",
         config.store.cpu_bytes,
@@ -260,203 +191,75 @@ async def start_kvmanager(
     )
     return RunningKvManager(
         kvmanager_id=kvmanager_id,
-        address=address,
+        address=host.address,
         node=node,
         data_plane_address=data_plane_address,
         store=store,
         hubs=hubs,
         servicer=servicer,
         metrics=metrics,
-        metrics_server=metrics_server,
+        metrics_server=host.metrics_server,
         peers=peers,
         data_plane=data_plane,
         shm=shm,
-        _directory=directory,
-        _server=server,
-        _health=health_servicer,
-        _registrar=registrar,
-        _tasks=tasks,
-        _config=config,
+        _host=host,
     )
 
 
-async def _refresh(
-    metrics: KvManagerMetrics,
-    store: TieredStore,
-    peers: PeerService,
-    registrar: Callable[[], Registrar | None],
-    every_s: float = 2.0,
-) -> None:
-    while True:
-        metrics.refresh(store, peers)
-        if (reg := registrar()) is not None:  # registered once started; none without etcd
-            metrics.etcd.refresh(reg.connected, reg.lease_id is not None)
-        await asyncio.sleep(every_s)
+def _advertised(config: KvManagerConfig, bind_host: str, port: int) -> str:
+    return f"{advertised_host(bind_host, config.advertise_host)}:{port}"
 
 
-def parse_args(argv: list[str] | None) -> KvManagerConfig:
-    d = KvManagerConfig()
-    s = d.store
-    pc = d.peer
+def _info(
+    store: TieredStore, kvmanager_id: str, node: str, epoch: str, data_plane_address: str
+) -> kvmanager_pb2.KvManagerInfo:
+    """GetInfo's answer: who this is and how full its tiers are."""
+    tiers = []
+    for tier in (Tier.CPU, Tier.DISK):
+        u = store.usage(tier)
+        tiers.append(
+            kvmanager_pb2.TierUsage(
+                tier=TIER_PB[tier],
+                capacity_bytes=u.budget_bytes,
+                used_bytes=u.used_bytes,
+                blocks=u.blocks,
+            )
+        )
+    return kvmanager_pb2.KvManagerInfo(
+        kvmanager_id=kvmanager_id,
+        node=node,
+        tiers=tiers,
+        epoch=epoch,
+        version=__version__,
+        data_plane_address=data_plane_address,
+    )
+
+
+def parse_args(argv: list[str] | None, environ: Mapping[str, str] | None = None) -> KvManagerConfig:
+    """The kvmanager's config: defaults < ``--config`` file < ``KVMESH_KVMANAGER_*`` < flags."""
     p = argparse.ArgumentParser(
         prog="kvmesh kvmanager",
         description="Run a node's KV cache manager (CPU and disk KV tiers under the engines).",
     )
-    p.add_argument("--host", default=d.host, help="address to listen on (default %(default)s)")
-    p.add_argument("--port", type=int, default=d.port, help="gRPC port; 0 = OS picks")
-    p.add_argument("--advertise-host", default=d.advertise_host, help="host others reach us at")
-    p.add_argument("--kvmanager-id", default=d.kvmanager_id, help="id in etcd (default: node)")
-    p.add_argument("--node", default=d.node, help="node served (default: hostname)")
-    p.add_argument("--cluster", default=d.cluster, help="etcd cluster name (default %(default)s)")
-    p.add_argument(
-        "--etcd",
-        default=",".join(d.etcd_endpoints),
-        help="etcd endpoints host:port,...; empty: standalone (no registration)",
-    )
-    p.add_argument(
-        "--cpu-bytes", type=parse_bytes, default=s.cpu_bytes, help="CPU tier budget (e.g. 4GiB)"
-    )
-    p.add_argument(
-        "--disk-dir", type=Path, default=None, help="disk tier directory (default: no disk tier)"
-    )
-    p.add_argument("--disk-bytes", type=parse_bytes, default=s.disk_bytes, help="disk tier budget")
-    p.add_argument(
-        "--write-through",
-        action="store_true",
-        help="write every block to disk as it is stored (default: write back under pressure)",
-    )
-    p.add_argument("--fsync", action="store_true", help="fsync block files (survive power loss)")
-    p.add_argument("--io-threads", type=int, default=s.io_threads, help="disk I/O threads")
-    p.add_argument(
-        "--no-cpu-arena",
-        dest="cpu_arena",
-        action="store_false",
-        help="keep RAM blocks in heap buffers, not in one mapping of --cpu-bytes (slower)",
-    )
-    p.add_argument(
-        "--cpu-populate",
-        default=s.cpu_populate.value,
-        choices=[m.value for m in Populate],
-        help="when the CPU arena is faulted in: background (a thread from start; default),"
-        " start (before serving), off (as blocks land)",
-    )
-    p.add_argument(
-        "--data-plane-host", default=pc.data_plane_host, help="data plane address (default: --host)"
-    )
-    p.add_argument(
-        "--data-plane-port",
-        type=int,
-        default=pc.data_plane_port,
-        help="bulk data plane TCP port for peer fetch; 0 = OS picks, -1 = off",
-    )
-    p.add_argument(
-        "--data-plane-max-streams",
-        type=int,
-        default=pc.max_streams,
-        help="peer fetches served at once (default %(default)s)",
-    )
-    p.add_argument(
-        "--peer-stall-timeout-s",
-        type=float,
-        default=pc.stall_timeout_s,
-        help="give up a peer stream that moves no byte this long (default %(default)s)",
-    )
-    p.add_argument(
-        "--peer-fetch-timeout-s",
-        type=float,
-        default=pc.fetch_timeout_s,
-        help="deadline of a FetchFromPeer call that sets none (default %(default)s)",
-    )
-    p.add_argument(
-        "--shm-dir",
-        default=str(d.shm.dir or ""),
-        help="where same-node clients' shared-memory segments are; empty: off (default %(default)s)",
-    )
-    p.add_argument(
-        "--shm-max-segments",
-        type=int,
-        default=d.shm.max_segments,
-        help="shared-memory segments attached at once (default %(default)s)",
-    )
-    p.add_argument("--max-message-bytes", type=parse_bytes, default=d.max_message_bytes)
-    p.add_argument("--drain-grace-s", type=float, default=d.drain_grace_s)
-    p.add_argument("--metrics-host", default=d.metrics_host)
-    p.add_argument(
-        "--metrics-port",
-        type=int,
-        default=d.metrics_port,
-        help="Prometheus /metrics port; 0 = OS picks, -1 = off",
-    )
-    p.add_argument(
-        "--trace-exporter", default=d.trace_exporter.value, choices=[e.value for e in Exporter]
-    )
-    p.add_argument("--otlp-endpoint", default=d.otlp_endpoint)
-    p.add_argument("--log-level", default=d.log_level)
-    a = p.parse_args(argv)
-    try:
-        store = StoreConfig(
-            cpu_bytes=a.cpu_bytes,
-            disk_bytes=a.disk_bytes,
-            disk_dir=a.disk_dir,
-            write_through=a.write_through,
-            fsync=a.fsync,
-            io_threads=a.io_threads,
-            cpu_arena=a.cpu_arena,
-            cpu_populate=Populate(a.cpu_populate),
-        )
-        peer = PeerConfig(
-            data_plane_host=a.data_plane_host,
-            data_plane_port=a.data_plane_port,
-            max_streams=a.data_plane_max_streams,
-            stall_timeout_s=a.peer_stall_timeout_s,
-            fetch_timeout_s=a.peer_fetch_timeout_s,
-        )
-        shm = ShmConfig(dir=Path(a.shm_dir) if a.shm_dir else None, max_segments=a.shm_max_segments)
-    except KvmeshError as exc:
-        p.error(str(exc))
-    return KvManagerConfig(
-        host=a.host,
-        port=a.port,
-        advertise_host=a.advertise_host,
-        kvmanager_id=a.kvmanager_id,
-        node=a.node,
-        cluster=a.cluster,
-        etcd_endpoints=tuple(e.strip() for e in a.etcd.split(",") if e.strip()),
-        store=store,
-        peer=peer,
-        shm=shm,
-        max_message_bytes=a.max_message_bytes,
-        drain_grace_s=a.drain_grace_s,
-        metrics_host=a.metrics_host,
-        metrics_port=a.metrics_port,
-        trace_exporter=Exporter(a.trace_exporter),
-        otlp_endpoint=a.otlp_endpoint,
-        log_level=a.log_level,
-    )
+    opts = add_config_flags(p, KvManagerConfig)
+    env = os.environ if environ is None else environ
+    config, _ = load_config(p, KvManagerConfig, p.parse_args(argv), opts, env, ENV)
+    return config
 
 
-async def serve(config: KvManagerConfig) -> int:
+async def serve(config: KvManagerConfig) -> None:
     running = await start_kvmanager(config)
     print(running.ready_line(), flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await signal_event().wait()
     log.info("signal received: stopping kvmanager %s", running.kvmanager_id)
     await running.stop()
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     config = parse_args(argv)
     setup_logging("kvmanager", config.log_level)
     setup_tracing("kvmesh-kvmanager", config.trace_exporter, config.otlp_endpoint)
-    try:
-        return asyncio.run(serve(config))
-    except KvmeshError as exc:
-        log.error("kvmanager failed: %s", exc)
-        return 2
+    return run(serve(config), "kvmanager")
 
 
 if __name__ == "__main__":

@@ -8,14 +8,12 @@ trace context (gRPC metadata); inside it, ``kv.lookup`` and ``kv.get_blocks`` (a
 from __future__ import annotations
 
 import logging
-import uuid
 from collections.abc import AsyncIterator, Callable
 
 import grpc
 from opentelemetry.trace import Span, Status, StatusCode
 
 from kvmesh import errors
-from kvmesh.grpc_errors import abort_with
 from kvmesh.kv.eventlog import KvEventLog
 from kvmesh.kv.events import Tier
 from kvmesh.kv.fanout import KvEventHub
@@ -98,22 +96,18 @@ class KvManagerServicer(kvmanager_pb2_grpc.KvManagerServicer):
     async def Lookup(
         self, request: kvmanager_pb2.LookupRequest, context: grpc.aio.ServicerContext
     ) -> kvmanager_pb2.LookupResponse:
-        try:
-            self._check_serving()
-            layout = layout_from_pb(request.layout)
-            with _tracer.start_as_current_span("kv.lookup") as span:
-                tiers = self._store.lookup(layout, request.block_hashes)
-                if span.is_recording():
-                    span.set_attributes(
-                        {
-                            "kv.layout": layout.key,
-                            "kv.blocks_asked": len(request.block_hashes),
-                            "kv.blocks_found": len(tiers),
-                        }
-                    )
-        except Exception as exc:
-            await abort_with(context, exc, "Lookup")
-            raise AssertionError("unreachable") from exc
+        self._check_serving()
+        layout = layout_from_pb(request.layout)
+        with _tracer.start_as_current_span("kv.lookup") as span:
+            tiers = self._store.lookup(layout, request.block_hashes)
+            if span.is_recording():
+                span.set_attributes(
+                    {
+                        "kv.layout": layout.key,
+                        "kv.blocks_asked": len(request.block_hashes),
+                        "kv.blocks_found": len(tiers),
+                    }
+                )
         return kvmanager_pb2.LookupResponse(tiers=[TIER_PB[t] for t in tiers])
 
     async def PutBlocks(
@@ -142,9 +136,9 @@ class KvManagerServicer(kvmanager_pb2_grpc.KvManagerServicer):
                     if not await self._store.put(layout, h, data, parent):
                         held += 1
                     stored += 1
-        except Exception as exc:
+        except Exception as exc:  # sent with its status by the host's error interceptor
             log.info("PutBlocks ended after %d blocks: %s", stored, exc)
-            await abort_with(context, exc, "PutBlocks")
+            raise
         return kvmanager_pb2.PutBlocksResponse(stored=stored, already_held=held)
 
     def _payload(self, layout: KvLayout, block: kvmanager_pb2.KvBlock) -> bytes | memoryview:
@@ -195,7 +189,7 @@ class KvManagerServicer(kvmanager_pb2_grpc.KvManagerServicer):
         except Exception as exc:
             span.record_exception(exc)
             span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
-            await abort_with(context, exc, "GetBlocks")
+            raise
         finally:
             sent.end(span)
 
@@ -245,12 +239,8 @@ class KvManagerServicer(kvmanager_pb2_grpc.KvManagerServicer):
     async def AttachShm(
         self, request: kvmanager_pb2.AttachShmRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[kvmanager_pb2.AttachShmResponse]:
-        try:
-            self._check_serving()
-            seg = self._shm.attach(request.name, request.size_bytes, request.token)
-        except Exception as exc:
-            await abort_with(context, exc, "AttachShm")
-            return
+        self._check_serving()
+        seg = self._shm.attach(request.name, request.size_bytes, request.token)
         try:
             yield kvmanager_pb2.AttachShmResponse(shm_id=seg.id)
             # The stream is the lease: it lasts until DetachShm or shutdown (then it ends OK), or
@@ -264,21 +254,19 @@ class KvManagerServicer(kvmanager_pb2_grpc.KvManagerServicer):
     ) -> kvmanager_pb2.DetachShmResponse:
         return kvmanager_pb2.DetachShmResponse(detached=self._shm.detach(request.shm_id))
 
-    async def WatchKvEvents(
+    def WatchKvEvents(
         self, request: kvmanager_pb2.WatchTierEventsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.KvEventBatch]:
-        try:
-            if request.layout_key:
-                key = check_layout_key(request.layout_key)
-                what = f"tier event (layout {key})"
-            else:
-                layout = layout_from_pb(request.layout)
-                key, what = layout.key, f"tier event ({layout.describe()})"
-        except Exception as exc:
-            await abort_with(context, exc, "WatchKvEvents")
-            return
+        # A plain function returning the stream (the error interceptor maps what either
+        # raises), not a generator of its own: one hop fewer per batch.
+        if request.layout_key:
+            key = check_layout_key(request.layout_key)
+            what = f"tier event (layout {key})"
+        else:
+            layout = layout_from_pb(request.layout)
+            key, what = layout.key, f"tier event ({layout.describe()})"
         hub = self._hubs.hub(key)
-        async for msg in serve_kv_events(
+        return serve_kv_events(
             hub,
             request.epoch,
             request.from_seq,
@@ -286,22 +274,17 @@ class KvManagerServicer(kvmanager_pb2_grpc.KvManagerServicer):
             self._max_message_bytes,
             what,
             "--max-message-bytes",
-        ):
-            yield msg
+        )
 
     async def OpenFetch(
         self, request: kvmanager_pb2.OpenFetchRequest, context: grpc.aio.ServicerContext
     ) -> kvmanager_pb2.OpenFetchResponse:
-        try:
-            self._check_serving()
-            if request.layout_key:
-                key = check_layout_key(request.layout_key)
-            else:
-                key = layout_from_pb(request.layout).key
-            grant = self._peers.open_fetch(key, request.block_hashes, request.ttl_s)
-        except Exception as exc:
-            await abort_with(context, exc, "OpenFetch")
-            raise AssertionError("unreachable") from exc
+        self._check_serving()
+        if request.layout_key:
+            key = check_layout_key(request.layout_key)
+        else:
+            key = layout_from_pb(request.layout).key
+        grant = self._peers.open_fetch(key, request.block_hashes, request.ttl_s)
         resp = kvmanager_pb2.OpenFetchResponse(
             data_plane_address=grant.data_plane_address,
             token=grant.token,
@@ -328,11 +311,10 @@ class KvManagerServicer(kvmanager_pb2_grpc.KvManagerServicer):
                 _budget(context, self._fetch_timeout_s),
                 progress,
             )
-        except Exception as exc:
+        except Exception as exc:  # sent with its status by the host's error interceptor
             log.info("FetchFromPeer ended after %d blocks: %s", progress.fetched, exc)
             context.set_trailing_metadata(((FETCHED_KEY, str(progress.fetched)),))
-            await abort_with(context, exc, f"FetchFromPeer-{uuid.uuid4().hex[:8]}")
-            raise AssertionError("unreachable") from exc
+            raise
         context.set_trailing_metadata(((FETCHED_KEY, str(progress.fetched)),))
         return kvmanager_pb2.FetchFromPeerResponse(
             fetched=progress.fetched,

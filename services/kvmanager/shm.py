@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvmesh.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from kvmesh.settings import setting
 
 log = logging.getLogger(__name__)
 
@@ -57,9 +58,13 @@ class TooManyShm(ResourceExhausted):
 
 @dataclass(frozen=True, slots=True)
 class ShmConfig:
-    dir: Path | None = Path("/dev/shm")  # where clients' segments are; None: shared memory off
-    max_segments: int = 64  # segments attached at once (one per engine process and TP rank)
-    max_segment_bytes: int = 64 << 30  # the largest segment mapped, bytes
+    dir: Path | None = setting(
+        Path("/dev/shm"), "where same-node clients' shared-memory segments are; empty: off"
+    )
+    max_segments: int = setting(
+        64, "shared-memory segments attached at once (one per engine process and TP rank)"
+    )
+    max_segment_bytes: int = setting(64 << 30, "the largest shared-memory segment mapped, bytes")
 
     def __post_init__(self) -> None:
         if self.max_segments < 1:

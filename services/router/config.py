@@ -1,65 +1,141 @@
-"""The router's configuration: one frozen tree, defaults < flags (loaded in main())."""
+"""The router's configuration: one frozen tree, every field a flag (``kvmesh.settings``:
+defaults < config file < environment ``KVMESH_ROUTER_*`` < flags, loaded in main())."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from kvmesh.errors import InvalidArgument
+from kvmesh.settings import parse_pair, setting
 from kvmesh.telemetry import Exporter
 
 from .core.disagg import DisaggConfig
 from .http.cors import CorsPolicy
 
+MIB = 1 << 20
+
 
 @dataclass(frozen=True, slots=True)
 class RouterConfig:
-    host: str = "127.0.0.1"  # address to listen on
-    port: int = 0  # gRPC port; 0 lets the OS pick (printed at start)
-    advertise_host: str = ""  # host others reach us at (etcd record); empty: host, or hostname
-    router_id: str = ""  # etcd id; empty: <hostname>-<port>
-    cluster: str = "default"  # etcd cluster name (key prefix /kvmesh/<cluster>/)
-    etcd_endpoints: tuple[str, ...] = ("127.0.0.1:2379",)  # host:port of etcd
-    etcd_ttl_s: float = 10.0  # lease TTL of the router's own etcd record
-    policy: str = "precise-sticky"  # scheduler profile name or a profile YAML file
-    index_max_blocks: int = 4_000_000  # KV index bound in distinct blocks (~80 B each)
-    peer_hints: bool = True  # name another node's kvmanager holding more of the prompt (peers.py)
-    peer_hint_min_blocks: int = 4  # ... only when it holds at least this many more blocks
-    # prefill/decode disaggregation (core/disagg.py; docs/disaggregation.md)
-    disagg: DisaggConfig = field(default_factory=DisaggConfig)
-    hash_algo: str = "sha256"  # block hash algorithm; must match the workers' vLLM setting
-    hash_seed: str | None = None  # root-hash seed (workers' PYTHONHASHSEED); None: vLLM default
-    tokenizer_overrides: dict[str, str] = field(default_factory=dict)  # model -> tokenizer path
-    tokenizer_threads: int = 2  # threads tokenizing off the event loop
-    # Prompts estimated at most this many tokens are tokenized and hashed on the event loop
-    # (two thread hops cost more than the work); longer ones in one executor job (prompt.py).
-    inline_prompt_tokens: int = 2048
-    default_timeout_s: float = 600.0  # deadline used when a client sets none
-    max_request_bytes: int = 16 * 1024 * 1024  # larger request messages: RESOURCE_EXHAUSTED
-    max_retries: int = 1  # other workers tried when one is unavailable before the first token
-    # A worker that sends nothing for this long after the call (past an overlapped hand-off's
-    # wait for the prefill) is given up for the request: hung, or stuck behind a queue. The
-    # request goes to another worker (within max_retries), else UNAVAILABLE.
-    first_token_timeout_s: float = 300.0
-    # The data path to each worker: one Worker.GenerateMany stream carrying all its requests,
-    # outputs batched per engine step (services/router/mux.py); False: a Worker.Generate call
-    # per request (one gRPC message per request per token).
-    worker_mux: bool = True
-    # Router processes on this host, all on the same ports (SO_REUSEPORT; services/router/procs.py):
-    # one asyncio loop is one core. 1: this process serves.
-    processes: int = 1
-    reuse_port: bool = False  # bind the HTTP port with SO_REUSEPORT (set for --processes children)
-    load_interval_s: float = 0.25  # WatchLoad push interval asked of workers
-    worker_call_timeout_s: float = 5.0  # deadline of unary calls to workers (Abort)
-    drain_grace_s: float = 10.0  # on SIGTERM, time given to in-flight streams
-    # OpenAI-compatible HTTP front door (docs/openai.md)
-    http_host: str = "127.0.0.1"  # address of /v1/chat/completions, /v1/completions, /v1/models
-    http_port: int = 0  # its port; 0 lets the OS pick (printed at start), -1 turns it off
-    api_keys: tuple[str, ...] = ()  # accepted API keys (Bearer); empty: any key or none
-    http_max_body_bytes: int = 8 * 1024 * 1024  # larger request bodies: HTTP 413
-    # CORS of the HTTP API (http/cors.py), as vLLM's flags of the same names
-    cors: CorsPolicy = field(default_factory=CorsPolicy)  # default: no origin allowed
-    metrics_host: str = "127.0.0.1"  # address of the Prometheus /metrics endpoint
-    metrics_port: int = 0  # its port; 0 lets the OS pick (printed at start), -1 turns it off
-    metrics_refresh_s: float = 2.0  # how often the KV stream gauges are refreshed
-    trace_exporter: Exporter = Exporter.NONE
-    otlp_endpoint: str = ""
-    log_level: str = "INFO"
+    host: str = setting("127.0.0.1", "address the gRPC server listens on")
+    port: int = setting(0, "gRPC port; 0: the OS picks (printed at start)")
+    advertise_host: str = setting(
+        "", "host others reach this router at (etcd record); empty: host, or the hostname"
+    )
+    router_id: str = setting("", "id in etcd; empty: <hostname>-<port>")
+    cluster: str = setting("default", "etcd cluster name (key prefix /kvmesh/<cluster>/)")
+    etcd_endpoints: tuple[str, ...] = setting(
+        ("127.0.0.1:2379",), "etcd endpoints, host:port,...", flag="etcd"
+    )
+    etcd_ttl_s: float = setting(10.0, "lease TTL of the router's own etcd record, seconds")
+    policy: str = setting(
+        "precise-sticky",
+        "scheduler profile: a built-in name (config/scheduler/*.yaml) or a profile YAML file",
+    )
+    index_max_blocks: int = setting(
+        4_000_000, "KV index bound in distinct blocks (~80 bytes of memory each)"
+    )
+    peer_hints: bool = setting(
+        True, "name another node's kvmanager holding more of the prompt for a worker to fetch"
+    )
+    peer_hint_min_blocks: int = setting(
+        4, "name a peer kvmanager only when it holds at least this many more prompt blocks"
+    )
+    disagg: DisaggConfig = setting(
+        factory=DisaggConfig,
+        doc="prefill/decode disaggregation (core/disagg.py; docs/disaggregation.md)",
+        prefix="disagg-",
+    )
+    hash_algo: str = setting("sha256", "block hash algorithm; the workers' vLLM setting")
+    hash_seed: str | None = setting(
+        None, "root-hash seed, the workers' PYTHONHASHSEED; unset: vLLM's fixed seed"
+    )
+    tokenizer_overrides: dict[str, str] = setting(
+        factory=dict,
+        doc="tokenizer directory for a model, MODEL=PATH, repeatable; unset: the path its "
+        "workers advertise",
+        flag="tokenizer",
+        parse=parse_pair,
+        repeat=True,
+        metavar="MODEL=PATH",
+    )
+    tokenizer_threads: int = setting(2, "threads tokenizing off the event loop")
+    inline_prompt_tokens: int = setting(
+        2048,
+        "prompts estimated at most this many tokens are tokenized and hashed on the event loop "
+        "(two thread hops cost more); longer ones in one executor job (prompt.py)",
+    )
+    default_timeout_s: float = setting(
+        600.0, "deadline of a request whose client sets none, seconds"
+    )
+    max_request_bytes: int = setting(
+        16 * MIB, "largest gRPC request message, bytes; larger: RESOURCE_EXHAUSTED"
+    )
+    max_retries: int = setting(
+        1, "other workers tried when one is unavailable before the first token"
+    )
+    first_token_timeout_s: float = setting(
+        300.0,
+        "give a worker up (retry elsewhere, within max_retries; else UNAVAILABLE) when it "
+        "sends no token for this long after the call (past an overlapped hand-off's wait), seconds",
+    )
+    worker_mux: bool = setting(
+        True,
+        "one Worker.GenerateMany stream per worker with outputs batched per engine step "
+        "(services/router/mux.py); off: one Worker.Generate call per request (for comparison)",
+    )
+    processes: int = setting(
+        1,
+        "router processes on this host sharing the gRPC and HTTP ports (SO_REUSEPORT), each a "
+        "whole router with its own KV index (services/router/procs.py)",
+    )
+    reuse_port: bool = setting(
+        False, "bind the HTTP port with SO_REUSEPORT (set for --processes children)", hidden=True
+    )
+    load_interval_s: float = setting(0.25, "WatchLoad push interval asked of workers, seconds")
+    worker_call_timeout_s: float = setting(
+        5.0, "deadline of unary calls to workers (Abort), seconds"
+    )
+    drain_grace_s: float = setting(10.0, "on SIGTERM, seconds given to in-flight streams")
+    http_host: str = setting(
+        "127.0.0.1", "address of the OpenAI-compatible HTTP API (docs/openai.md)"
+    )
+    http_port: int = setting(
+        0, "OpenAI-compatible HTTP port (/v1/chat/completions ...); 0: the OS picks, -1: off"
+    )
+    api_keys: tuple[str, ...] = setting(
+        (),
+        "accepted API key (Bearer) for the HTTP API, repeatable; none: any key or none",
+        flag="api-key",
+        repeat=True,
+        parse=str,
+        metavar="KEY",
+    )
+    http_max_body_bytes: int = setting(8 * MIB, "largest HTTP request body, bytes; larger: 413")
+    cors: CorsPolicy = setting(
+        factory=CorsPolicy, doc="CORS of the HTTP API (http/cors.py), as vLLM's flags", prefix=""
+    )
+    metrics_host: str = setting("127.0.0.1", "address of the Prometheus /metrics endpoint")
+    metrics_port: int = setting(
+        0, "Prometheus /metrics port; 0: the OS picks (printed at start), -1: off"
+    )
+    metrics_refresh_s: float = setting(
+        2.0, "how often the KV stream, tier and etcd gauges are refreshed, seconds"
+    )
+    trace_exporter: Exporter = setting(Exporter.NONE, "where spans go (docs/tracing.md)")
+    otlp_endpoint: str = setting(
+        "", "OTLP collector, host:port or http(s)://host:port, with --trace-exporter otlp"
+    )
+    log_level: str = setting("INFO", "logging level: DEBUG, INFO, WARNING, ERROR")
+
+    def __post_init__(self) -> None:
+        if self.peer_hint_min_blocks < 1:
+            raise InvalidArgument(
+                f"--peer-hint-min-blocks is {self.peer_hint_min_blocks}; use 1 or more"
+            )
+        if not self.first_token_timeout_s > 0:
+            raise InvalidArgument(
+                f"--first-token-timeout-s is {self.first_token_timeout_s}; use > 0 seconds"
+            )
+        if self.processes < 1:
+            raise InvalidArgument(f"--processes is {self.processes}; use 1 or more")

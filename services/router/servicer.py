@@ -16,7 +16,7 @@ from opentelemetry import trace
 
 from kvmesh import errors
 from kvmesh.discovery.keys import WorkerId
-from kvmesh.grpc_errors import abort_with, await_status, from_rpc_error, status_for
+from kvmesh.grpc_errors import await_status, from_rpc_error, status_for
 from kvmesh.sampling import (
     STRUCTURED_FIELD,
     check_prompt,
@@ -107,15 +107,16 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self.draining = False
 
     # ---- Generate -------------------------------------------------------------------------
-    async def Generate(
+    def Generate(
         self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[router_pb2.GenerateResponse]:
-        rid = request.request_id or uuid.uuid4().hex
-        try:
-            async for chunk in self.stream(request, rid, context.time_remaining()):
-                yield chunk
-        except errors.KvmeshError as exc:
-            await abort_with(context, exc, rid)
+        # A plain function returning the generator: the host's error interceptor
+        # (kvmesh.grpc_errors.ErrorStatus) maps what it raises, and its wrapper is the one hop
+        # between gRPC and ``stream``. The id is set on the request, so an INTERNAL status
+        # names the id this request is logged under.
+        if not request.request_id:
+            request.request_id = uuid.uuid4().hex
+        return self.stream(request, request.request_id, context.time_remaining())
 
     async def stream(
         self,
@@ -609,11 +610,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     ) -> common_pb2.AbortResponse:
         active = self._active.get(request.request_id)
         if active is None:
-            await abort_with(
-                context,
-                errors.NotFound(f"request {request.request_id!r} is not in flight on this router"),
-            )
-            raise AssertionError("unreachable")
+            raise errors.NotFound(f"request {request.request_id!r} is not in flight on this router")
         stub = self._pool.stub(active.worker_id)
         if stub is not None:
             try:
@@ -623,7 +620,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 )
             except grpc.aio.AioRpcError as exc:
                 if exc.code() is not grpc.StatusCode.NOT_FOUND:  # finished meanwhile: fine
-                    await abort_with(context, errors.Unavailable(f"abort failed: {exc.details()}"))
+                    raise errors.Unavailable(f"abort failed: {exc.details()}") from exc
         return common_pb2.AbortResponse()
 
     async def ListModels(

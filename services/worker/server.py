@@ -3,7 +3,6 @@ record, started in order and stopped in the reverse order with a drain."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import time
@@ -11,17 +10,14 @@ import uuid
 from dataclasses import dataclass
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from kvmesh import __version__
-from kvmesh.discovery.etcd import Registrar
-from kvmesh.discovery.hosts import advertised_host, node_name
+from kvmesh.discovery.hosts import node_name
 from kvmesh.discovery.keys import WorkerId, WorkerRecord, WorkerState, check_name, worker_key
 from kvmesh.kv.eventlog import KvEventLog
 from kvmesh.kv.fanout import KvEventHub
-from kvmesh.metrics import MetricsServer, serve_metrics
-from kvmesh.telemetry import server_interceptors
+from kvmesh.metrics import MetricsServer
+from kvmesh.service import Bind, ServiceHost
 from kvmesh.v1 import worker_pb2, worker_pb2_grpc
 
 from .config import WorkerConfig
@@ -48,11 +44,11 @@ class RunningWorker:
     record: WorkerRecord
     metrics: WorkerMetrics
     metrics_server: MetricsServer | None  # None: --metrics-port -1
-    _server: grpc.aio.Server
-    _health: health.aio.HealthServicer
-    _registrar: Registrar | None  # None: standalone (no etcd)
-    _config: WorkerConfig
-    _metrics_task: asyncio.Task[None] | None = None  # refreshes the gauges on the loop
+    _host: ServiceHost
+
+    @property
+    def _server(self) -> grpc.aio.Server:
+        return self._host.server
 
     def ready_line(self) -> str:
         metrics = f" metrics={self.metrics_server.url}" if self.metrics_server else ""
@@ -63,73 +59,35 @@ class RunningWorker:
 
     def refresh_metrics(self) -> None:
         """Brings the gauges up to date (on the loop; done every ``metrics_refresh_s``)."""
-        refresh_metrics(self.metrics, self.servicer, self.engine, self.kv_events, self._registrar)
+        log_ = self.kv_events.log
+        etcd = self._host.etcd_state()
+        self.metrics.refresh(
+            self.engine.load(),
+            self.servicer.in_flight,
+            self.servicer.draining,
+            KvEventState(log_.seq, self.kv_events.subscribers, self.kv_events.cut_off, log_.held()),
+            None if etcd is None else EtcdState(*etcd),
+        )
 
     async def stop(self, close_engine: bool = True) -> None:
-        """Drains and stops, in order: health NOT_SERVING -> etcd record draining -> refuse new
-        Generate calls -> wait for in-flight ones up to drain_grace_s -> abort the rest ->
-        revoke the lease -> stop the server -> shut the engine down."""
-        cfg = self._config
-        await self._health.enter_graceful_shutdown()
-        self.servicer.draining = True
-        registrar = self._registrar
-        if registrar is not None:
-            draining = dataclasses.replace(self.record, state=WorkerState.DRAINING)
-            try:
-                await registrar.update(draining.to_json())
-            except Exception as exc:  # etcd down: the lease still expires; keep draining
-                log.warning("could not mark %s draining in etcd: %s", self.worker_id, exc)
-        in_flight = self.servicer.in_flight
-        log.info("draining: %d requests in flight, up to %.1f s", in_flight, cfg.drain_grace_s)
-        started = time.monotonic()
-        if not await self.servicer.wait_idle(cfg.drain_grace_s):
-            n = await self.servicer.abort_all()
-            log.warning("drain grace over: aborted %d requests", n)
-            await self.servicer.wait_idle(5.0)  # their streams end with reason ABORT
-        log.info("drained in %.2f s", time.monotonic() - started)
-        if registrar is not None:
-            try:
-                await registrar.close(revoke=True)
-            except Exception as exc:
-                log.warning("could not revoke the etcd lease of %s: %s", self.worker_id, exc)
-        await self.servicer.close()
-        await self._server.stop(grace=1.0)
-        if self._metrics_task is not None:
-            self._metrics_task.cancel()
-            await asyncio.gather(self._metrics_task, return_exceptions=True)
-        if self.metrics_server is not None:
-            await asyncio.to_thread(self.metrics_server.close)
+        """Drains and stops, in order: health NOT_SERVING -> refuse new Generate calls -> etcd
+        record draining -> wait for in-flight ones up to drain_grace_s -> abort the rest ->
+        revoke the lease -> end the watch streams -> stop the server -> shut the engine down."""
+        await self._host.stop()
         if close_engine:
             await self.engine.close()
         log.info("worker %s stopped", self.worker_id)
 
 
-def refresh_metrics(
-    metrics: WorkerMetrics,
-    servicer: WorkerServicer,
-    engine: Engine,
-    kv_events: KvEventHub,
-    registrar: Registrar | None,
-) -> None:
-    log_ = kv_events.log
-    metrics.refresh(
-        engine.load(),
-        servicer.in_flight,
-        servicer.draining,
-        KvEventState(log_.seq, kv_events.subscribers, kv_events.cut_off, log_.held()),
-        None
-        if registrar is None
-        else EtcdState(registrar.connected, registrar.lease_id is not None),
-    )
-
-
-async def _refresh_metrics_every(worker: RunningWorker, every_s: float) -> None:
-    while True:
-        try:
-            worker.refresh_metrics()
-        except Exception:  # a metrics bug must not stop the refreshes (nor the worker)
-            log.exception("refreshing the worker's metrics failed")
-        await asyncio.sleep(every_s)
+async def _drain(servicer: WorkerServicer, grace_s: float) -> None:
+    """In-flight requests get ``grace_s`` to finish; then they are aborted."""
+    log.info("draining: %d requests in flight, up to %.1f s", servicer.in_flight, grace_s)
+    started = time.monotonic()
+    if not await servicer.wait_idle(grace_s):
+        n = await servicer.abort_all()
+        log.warning("drain grace over: aborted %d requests", n)
+        await servicer.wait_idle(5.0)  # their streams end with reason ABORT
+    log.info("drained in %.2f s", time.monotonic() - started)
 
 
 def layout_key_of(connector_layout: str) -> str:
@@ -148,7 +106,8 @@ def default_worker_id(port: int) -> str:
 
 
 async def start_worker(config: WorkerConfig, engine: Engine) -> RunningWorker:
-    """Serves ``engine`` (already started): gRPC server up, health SERVING, etcd record put.
+    """Serves ``engine`` (already started): gRPC server up, etcd record put, health SERVING; a
+    step that fails undoes the ones before it (the engine stays the caller's).
 
     The engine's KV events go to a new ``KvEventLog`` from here on (``engine``'s sink is
     replaced); its epoch is a fresh uuid, so subscribers of an earlier log take a snapshot."""
@@ -156,97 +115,75 @@ async def start_worker(config: WorkerConfig, engine: Engine) -> RunningWorker:
         check_name("worker id", config.worker_id)
     check_name("cluster", config.cluster)
     max_send = max(config.max_request_bytes, config.kv_snapshot_max_bytes)
-    server = grpc.aio.server(
-        interceptors=server_interceptors(),
-        options=[
-            ("grpc.max_receive_message_length", config.max_request_bytes),
-            ("grpc.max_send_message_length", max_send),
-        ],
-    )
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
-    worker_id = config.worker_id or default_worker_id(port)
-    address = f"{advertised_host(config.host, config.advertise_host)}:{port}"
-    kv_log = KvEventLog(worker_id, uuid.uuid4().hex, config.kv_event_buffer_batches)
-    kv_events = KvEventHub(kv_log, config.kv_event_queue_batches)
-    engine.set_kv_event_sink(kv_events.publish)
-    metrics = WorkerMetrics(model=engine.info.model)
-    servicer = WorkerServicer(
-        engine,
-        worker_id,
-        config.role,
-        config.load_interval_s,
-        kv_events=kv_events,
-        max_send_bytes=max_send,
-        metrics=metrics,
-    )
-    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-    )
-    await server.start()
+    bind = Bind(config.host, config.port, config.advertise_host, config.max_request_bytes, max_send)
+    # The in-flight requests had their grace in drain(); the server's is for the rest.
+    host = ServiceHost((SERVICE_NAME,), bind, drain_grace_s=1.0)
     info = engine.info
-    record = WorkerRecord(
-        worker_id=WorkerId(worker_id),
-        address=address,
-        model=info.model,
-        model_path=info.model_path,
-        role=config.role,
-        node=config.node or node_name(),  # as the node's kvmanager names it
-        version=__version__,
-        state=WorkerState.SERVING,
-        max_model_len=info.max_model_len,
-        block_size=info.block_size,
-        vocab_size=info.vocab_size,
-        kv_layout=config.kv_layout or layout_key_of(info.connector_layout),
-        vllm_version=info.vllm_version,
-    )
-    registrar = None
-    metrics_server = None
-    try:
-        if config.metrics_port >= 0:
-            metrics_server = serve_metrics(
-                metrics.registry, config.metrics_host, config.metrics_port
-            )
+    metrics = WorkerMetrics(model=info.model)
+    async with host.starting():
+        port = host.bind_port()
+        worker_id = config.worker_id or default_worker_id(port)
+        kv_log = KvEventLog(worker_id, uuid.uuid4().hex, config.kv_event_buffer_batches)
+        kv_events = KvEventHub(kv_log, config.kv_event_queue_batches)
+        engine.set_kv_event_sink(kv_events.publish)
+        servicer = WorkerServicer(
+            engine,
+            worker_id,
+            config.role,
+            config.load_interval_s,
+            kv_events=kv_events,
+            max_send_bytes=max_send,
+            metrics=metrics,
+        )
+        worker_pb2_grpc.add_WorkerServicer_to_server(servicer, host.server)
+        record = WorkerRecord(
+            worker_id=WorkerId(worker_id),
+            address=host.address,
+            model=info.model,
+            model_path=info.model_path,
+            role=config.role,
+            node=config.node or node_name(),  # as the node's kvmanager names it
+            version=__version__,
+            state=WorkerState.SERVING,
+            max_model_len=info.max_model_len,
+            block_size=info.block_size,
+            vocab_size=info.vocab_size,
+            kv_layout=config.kv_layout or layout_key_of(info.connector_layout),
+            vllm_version=info.vllm_version,
+        )
+        host.on_draining.append(lambda: setattr(servicer, "draining", True))
+        host.draining_record = lambda: dataclasses.replace(
+            record, state=WorkerState.DRAINING
+        ).to_json()
+        host.drain = lambda: _drain(servicer, config.drain_grace_s)
+        host.before_server_stop.append(servicer.close)  # ends WatchLoad and WatchKvEvents
+        await host.start_server()
+        host.serve_metrics(metrics.registry, config.metrics_host, config.metrics_port)
         if config.etcd_endpoints:
-            registrar = Registrar(
-                list(config.etcd_endpoints),
+            await host.register(
+                config.etcd_endpoints,
                 worker_key(config.cluster, config.role, worker_id),
                 record.to_json(),
-                ttl_s=config.etcd_ttl_s,
+                config.etcd_ttl_s,
             )
-            await registrar.start()
-        for name in ("", SERVICE_NAME):
-            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    except BaseException:
-        if metrics_server is not None:
-            metrics_server.close()
-        await server.stop(grace=None)
-        raise
+        worker = RunningWorker(
+            worker_id=worker_id,
+            address=host.address,
+            port=port,
+            servicer=servicer,
+            engine=engine,
+            kv_events=kv_events,
+            record=record,
+            metrics=metrics,
+            metrics_server=host.metrics_server,
+            _host=host,
+        )
+        host.refresh_every(config.metrics_refresh_s, worker.refresh_metrics)
     log.info(
         "worker %s serving %s on %s (registered: %s)",
         worker_id,
         info.model,
-        address,
-        "etcd " + registrar.key if registrar is not None else "no, standalone",
-    )
-    worker = RunningWorker(
-        worker_id=worker_id,
-        address=address,
-        port=port,
-        servicer=servicer,
-        engine=engine,
-        kv_events=kv_events,
-        record=record,
-        metrics=metrics,
-        metrics_server=metrics_server,
-        _server=server,
-        _health=health_servicer,
-        _registrar=registrar,
-        _config=config,
-    )
-    worker._metrics_task = asyncio.get_running_loop().create_task(
-        _refresh_metrics_every(worker, config.metrics_refresh_s), name="worker-metrics"
+        host.address,
+        "etcd " + host.registrar.key if host.registrar is not None else "no, standalone",
     )
     return worker

@@ -11,7 +11,7 @@ import grpc
 
 from kvmesh import errors
 from kvmesh.discovery.keys import Role
-from kvmesh.grpc_errors import abort_with, status_for
+from kvmesh.grpc_errors import status_for
 from kvmesh.kv.fanout import KvEventHub
 from kvmesh.kv_stream import serve_kv_events
 from kvmesh.sampling import sampling_from_pb
@@ -210,31 +210,28 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def Generate(
         self, request: worker_pb2.WorkerGenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.WorkerGenerateResponse]:
+        # What it raises (admission, the engine) the host's error interceptor sends with its
+        # status (kvmesh.grpc_errors.ErrorStatus): domain errors their code, others INTERNAL.
         rid = request.request_id
-        try:
-            req = self.admit(request)
-        except errors.KvmeshError as exc:
-            await abort_with(context, exc, rid)
-            return
+        req = self.admit(request)
         token = object()
         self.track(rid, token)
         context.add_done_callback(lambda _ctx: self._on_rpc_done(rid, token))
         try:
             async for msg in self.outputs(req):
                 yield msg
-        except Exception as exc:  # domain errors with their code; anything else INTERNAL
-            await abort_with(context, exc, rid)
         finally:
             self.untrack(rid, token)
 
-    async def GenerateMany(
+    def GenerateMany(
         self,
         requests: AsyncIterator[worker_pb2.WorkerStreamIn],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[worker_pb2.WorkerStreamOut]:
-        """Many requests on one stream, outputs batched (``mux.WorkerStreamServer``)."""
-        async for batch in WorkerStreamServer(self).serve(requests):
-            yield batch
+        """Many requests on one stream, outputs batched (``mux.WorkerStreamServer``). A plain
+        function returning the stream's generator: the error interceptor's wrapper is then the
+        one hop between gRPC and it, per message."""
+        return WorkerStreamServer(self).serve(requests)
 
     def admit(self, request: worker_pb2.WorkerGenerateRequest) -> GenerateRequest:
         """The request as a core value, if this worker takes it; else a domain error (counted
@@ -334,12 +331,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.AbortResponse:
         rid = request.request_id
-        try:
-            if rid not in self._active:
-                raise errors.NotFound(f"request {rid!r} is not in flight on this worker")
-            await self._engine.abort(rid)
-        except errors.KvmeshError as exc:
-            await abort_with(context, exc, rid)
+        if rid not in self._active:
+            raise errors.NotFound(f"request {rid!r} is not in flight on this worker")
+        await self._engine.abort(rid)
         log.info("aborted request_id=%s by Abort", rid)
         return common_pb2.AbortResponse()
 
@@ -353,13 +347,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     ) -> AsyncIterator[worker_pb2.WorkerLoad]:
         interval = request.min_interval_s or self._load_interval_s
         if interval < 0:
-            await abort_with(
-                context,
-                errors.InvalidArgument(
-                    f"min_interval_s must be >= 0 (0: the worker's default), got {interval:g}"
-                ),
+            raise errors.InvalidArgument(
+                f"min_interval_s must be >= 0 (0: the worker's default), got {interval:g}"
             )
-            return
         last: worker_pb2.WorkerLoad | None = None
         while not self._closed:
             seen = self._changes.version

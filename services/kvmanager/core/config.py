@@ -8,6 +8,7 @@ from enum import StrEnum
 from pathlib import Path
 
 from kvmesh.errors import InvalidArgument
+from kvmesh.settings import setting
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -23,14 +24,26 @@ class Populate(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class StoreConfig:
-    cpu_bytes: int = 4 * GIB  # CPU DRAM tier budget, bytes of block payloads
-    disk_bytes: int = 64 * GIB  # disk tier budget, bytes of block files (headers, 4 KiB rounding)
-    disk_dir: Path | None = None  # directory of the disk tier; None: no disk tier
-    write_through: bool = False  # True: put also writes the block to disk before returning
-    fsync: bool = False  # True: fsync each block file and its directory (survives power loss)
-    io_threads: int = 4  # threads doing disk I/O (reads, writes, deletes, the start-up scan)
-    cpu_arena: bool = True  # RAM blocks live in one mapping of cpu_bytes, slots reused
-    cpu_populate: Populate = Populate.BACKGROUND  # when the arena is faulted in
+    cpu_bytes: int = setting(4 * GIB, "CPU tier budget, bytes of block payloads (e.g. 4GiB)")
+    disk_bytes: int = setting(
+        64 * GIB, "disk tier budget, bytes of block files (headers, 4 KiB rounding)"
+    )
+    disk_dir: Path | None = setting(None, "directory of the disk tier; unset: no disk tier")
+    write_through: bool = setting(
+        False, "write every block to disk as it is stored (off: write back under pressure)"
+    )
+    fsync: bool = setting(False, "fsync each block file and its directory (survives power loss)")
+    io_threads: int = setting(
+        4, "threads doing disk I/O (reads, writes, deletes, the start-up scan)"
+    )
+    cpu_arena: bool = setting(
+        True, "RAM blocks in one mapping of --cpu-bytes, slots reused (off: heap buffers, slower)"
+    )
+    cpu_populate: Populate = setting(
+        Populate.BACKGROUND,
+        "when the CPU arena is faulted in: background (a thread from start), start (before "
+        "serving), off (as blocks land)",
+    )
 
     def __post_init__(self) -> None:
         if self.cpu_bytes < 1:
@@ -49,14 +62,38 @@ class StoreConfig:
 class PeerConfig:
     """Peer fetch: the data plane this kvmanager serves, and how it fetches from others."""
 
-    data_plane_host: str = ""  # data plane listen address; empty: the gRPC host
-    data_plane_port: int = 0  # data plane TCP port; 0 lets the OS pick, -1 turns serving off
-    max_streams: int = 16  # peer fetches served at once; more are refused (the peer recomputes)
-    ticket_ttl_s: float = 30.0  # default (and at most 10x) life of a granted, unredeemed ticket
-    open_timeout_s: float = 5.0  # the most an OpenFetch call to a peer may take
-    stall_timeout_s: float = 5.0  # a stream moving no byte this long is given up, either side
-    window_bytes: int = 32 * MIB  # verified blocks waiting to be stored before reading pauses
-    fetch_timeout_s: float = 60.0  # deadline of a FetchFromPeer whose caller set none
+    data_plane_host: str = setting("", "data plane listen address; empty: the gRPC host")
+    data_plane_port: int = setting(
+        0, "bulk data plane TCP port for peer fetch; 0: the OS picks, -1: off"
+    )
+    max_streams: int = setting(
+        16,
+        "peer fetches served at once; more are refused (the peer recomputes)",
+        flag="data-plane-max-streams",
+    )
+    ticket_ttl_s: float = setting(
+        30.0,
+        "default (and at most 10x) life of a granted, unredeemed ticket, seconds",
+        flag="peer-ticket-ttl-s",
+    )
+    open_timeout_s: float = setting(
+        5.0, "the most an OpenFetch call to a peer may take, seconds", flag="peer-open-timeout-s"
+    )
+    stall_timeout_s: float = setting(
+        5.0,
+        "a peer stream moving no byte this long is given up, either side, seconds",
+        flag="peer-stall-timeout-s",
+    )
+    window_bytes: int = setting(
+        32 * MIB,
+        "bytes of verified blocks waiting to be stored before a peer read pauses",
+        flag="peer-window-bytes",
+    )
+    fetch_timeout_s: float = setting(
+        60.0,
+        "deadline of a FetchFromPeer call that sets none, seconds",
+        flag="peer-fetch-timeout-s",
+    )
 
     def __post_init__(self) -> None:
         if not -1 <= self.data_plane_port <= 65535:

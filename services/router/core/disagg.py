@@ -24,12 +24,13 @@ disaggregated: ``kvmesh up`` without roles behaves as before.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Protocol
 
 from kvmesh.discovery.keys import Role, WorkerId
 from kvmesh.errors import InvalidArgument, Unavailable
+from kvmesh.settings import setting
 
 from .placement import JointPlacer, PairCost, Placement, PlacementConfig, PrefixFn, profile_prefix
 from .types import RouteDecision, RouteRequest
@@ -47,20 +48,32 @@ class Policy(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class DisaggConfig:
-    enabled: bool = True  # consider disaggregating (only ever when prefill workers exist)
+    enabled: bool = setting(
+        True, "consider disaggregating (only ever when prefill workers exist)", flag="--disagg"
+    )
     # Disaggregate when the decode pick would prefill at least this many prompt tokens itself
     # (prompt minus its predicted cache hit). Shorter prefills stall its decoding neighbours
     # less than a hand-off costs.
-    threshold_tokens: int = 1024
+    threshold_tokens: int = setting(
+        1024, "disaggregate when the decode worker would prefill at least this many tokens"
+    )
     # Deadline of the prefill call, seconds (also bounded by the request's own deadline); on
     # expiry the request is served aggregated on the decode worker.
-    prefill_timeout_s: float = 30.0
+    prefill_timeout_s: float = setting(
+        30.0, "deadline of the prefill call, seconds; then the decode worker recomputes"
+    )
     # Send the decode request together with the prefill, not after it: the decode worker
     # waits (up to the prefill's deadline) for the blocks, fetching each as its prefill chunk
     # lands, so the transfer of the first blocks overlaps the prefill of the rest.
-    overlap: bool = True
+    overlap: bool = setting(
+        True,
+        "send the decode request with the prefill, the decode worker fetching the blocks as "
+        "the prefill saves them (off: only after the prefill finished)",
+    )
     # How the prefill and decode workers are chosen: jointly by cost (default) or independently.
-    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    placement: PlacementConfig = setting(
+        factory=PlacementConfig, doc="how the pair of workers is chosen", prefix=""
+    )
 
     def __post_init__(self) -> None:
         if self.threshold_tokens < 1:

@@ -33,6 +33,7 @@ from enum import StrEnum
 
 from kvmesh.discovery.keys import WorkerId
 from kvmesh.errors import InvalidArgument
+from kvmesh.settings import setting
 
 from .scheduler import CycleContext, InFlightLedger, PrefixMatchLike
 from .types import Explanation, RouteDecision, RouteRequest
@@ -53,23 +54,38 @@ class Placement(StrEnum):
 class PlacementConfig:
     """How the two workers of a disaggregated request are chosen (docs/disaggregation.md)."""
 
-    mode: Placement = Placement.INDEPENDENT  # "joint": settle the pair by cost (opt-in, see docs)
+    mode: Placement = setting(
+        Placement.INDEPENDENT,
+        "independent: the profile picks prefill and decode workers apart; joint: the pair of "
+        "least estimated cost, keeping hand-offs on one node when cheap (opt-in, see docs)",
+        flag="placement",
+    )
     # Bandwidth of a hand-off between nodes (kvmanager peer fetch), 1e9 bytes/s. Within a node
     # the hand-off is free (shared memory).
-    network_gbps: float = 10.0
+    network_gbps: float = setting(
+        10.0, "joint placement: hand-off bandwidth between nodes, 1e9 bytes/s"
+    )
     # KV bytes per token of the served model: layers x KV heads x head dim x 2 (K, V) x dtype
     # bytes. Default: Llama-3-8B in bf16 (32 x 8 x 128 x 2 x 2).
-    kv_bytes_per_token: int = 131_072
-    prefill_s_per_token: float = 2.5e-5  # prefill time per uncached prompt token, seconds
+    kv_bytes_per_token: int = setting(
+        131_072, "joint placement: KV bytes of one token of the model (Llama-3-8B bf16)"
+    )
+    prefill_s_per_token: float = setting(
+        2.5e-5, "joint placement: prefill time per uncached prompt token, seconds"
+    )
     # Wait per request outstanding on a prefill worker, seconds. High on purpose: a count is a
     # coarse proxy of a prefill backlog (one cold long-context prompt is seconds of work), so a
     # pair moves to a busier prefill worker only to save a very long prefill or hand-off; lower
     # values let the same-node preference build prefill hot spots (docs/disaggregation.md).
-    queued_request_s: float = 10.0
+    queued_request_s: float = setting(
+        10.0, "joint placement: wait per request outstanding on a prefill worker, seconds"
+    )
     # Also consider decode workers whose profile total is within this fraction of the decode
     # pick's (0: the decode pick only), so a pair on one node can win over a marginally better
     # decode worker elsewhere.
-    decode_slack: float = 0.05
+    decode_slack: float = setting(
+        0.05, "joint placement: decode workers within this fraction of the pick's total too"
+    )
 
     def __post_init__(self) -> None:
         try:

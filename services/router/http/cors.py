@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from kvmesh import errors
+from kvmesh.settings import setting
 
 ALL_METHODS = ("DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT")  # what "*" stands for
 PREFLIGHT_MAX_AGE_S = 600  # how long a browser may cache a preflight answer (Starlette's)
@@ -40,10 +41,25 @@ def parse_list(flag: str, raw: str) -> tuple[str, ...]:
 
 @dataclass(frozen=True, slots=True)
 class CorsPolicy:
-    allowed_origins: tuple[str, ...] = ()  # exact origins (scheme://host[:port]), or "*"
-    allowed_methods: tuple[str, ...] = ("*",)  # "*": every method
-    allowed_headers: tuple[str, ...] = ("*",)  # "*": whatever the preflight asks for
-    allow_credentials: bool = False  # send Access-Control-Allow-Credentials: true
+    allowed_origins: tuple[str, ...] = setting(
+        (),
+        "CORS origins allowed to call the HTTP API (scheme://host[:port]), a JSON list as vLLM "
+        "takes it or comma-separated; '*': any; none: no CORS headers",
+        parse=lambda text: parse_list("--allowed-origins", text),
+    )
+    allowed_methods: tuple[str, ...] = setting(
+        ("*",),
+        "CORS methods allowed, JSON list or comma-separated; '*': every method",
+        parse=lambda text: parse_list("--allowed-methods", text),
+    )
+    allowed_headers: tuple[str, ...] = setting(
+        ("*",),
+        "CORS request headers allowed, JSON list or comma-separated; '*': what the preflight asks",
+        parse=lambda text: parse_list("--allowed-headers", text),
+    )
+    allow_credentials: bool = setting(
+        False, "CORS: allow credentials (cookies, Authorization) from the allowed origins"
+    )
 
     def __post_init__(self) -> None:
         for origin in self.allowed_origins:

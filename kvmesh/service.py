@@ -1,0 +1,250 @@
+"""One service process's gRPC host, shared by the router, the worker and the kvmanager.
+
+A ``ServiceHost`` owns what every service runs around its servicer: the ``grpc.aio`` server
+(the tracing interceptor when tracing is on, and the error interceptor that maps domain errors
+through ``kvmesh.grpc_errors``' one table), health, reflection, the etcd record, the Prometheus
+``/metrics`` server and one task refreshing the gauges. Everything a service starts besides
+(watchers, stores, a data plane, an HTTP front door) is entered on the host's
+``AsyncExitStack``, so a failure half-way through start-up undoes exactly what started, in
+reverse, and ``stop()`` is one shutdown in the order of STYLE.md:
+
+    health NOT_SERVING -> refuse new work (``on_draining``) -> etcd record draining ->
+    finish or abort in-flight work (``drain``) -> revoke the lease -> ``before_server_stop`` ->
+    stop the server (grace ``drain_grace_s``, with ``in_grace`` closers) -> the stack, in
+    reverse order of start.
+
+Usage (see services/*/main.py)::
+
+    host = ServiceHost("kvmesh.v1.Worker", bind=..., drain_grace_s=...)
+    add_WorkerServicer_to_server(servicer, host.server)
+    async with host.starting():        # on an exception: everything started is undone
+        await host.start_server()
+        host.callback(store.close)      # ... closed by stop(), after the server
+        await host.register(endpoints, key, record_json, ttl_s)
+        host.serve_metrics(registry, metrics_host, metrics_port)
+        host.refresh_every(metrics_refresh_s, refresh)
+    ...
+    await host.stop()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvmesh.discovery.etcd import Registrar
+from kvmesh.discovery.hosts import advertised_host
+from kvmesh.errors import KvmeshError
+from kvmesh.grpc_errors import ErrorStatus
+from kvmesh.metrics import MetricsServer, serve_metrics
+from kvmesh.telemetry import server_interceptors
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Bind:
+    """Where the gRPC server listens and what it accepts."""
+
+    host: str  # address to listen on
+    port: int  # 0: the OS picks
+    advertise_host: str = ""  # host others dial (etcd record); empty: host, or hostname
+    max_receive_bytes: int = 4 * 1024 * 1024  # largest request message, bytes
+    max_send_bytes: int = 4 * 1024 * 1024  # largest response message, bytes
+
+
+class ServiceHost:
+    """A gRPC service's server, health, reflection, etcd record, metrics and refresh task;
+    started step by step inside ``starting()``, stopped by one ``stop()``."""
+
+    def __init__(self, service_names: Sequence[str], bind: Bind, drain_grace_s: float) -> None:
+        self.service_names = tuple(service_names)
+        self.bind = bind
+        self.drain_grace_s = drain_grace_s
+        self.server = grpc.aio.server(
+            interceptors=[*server_interceptors(), ErrorStatus()],
+            options=[
+                ("grpc.max_receive_message_length", bind.max_receive_bytes),
+                ("grpc.max_send_message_length", bind.max_send_bytes),
+            ],
+        )
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.port = 0
+        self.registrar: Registrar | None = None
+        self.metrics_server: MetricsServer | None = None
+        # Hooks of stop(), in its order (see the module docstring).
+        self.on_draining: list[Callable[[], None]] = []
+        self.draining_record: Callable[[], str] | None = None  # the etcd value while draining
+        self.drain: Callable[[], Awaitable[None]] | None = None
+        self.before_server_stop: list[Callable[[], Awaitable[None] | None]] = []
+        self.in_grace: list[Callable[[float], Awaitable[None]]] = []
+        self._stack = contextlib.AsyncExitStack()
+        self._stopped = False
+        self._revoked = False
+
+    @property
+    def address(self) -> str:
+        """``host:port`` others dial (after ``start_server``)."""
+        return f"{advertised_host(self.bind.host, self.bind.advertise_host)}:{self.port}"
+
+    # ---- start-up --------------------------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def starting(self) -> AsyncIterator[ServiceHost]:
+        """The start-up steps run inside; on any exception (cancellation included) what started
+        is undone, in reverse, before it propagates. On success health turns SERVING."""
+        try:
+            yield self
+            for name in ("", *self.service_names):
+                await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        except BaseException:
+            await self._undo()
+            raise
+
+    def bind_port(self) -> int:
+        """Binds the gRPC port (once; ``start_server`` does it if not done), so ``address`` is
+        known before the server starts; returns the bound port."""
+        if not self.port:
+            self.port = self.server.add_insecure_port(f"{self.bind.host}:{self.bind.port}")
+        return self.port
+
+    async def start_server(self) -> int:
+        """Enables reflection, binds the port and starts serving; returns the bound port."""
+        reflection.enable_server_reflection(
+            (*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
+        )
+        self.bind_port()
+        await self.server.start()
+        return self.port
+
+    def callback(self, close: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        """Runs ``close(*args, **kwargs)`` (awaited when it returns an awaitable) on stop, after
+        the server, in reverse order of registration; or at once if start-up fails."""
+
+        async def run() -> None:
+            result = close(*args, **kwargs)
+            if isinstance(result, Awaitable):
+                await result
+
+        self._stack.push_async_callback(run)
+
+    async def enter(self, cm: contextlib.AbstractAsyncContextManager[Any]) -> Any:
+        """Enters an async context manager, exited on stop like ``callback``."""
+        return await self._stack.enter_async_context(cm)
+
+    async def register(self, endpoints: Sequence[str], key: str, value: str, ttl_s: float) -> None:
+        """Puts ``key = value`` in etcd under a lease kept alive until ``stop()``."""
+        registrar = Registrar(list(endpoints), key, value, ttl_s=ttl_s)
+        await registrar.start()
+        self.registrar = registrar
+
+    def serve_metrics(self, registry: Any, host: str, port: int) -> MetricsServer | None:
+        """Serves ``registry`` at ``/metrics`` (port 0: the OS picks; -1: off)."""
+        if port < 0:
+            return None
+        self.metrics_server = serve_metrics(registry, host, port)
+        self.callback(asyncio.to_thread, self.metrics_server.close)
+        return self.metrics_server
+
+    def refresh_every(self, every_s: float, refresh: Callable[[], None]) -> None:
+        """The one refresh task: ``refresh()`` on the loop every ``every_s``, now first. A
+        failing refresh is logged and does not stop the next ones (nor the service)."""
+        task = asyncio.get_running_loop().create_task(_every(every_s, refresh), name="refresh")
+        self.callback(_cancel, task)
+
+    def etcd_state(self) -> tuple[bool, bool] | None:
+        """(connected, holds a lease) of the etcd record; None without one."""
+        reg = self.registrar
+        return None if reg is None else (reg.connected, reg.lease_id is not None)
+
+    # ---- shutdown --------------------------------------------------------------------------
+    async def stop(self) -> None:
+        """Drains and stops, in STYLE.md's order (the module docstring); idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        await self.health.enter_graceful_shutdown()
+        for draining in self.on_draining:
+            draining()
+        registrar = self.registrar
+        if registrar is not None and self.draining_record is not None:
+            try:
+                await registrar.update(self.draining_record())
+            except Exception as exc:  # etcd down: the lease still expires; keep draining
+                log.warning("could not mark %s draining in etcd: %s", registrar.key, exc)
+        if self.drain is not None:
+            await self.drain()
+        await self._revoke()
+        for hook in self.before_server_stop:
+            result = hook()
+            if result is not None:
+                await result
+        grace = self.drain_grace_s
+        await asyncio.gather(
+            self.server.stop(grace=grace), *(close(grace) for close in self.in_grace)
+        )
+        await self._stack.aclose()
+
+    async def _revoke(self) -> None:
+        registrar = self.registrar
+        if registrar is None or self._revoked:
+            return
+        self._revoked = True  # kept: its gauges read "not registered" from now on
+        try:
+            await registrar.close(revoke=True)
+        except Exception as exc:  # etcd down: the lease expires on its own
+            log.warning("could not revoke the etcd lease of %s: %s", registrar.key, exc)
+
+    async def _undo(self) -> None:
+        """A failed start-up: nothing drains (nothing was SERVING); everything started stops."""
+        self._stopped = True
+        await self._revoke()
+        # Stopped even when it never started: a grpc.aio server left to the garbage collector
+        # shuts down from a finalizer, after the loop may be closed ("Event loop is closed").
+        await self.server.stop(grace=None)
+        await self._stack.aclose()
+
+
+async def _every(every_s: float, refresh: Callable[[], None]) -> None:
+    while True:
+        try:
+            refresh()
+        except Exception:  # a metrics bug must not stop the refreshes (nor the service)
+            log.exception("refreshing the metrics failed")
+        await asyncio.sleep(every_s)
+
+
+async def _cancel(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
+# ---- process entry points ------------------------------------------------------------------
+def signal_event() -> asyncio.Event:
+    """An event set by the first SIGTERM or SIGINT from now on (instead of the default exit)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+def run(serve: Coroutine[Any, Any, None], service: str) -> int:
+    """``asyncio.run(serve)``: 0; a failure the operator fixes (a domain error such as etcd
+    unreachable, or the OS's: a port in use) is one error line and exit status 2 (start-up
+    undid what it started, so there is no trace and nothing left running)."""
+    try:
+        asyncio.run(serve)
+    except (KvmeshError, OSError) as exc:
+        log.error("%s failed: %s", service, exc)
+        return 2
+    return 0
