@@ -24,9 +24,9 @@ import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvmesh.cli import resolve_model
 from kvmesh.client import RouterClient, make_request
 from kvmesh.launcher import Mesh, MeshSpec
+from kvmesh.models import resolve_model
 from kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 

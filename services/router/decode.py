@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from kvmesh.v1 import worker_pb2
 
@@ -64,7 +64,9 @@ async def decode_stream(
     try:
         while not step.done():
             task = overlap.task
-            watch = {step} if task is None or task.done() else {step, task}
+            watch: set[asyncio.Future[Any]] = (
+                {step} if task is None or task.done() else {step, task}
+            )
             left = give_up_at - loop.time()
             if left <= 0:
                 raise NoFirstToken

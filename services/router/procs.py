@@ -99,10 +99,10 @@ def run_processes(
             forward(signal.SIGTERM, None)
             return max((c.wait() for c in children), default=1) or 1
         first = ready[0] or {}
-        metrics = ",".join(r["metrics"] for r in ready if r and "metrics" in r)
+        metrics_urls = ",".join(r["metrics"] for r in ready if r and "metrics" in r)
         http = f" http={first['http']}" if "http" in first else ""
         line = f"{READY_LINE} address={first['address']} processes={processes}"
-        print(f"{line}{http}{f' metrics={metrics}' if metrics else ''}", flush=True)
+        print(f"{line}{http}{f' metrics={metrics_urls}' if metrics_urls else ''}", flush=True)
         for c in children:  # keep their stdout drained (they print nothing more, but may)
             threading.Thread(target=_drain, args=(c,), daemon=True).start()
         codes = [c.wait() for c in children]

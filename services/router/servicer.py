@@ -123,7 +123,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         request: router_pb2.GenerateRequest,
         rid: str,
         time_remaining_s: float | None,
-    ) -> AsyncIterator[router_pb2.GenerateResponse]:
+    ) -> AsyncGenerator[router_pb2.GenerateResponse, None]:
         """One request, transport-free: what ``Generate`` serves over gRPC and what the HTTP
         front door calls in-process (``http.backend.InProcessRouterBackend``). Raises domain
         errors; closing the generator early cancels the worker call (the engine aborts)."""
@@ -253,7 +253,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         sampling: common_pb2.SamplingParams,
         time_remaining_s: float | None,
         arrived: float,
-    ) -> AsyncIterator[router_pb2.GenerateResponse]:
+    ) -> AsyncGenerator[router_pb2.GenerateResponse, None]:
         """The request's worker attempts, until one sends the final message. Each attempt that
         ends without it goes to the lifecycle core (``core/lifecycle.py``), whose step this
         carries out: pick another worker, resend without the hand-off, or fail."""

@@ -88,3 +88,12 @@ def test_metrics_urls_of_every_child():
         "          worker-0   http://127.0.0.1:9102/metrics\n"
     )
     assert describe_metrics(SimpleNamespace(router=None, kvmanager=None, workers=[])) == ""
+
+
+def test_a_model_that_is_neither_built_in_nor_a_directory_is_a_clear_exit(tmp_path):
+    from kvmesh.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["up", "--model", str(tmp_path / "nope")])
+    message = str(info.value.code)
+    assert message.startswith("kvmesh: --model ") and "no config.json there" in message

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from typing import Any, Protocol
 
+import msgspec
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
@@ -48,12 +48,20 @@ def endpoint_of(request: web.Request) -> str:
     return resource.canonical if resource is not None else "other"
 
 
+# msgspec's JSON: compact UTF-8 as vLLM's own server writes it, ~12x json.dumps on a stream
+# chunk (0.5 vs 6.3 us here: once per token) and 2x json.loads on a 195K-token request body,
+# which is parsed on the event loop. Non-finite floats are written as null (logprobs are
+# clamped to -9999.0 before, as OpenAI and vLLM do).
+_encode = msgspec.json.Encoder().encode
+_decode = msgspec.json.Decoder().decode
+
+
 def _json_response(
     status: int, body: dict[str, Any], headers: Mapping[str, str] | None = None
 ) -> web.Response:
     return web.Response(
         status=status,
-        body=json.dumps(body, ensure_ascii=False).encode(),
+        body=_encode(body),
         content_type="application/json",
         headers=headers,
     )
@@ -67,7 +75,7 @@ def error_response(exc: BaseException, request_id: str = "") -> web.Response:
 
 
 def sse(payload: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
+    return b"data: " + _encode(payload) + b"\n\n"
 
 
 class OpenAIServer:
@@ -331,8 +339,8 @@ class OpenAIServer:
                 f"the request body exceeds {self._max_body_bytes} bytes"
             ) from None
         try:
-            return json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            return _decode(raw)
+        except msgspec.DecodeError as exc:
             raise BadRequest(f"the request body is not valid JSON: {exc}") from None
 
     async def _generate(

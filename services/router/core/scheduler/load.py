@@ -145,7 +145,7 @@ class RoutedVolumeScorer:
 
     def _now(self, worker_id: str) -> float:
         value, at = self._volume.get(worker_id, (0.0, self._n))
-        return value * self._decay ** (self._n - at)
+        return float(value * self._decay ** (self._n - at))
 
     def score(self, ctx: CycleContext, candidates: Sequence[WorkerView]) -> Sequence[float]:
         vols = [self._now(v.record.worker_id) for v in candidates]
