@@ -29,7 +29,7 @@ import argparse
 import heapq
 import math
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
 
 from kvmesh.kv.events import BlockStored, KvEvent
@@ -50,6 +50,8 @@ class ClusterView:
     prefix_hit_blocks: list[int]
     mesh: MeshConfig | None = None  # nodes and tiers; None: workers alone
     stores: Sequence[NodeStore] = ()  # per node: its kvmanager's tiers (read only; oracles)
+    # Requests routed whose blocks are still being fetched (not on their engine yet), by id
+    in_fetch: Container[str] = frozenset()
 
 
 RoutePolicy = Callable[[ReplayRequest, ClusterView], int]
@@ -191,6 +193,7 @@ def replay(
     results: list[SimResult] = []
     # Requests whose blocks are being fetched: (ready at, n, worker, request)
     fetching: list[tuple[float, int, int, SimRequest]] = []
+    in_fetch: set[str] = set()
     arrival: dict[str, float] = {}
     plans: dict[str, FetchPlan] = {}
     started_wall = time.monotonic()
@@ -216,6 +219,7 @@ def replay(
                 return
             if fetch_t < step_t:  # a fetch done: the request reaches its engine
                 ft, _n, i, sreq = heapq.heappop(fetching)
+                in_fetch.discard(sreq.request_id)
                 wait_for(ft)
                 fleet[i].advance_to(ft)  # runs nothing: only sets its clock
                 fleet[i].submit(sreq)
@@ -254,7 +258,7 @@ def replay(
         reusable_all.append(held * bs)
         ceiling_tokens += ceiling.observe(req)
         input_tokens += req.input_tokens
-        i = route(req, ClusterView(t, fleet, hits, mesh, stores))
+        i = route(req, ClusterView(t, fleet, hits, mesh, stores, in_fetch))
         if not 0 <= i < workers:
             raise ValueError(f"the policy chose worker {i}; there are {workers}")
         worker_input[i] += req.input_tokens
@@ -272,6 +276,7 @@ def replay(
         sreq = SimRequest(rid, req.block_hashes, req.input_tokens, req.output_tokens, external)
         if delay > 0:
             heapq.heappush(fetching, (t + delay, n, i, sreq))
+            in_fetch.add(rid)
             continue
         w = fleet[i]
         w.advance_to(t)  # runs nothing (run_until did): only sets its clock to the arrival

@@ -63,6 +63,7 @@ class RouterPolicy:
                 self.index.link(wid, self._stores[i // workers_per_node])
         self._store_seq = [0] * len(self._stores)
         self._active: dict[str, tuple[RouteRequest, int]] = {}
+        self._prefilled: set[str] = set()  # active, first token seen
         self._n = 0
         self.decision_s: list[float] = []  # wall time of each scheduling decision
         self.reasons: dict[str, int] = {}
@@ -109,10 +110,20 @@ class RouterPolicy:
         return slot
 
     def _retire_finished(self, view: ClusterView) -> None:
-        done = [
-            rid for rid, (_, slot) in self._active.items() if not view.workers[slot].is_active(rid)
-        ]
+        fetching = view.in_fetch
+        done = []
+        for rid, (route, slot) in self._active.items():
+            if rid in fetching:
+                continue
+            sim = view.workers[slot]
+            if not sim.is_active(rid):
+                done.append(rid)
+            elif rid not in self._prefilled and sim.has_first_token(rid):
+                self._prefilled.add(rid)  # the router sees the first token come back
+                self.scheduler.on_first_token(route, self._ids[slot])
         for rid in done:
             route, slot = self._active.pop(rid)
-            self.scheduler.on_first_token(route, self._ids[slot])
+            if rid not in self._prefilled:
+                self.scheduler.on_first_token(route, self._ids[slot])
+            self._prefilled.discard(rid)
             self.scheduler.on_finished(route, self._ids[slot])

@@ -364,6 +364,11 @@ class SimulatedWorker:
     def is_active(self, request_id: str) -> bool:
         return request_id in self._runs
 
+    def has_first_token(self, request_id: str) -> bool:
+        """The request's prefill is done (or it is no longer here)."""
+        run = self._runs.get(request_id)
+        return run is None or run.first_token_s is not None
+
     @property
     def idle(self) -> bool:
         return self._step is None
