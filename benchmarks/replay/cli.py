@@ -3,11 +3,14 @@ workers, one table row (or JSON object) per policy.
 
     kvmesh bench replay --trace mooncake --workers 16 --capacity-blocks 16384
     kvmesh bench replay --trace agentic --sessions 32 --policy precise-sticky,round-robin --json
+    kvmesh bench replay --trace agentic --workers 8 --capacity-blocks 32768 \
+        --cpu-blocks 131072 --workers-per-node 4      # with node kvmanager tiers and peers
 
 Policies: the router's scheduler profiles (round-robin, random, least-loaded, approximate-prefix,
-precise-prefix, precise-sticky, or a profile YAML file), run with the real KV index fed by the
-simulated workers' KV events; plus oracle-prefix and oracle-cost, which read the simulated caches
-directly (upper bounds no real router can reach).
+precise-prefix, precise-sticky, precise-balanced, precise-active, precise-cost, or a profile YAML
+file), run with the real KV index fed by the simulated workers' KV events (and, with
+--cpu-blocks, the node stores' tier events: benchmarks/replay/mesh.py); plus oracle-prefix and
+oracle-cost, which read the simulated caches directly (upper bounds no real router can reach).
 """
 
 from __future__ import annotations
@@ -25,7 +28,10 @@ from services.worker.sim.model import SimWorkerConfig
 
 from .mesh import Link, MeshConfig
 
-DEFAULT_POLICIES = "round-robin,least-loaded,approximate-prefix,precise-prefix,precise-sticky"
+DEFAULT_POLICIES = (
+    "round-robin,least-loaded,approximate-prefix,precise-prefix,precise-sticky,precise-balanced,"
+    "precise-active,precise-cost"
+)
 ORACLES = ("oracle-prefix", "oracle-cost")
 
 

@@ -85,3 +85,24 @@ def test_replay_serves_from_a_peer_and_counts_the_fetch_in_ttft():
     assert rep.nodes == 2 and {n for n, _ in tiers} == {0, 1}
     no_tiers = replay(HAND, RoundRobin(), workers=2, config=CFG)
     assert no_tiers.cached_all_tokens == no_tiers.cached_tokens == 12
+
+
+def test_the_router_core_follows_the_node_stores_and_routes_with_precise_cost():
+    from benchmarks.replay.router_policy import RouterPolicy
+
+    mesh = MeshConfig(workers_per_node=1, cpu_blocks=64, peer=Link(1e-4), peer_min_gain_blocks=1)
+    policy = RouterPolicy("precise-cost", 2, workers_per_node=1)
+    rep = replay(
+        HAND,
+        policy,
+        workers=2,
+        config=CFG,
+        mesh=mesh,
+        on_kv_events=policy.on_kv_events,
+        on_tier_events=policy.on_tier_events,
+    )
+    assert rep.requests == 4 and rep.capture_rate_all == 1.0
+    stats = policy.index.stats()
+    assert stats.stores == 2 and stats.links == 2
+    held = [policy.index.view(sid).cpu_blocks for sid in policy.index.stores()]
+    assert sum(held) >= 4  # blocks 1-4 written through to some node's CPU tier
