@@ -3,14 +3,13 @@ pure, on hand-made matches, stores and load reports with known answers."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping
 
 import pytest
 
 from kvmesh.discovery.keys import WorkerId
 from kvmesh.errors import InvalidArgument
-from kvmesh.kv.events import BlockHash
-from services.router.core.index_types import StoreId, StoreMatch, store_id
+from services.router.core.index_types import StoreId, store_id
 from services.router.core.scheduler import InFlightLedger, Matched
 from services.router.core.scheduler.prefix import PreciseParams, PrecisePrefixScorer
 from services.router.core.scheduler.rates import PrefillRates
@@ -37,26 +36,14 @@ P = TtftParams(
 
 
 class StoreFakeIndex(FakeIndex):
-    """FakeIndex plus node stores: links and per-store matches, as KvIndex answers them."""
+    """FakeIndex plus the links of workers to node stores, as KvIndex has them."""
 
-    def __init__(
-        self,
-        matches: Mapping[str, Matched],
-        links: Mapping[str, StoreId],
-        stores: Mapping[StoreId, int],
-    ) -> None:
+    def __init__(self, matches: Mapping[str, Matched], links: Mapping[str, StoreId]) -> None:
         super().__init__(matches)
         self._links = {WorkerId(k): v for k, v in links.items()}
-        self._stores = dict(stores)
 
     def linked(self, worker_id: WorkerId) -> StoreId | None:
         return self._links.get(worker_id)
-
-    def match_stores(
-        self, hashes: Sequence[BlockHash], stores: Iterable[StoreId] | None = None
-    ) -> dict[StoreId, StoreMatch]:
-        found = sorted(((-b, s) for s, b in self._stores.items() if b > 0))
-        return {s: StoreMatch(s, -nb, True) for nb, s in found}
 
 
 def estimate(idx, cands, ledger=None, blocks=8, tokens=8 * BLOCK + 4, params=P):
@@ -69,8 +56,13 @@ def estimate(idx, cands, ledger=None, blocks=8, tokens=8 * BLOCK + 4, params=P):
 TOKENS = 8 * BLOCK + 4  # 132
 
 
+A = store_id("kvm-a", LAYOUT)
+B = store_id("kvm-b", LAYOUT)
+C = store_id("kvm-c", OTHER_LAYOUT)
+
+
 @pytest.mark.parametrize(
-    ("name", "match", "store_blocks", "queued", "want"),
+    ("name", "match", "others", "queued", "want"),
     [
         # nothing anywhere: recompute the whole prompt
         ("cold", None, {}, 0, TOKENS * 0.001),
@@ -84,43 +76,37 @@ TOKENS = 8 * BLOCK + 4  # 132
             0,
             0.01 + 2 * BLOCK * 0.0001 + 0.02 + 2 * BLOCK * 0.0005 + 4 * 0.001,
         ),
-        # a peer node holds 8 blocks, it holds 2: fetch 6 from the peer
-        ("peer", gpu(2), {"kvm-b": 8}, 0, 0.03 + 6 * BLOCK * 0.0002 + 4 * 0.001),
+        # a worker of another node holds 8 blocks (its store, written through), this one 2:
+        # fetch 6 from that node's kvmanager
+        ("peer", gpu(2), {"p": (B, 8)}, 0, 0.03 + 6 * BLOCK * 0.0002 + 4 * 0.001),
         # the peer's gain (1 block) is under the bar: recompute it
-        ("short-peer", gpu(7), {"kvm-b": 8}, 0, (TOKENS - 7 * BLOCK) * 0.001),
-        # its own node's store does not count as a peer
-        ("own-store", None, {"kvm-a": 8}, 0, TOKENS * 0.001),
-        # a store of another layout means nothing to it
-        ("other-layout", None, {"kvm-c": 8}, 0, TOKENS * 0.001),
+        ("short-peer", gpu(7), {"p": (B, 8)}, 0, (TOKENS - 7 * BLOCK) * 0.001),
+        # a worker of its own node is no peer (its node store already counts in the match)
+        ("own-node", None, {"s": (A, 8)}, 0, TOKENS * 0.001),
+        # a node store of another layout means nothing to it
+        ("other-layout", None, {"q": (C, 8)}, 0, TOKENS * 0.001),
         # a queue of 3000 uncached tokens routed to it and not yet prefilled: 3 s first
         ("queued", gpu(8), {}, 3000, 3.0 + 4 * 0.001),
     ],
 )
-def test_estimate(name, match, store_blocks, queued, want):
-    stores = {
-        store_id("kvm-a", LAYOUT): store_blocks.get("kvm-a", 0),
-        store_id("kvm-b", LAYOUT): store_blocks.get("kvm-b", 0),
-        store_id("kvm-c", OTHER_LAYOUT): store_blocks.get("kvm-c", 0),
-    }
-    idx = StoreFakeIndex(
-        {"w": match} if match is not None else {}, {"w": store_id("kvm-a", LAYOUT)}, stores
-    )
+def test_estimate(name, match, others, queued, want):
+    matches = {k: gpu(b) for k, (_, b) in others.items()}
+    if match is not None:
+        matches["w"] = match
+    links = {"w": A, **{k: sid for k, (sid, _) in others.items()}}
+    idx = StoreFakeIndex(matches, links)
     ledger = InFlightLedger()
     if queued:
         ledger.routed("other", WorkerId("w"), queued, queued)
-    _, _, got = estimate(idx, [view("w")], ledger)
-    assert got == pytest.approx([want]), name
+    _, _, got = estimate(idx, [view("w"), *(view(k) for k in others)], ledger)
+    assert got[0] == pytest.approx(want), name
 
 
 def test_score_moves_a_session_when_fetching_it_beats_waiting():
     # w0 holds the whole prompt but has 10 s of prefill queued; w1 (another node) holds nothing
     # but can fetch it from w0's node store: the session moves, with its cache.
     big = 1000 * BLOCK
-    idx = StoreFakeIndex(
-        {"w0": gpu(1000)},
-        {"w0": store_id("kvm-a", LAYOUT), "w1": store_id("kvm-b", LAYOUT)},
-        {store_id("kvm-a", LAYOUT): 1000},
-    )
+    idx = StoreFakeIndex({"w0": gpu(1000)}, {"w0": A, "w1": B})
     ledger = InFlightLedger()
     ledger.routed("o", WorkerId("w0"), 10_000, 10_000)
     scorer, ctx, got = estimate(idx, [view("w0"), view("w1")], ledger, 1000, big + 4)
@@ -139,7 +125,7 @@ def with_prefill(wid: str, tokens: int, seconds: float) -> WorkerView:
 
 
 def test_the_scorer_uses_each_workers_measured_prefill_rate():
-    idx = StoreFakeIndex({}, {}, {})
+    idx = StoreFakeIndex({}, {})
     source = PrecisePrefixScorer("p", PreciseParams(), idx)
     scorer = TtftCostScorer("t", P, idx)
     first = [with_prefill("fast", 0, 0.0), with_prefill("slow", 0, 0.0), view("new")]

@@ -13,7 +13,10 @@ with ``load(n, link) = link latency + n * link s_per_token`` (0 for n = 0). The 
 ``w``'s engine and its node's tiers comes from the profile's prefix source (the KV index);
 ``peer_tokens`` is what the best other node store of the same layout holds beyond that (the
 router's peer hint names that store to the worker, core/peers.py), counted only past
-``peer_min_gain_blocks`` as the hint is.
+``peer_min_gain_blocks`` as the hint is. A store's prefix is taken as the best match among the
+candidates linked to it (their engines' blocks and the store's: equal to the store's own when
+it holds what its engines do, as the connector's write-through makes it), which costs no walk
+over the prompt beyond the index match; a store with no candidate linked to it is not counted.
 
 ``prefill_s_per_token(w)`` is measured: the worker's own engine reports the prompt tokens it
 computed and the seconds those prefills took (WorkerLoad.prefill_computed_tokens /
@@ -90,9 +93,9 @@ class TtftCostScorer:
     def __init__(self, name: str, params: TtftParams, index: Any = None) -> None:
         self.name = name
         self._p = params
-        # Peer fetch needs the index's node stores (KvIndex: linked, stores, match_stores);
+        # Peer fetch needs the index's links of workers to node stores (KvIndex.linked);
         # without them no candidate gets peer tokens.
-        self._stores = index if callable(getattr(index, "match_stores", None)) else None
+        self._stores = index if callable(getattr(index, "linked", None)) else None
         self.rates = PrefillRates(
             params.prefill_s_per_token, params.min_sample_tokens, params.rate_half_life_samples
         )
@@ -101,34 +104,35 @@ class TtftCostScorer:
     def build(cls, name: str, params: TtftParams, env: PluginEnv) -> TtftCostScorer:
         return cls(name, params, env.index)
 
-    def _peers(self, ctx: CycleContext) -> list[tuple[StoreId, int]]:
-        """Node stores holding a prefix of the request, longest first."""
-        if self._stores is None or not ctx.request.block_hashes:
-            return []
-        try:
-            found = self._stores.match_stores(ctx.request.block_hashes)
-        except Exception:  # no peers is a safe answer: the cost then says recompute
-            return []
-        return [(sid, m.blocks) for sid, m in found.items()]
-
-    def _best_peer(
-        self, peers: list[tuple[StoreId, int]], own: StoreId | None, cache: dict[Any, int]
-    ) -> int:
-        """Blocks the best store of another kvmanager (same layout as ``own``) holds."""
-        if own is None or not peers:
-            return 0
-        got = cache.get(own)
-        if got is not None:
-            return got
-        kvm, layout = store_parts(own)
-        best = 0
-        for sid, blocks in peers:  # longest first
-            k, lay = store_parts(sid)
-            if lay == layout and k != kvm:
-                best = blocks
-                break
-        cache[own] = best
-        return best
+    def _peer_bests(
+        self, candidates: Sequence[WorkerView], matches: Mapping[WorkerId, Any]
+    ) -> tuple[dict[WorkerId, StoreId], dict[str, list[tuple[int, str]]]]:
+        """Each candidate's linked store, and per layout the two best (blocks, kvmanager) over
+        the stores: a store's prefix is bounded by its workers' matches (their engine's blocks
+        and the store's), and equals the best of them when the store holds what its engines
+        do (write-through): no walk over the prompt beyond the index match already made."""
+        linked = self._stores.linked if self._stores is not None else None
+        if linked is None:
+            return {}, {}
+        links: dict[WorkerId, StoreId] = {}
+        best: dict[StoreId, int] = {}
+        for v in candidates:
+            wid = v.record.worker_id
+            sid = linked(wid)
+            if sid is None:
+                continue
+            links[wid] = sid
+            m = matches.get(wid)
+            if m is not None and m.blocks > best.get(sid, 0):
+                best[sid] = m.blocks
+        top: dict[str, list[tuple[int, str]]] = {}
+        for sid, blocks in best.items():
+            kvm, layout = store_parts(sid)
+            t = top.setdefault(layout, [])
+            t.append((blocks, kvm))
+            t.sort(reverse=True)
+            del t[2:]
+        return links, top
 
     def estimate(self, ctx: CycleContext, candidates: Sequence[WorkerView]) -> list[float]:
         """Estimated time to first token on each candidate, in seconds."""
@@ -142,9 +146,7 @@ class TtftCostScorer:
         rates = self.rates
         for v in candidates:
             rates.observe(v.record.worker_id, v.load)
-        peers = self._peers(ctx)
-        linked = self._stores.linked if self._stores is not None else None
-        peer_cache: dict[Any, int] = {}
+        links, top = self._peer_bests(candidates, matches)
         out = []
         for v in candidates:
             wid = v.record.worker_id
@@ -162,8 +164,15 @@ class TtftCostScorer:
                     fetch += p.cpu_latency_s + m.cpu_blocks * bs * p.cpu_s_per_token
                 if m.disk_blocks:
                     fetch += p.disk_latency_s + m.disk_blocks * bs * p.disk_s_per_token
-            if linked is not None and peers:
-                gain = self._best_peer(peers, linked(wid), peer_cache) - have
+            own = links.get(wid)
+            if own is not None and top:
+                kvm, layout = store_parts(own)
+                peer = 0
+                for blocks, k in top.get(layout, ()):
+                    if k != kvm:
+                        peer = blocks
+                        break
+                gain = peer - have
                 if gain >= p.peer_min_gain_blocks:
                     fetch += p.peer_latency_s + gain * bs * p.peer_s_per_token
                     have += gain
