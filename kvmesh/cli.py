@@ -110,7 +110,7 @@ def _add_mesh_flags(p: argparse.ArgumentParser, default_port: int) -> None:
         metavar="NAME|FILE.yaml",
         help=f"the router's scheduler profile, as kvmesh router --policy: one of "
         f"{', '.join(sorted(_policies()))}, or a profile YAML file (default: the router's, "
-        "precise-cost)",
+        "precise-sticky)",
     )
     p.add_argument("--max-model-len", type=int, default=4096, help="context length in tokens")
     p.add_argument(

@@ -19,7 +19,7 @@ class RouterConfig:
     cluster: str = "default"  # etcd cluster name (key prefix /kvmesh/<cluster>/)
     etcd_endpoints: tuple[str, ...] = ("127.0.0.1:2379",)  # host:port of etcd
     etcd_ttl_s: float = 10.0  # lease TTL of the router's own etcd record
-    policy: str = "precise-cost"  # scheduler profile name or a profile YAML file
+    policy: str = "precise-sticky"  # scheduler profile name or a profile YAML file
     index_max_blocks: int = 4_000_000  # KV index bound in distinct blocks (~80 B each)
     peer_hints: bool = True  # name another node's kvmanager holding more of the prompt (peers.py)
     peer_hint_min_blocks: int = 4  # ... only when it holds at least this many more blocks

@@ -3,7 +3,7 @@ come back to the worker that holds them (its KV events told the router), round-r
 the router's index survives a router restart (snapshot) and a worker restart (new epoch).
 
 Runs after test_mesh.py on the same session mesh (its router uses the default profile,
-precise-cost); the restarts come last.
+precise-sticky); the restarts come last.
 """
 
 from __future__ import annotations

@@ -144,13 +144,13 @@ async def test_metrics_count_requests_decisions_and_cache_hits(mesh):
     assert total(m, "kvmesh_router_requests_total", model="sim", code="OK") == 2
     assert total(m, "kvmesh_router_requests_total", code="INVALID_ARGUMENT") == 1
     # Two decisions, both by the default profile; the second one decided by prefix affinity.
-    assert total(m, "kvmesh_router_routing_decisions_total", profile="precise-cost") == 2
+    assert total(m, "kvmesh_router_routing_decisions_total", profile="precise-sticky") == 2
     reasons = {
         dict(lab)["reason"]
         for (n, lab), v in m.items()
         if n == "kvmesh_router_routing_decisions_total" and v > 0
     }
-    assert reasons & {"ttft-cost", "precise-prefix"}, reasons
+    assert reasons & {"cost-model", "precise-prefix"}, reasons
     assert total(m, "kvmesh_router_routing_decision_seconds_count") == 2
     assert total(m, "kvmesh_router_prompt_tokens_total", model="sim") == (
         2 * PREFIX + len(first.token_ids) + 3

@@ -43,7 +43,7 @@ def test_every_builtin_profile_reaches_the_router(tmp_path, name):
 def test_default_is_the_routers(tmp_path):
     argv = router_argv(tmp_path)
     assert "--policy" not in argv
-    assert router_args(argv).policy == RouterConfig().policy == "precise-cost"
+    assert router_args(argv).policy == RouterConfig().policy == "precise-sticky"
 
 
 def test_profile_file_is_passed_absolute(tmp_path, monkeypatch):
