@@ -2,9 +2,11 @@
 index, fed by the simulated workers' KV events exactly as the router's KV event streams feed it.
 
 Only the transport is missing: events go straight from the simulated worker to the index (one
-numbered batch per worker step, after an empty snapshot that makes each view exact), loads come
-from the simulated workers' own reports, and the scheduler's feedback hooks are called when the
-driver shows a request is no longer active.
+numbered batch per worker step, after an empty snapshot that makes each view exact), node store
+tier events likewise (``on_tier_events``, with each worker linked to its node's store), loads
+come from the simulated workers' own reports (their measured prefill work included), and the
+scheduler's feedback hooks are called as the driver shows them happen: ``on_first_token`` once
+the request's prefill is done, ``on_finished`` once it is no longer active.
 """
 
 from __future__ import annotations
