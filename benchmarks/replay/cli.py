@@ -3,11 +3,14 @@ workers, one table row (or JSON object) per policy.
 
     kvmesh bench replay --trace mooncake --workers 16 --capacity-blocks 16384
     kvmesh bench replay --trace agentic --sessions 32 --policy precise-sticky,round-robin --json
+    kvmesh bench replay --trace agentic --workers 8 --capacity-blocks 32768 \
+        --cpu-blocks 131072 --workers-per-node 4      # with node kvmanager tiers and peers
 
 Policies: the router's scheduler profiles (round-robin, random, least-loaded, approximate-prefix,
-precise-prefix, precise-sticky, or a profile YAML file), run with the real KV index fed by the
-simulated workers' KV events; plus oracle-prefix and oracle-cost, which read the simulated caches
-directly (upper bounds no real router can reach).
+precise-prefix, precise-sticky, precise-balanced, precise-active, precise-cost, or a profile YAML
+file), run with the real KV index fed by the simulated workers' KV events (and, with
+--cpu-blocks, the node stores' tier events: benchmarks/replay/mesh.py); plus oracle-prefix and
+oracle-cost, which read the simulated caches directly (upper bounds no real router can reach).
 """
 
 from __future__ import annotations
@@ -23,7 +26,12 @@ from pathlib import Path
 from services.router.core.routing import POLICIES
 from services.worker.sim.model import SimWorkerConfig
 
-DEFAULT_POLICIES = "round-robin,least-loaded,approximate-prefix,precise-prefix,precise-sticky"
+from .mesh import Link, MeshConfig
+
+DEFAULT_POLICIES = (
+    "round-robin,least-loaded,approximate-prefix,precise-prefix,precise-sticky,precise-balanced,"
+    "precise-active,precise-cost"
+)
 ORACLES = ("oracle-prefix", "oracle-cost")
 
 
@@ -69,6 +77,32 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="pace at N x real time (default: as fast as possible)",
     )
+    m = MeshConfig()
+    p.add_argument(
+        "--cpu-blocks",
+        type=int,
+        default=0,
+        help="KV blocks of each node kvmanager's CPU tier (0, the default: no tiers, no peers)",
+    )
+    p.add_argument("--disk-blocks", type=int, default=0, help="... of its disk tier (0: none)")
+    p.add_argument(
+        "--workers-per-node", type=int, default=m.workers_per_node, help="(default %(default)s)"
+    )
+    p.add_argument(
+        "--cpu-s-per-token",
+        type=float,
+        default=m.cpu.s_per_token,
+        help="node CPU tier -> engine, s per token (default %(default)s: 0.28x the simulated "
+        "prefill, as measured in BENCHMARKS.md)",
+    )
+    p.add_argument("--disk-s-per-token", type=float, default=m.disk.s_per_token, help="(0.83x)")
+    p.add_argument(
+        "--peer-s-per-token",
+        type=float,
+        default=m.peer.s_per_token,
+        help="peer kvmanager -> engine, s per token (0.44x)",
+    )
+    p.add_argument("--no-peer-fetch", action="store_true", help="nodes do not fetch from peers")
     p.add_argument("--json", action="store_true", help="print one JSON object per policy")
     p.set_defaults(func=run)
     tiers_cli.register(sub)
@@ -108,21 +142,40 @@ def _progress(reqs: Iterable, label: str, total: int | None) -> Iterator:  # typ
     print(f"\r{label}: {n} requests replayed" + " " * 20, file=sys.stderr, flush=True)
 
 
+def mesh_config(a: argparse.Namespace) -> MeshConfig | None:
+    if not a.cpu_blocks:
+        return None
+    d = MeshConfig()
+    return MeshConfig(
+        workers_per_node=a.workers_per_node,
+        cpu_blocks=a.cpu_blocks,
+        disk_blocks=a.disk_blocks,
+        cpu=Link(a.cpu_s_per_token, d.cpu.latency_s),
+        disk=Link(a.disk_s_per_token, d.disk.latency_s),
+        peer=Link(a.peer_s_per_token, d.peer.latency_s),
+        peer_fetch=not a.no_peer_fetch,
+    )
+
+
 def run(a: argparse.Namespace) -> int:
     from .driver import replay
     from .policies import BUILTIN
     from .router_policy import RouterPolicy
 
     cfg = replace(SimWorkerConfig(), capacity_blocks=a.capacity_blocks, block_size=a.block_size)
+    mesh = mesh_config(a)
     rows = []
     for name in [n.strip() for n in a.policy.split(",") if n.strip()]:
         requests = list(_requests(a))
-        on_kv = None
+        on_kv = on_tier = None
         if name in ORACLES:
             policy = BUILTIN[name]()
         else:
-            policy = RouterPolicy(name, a.workers, seed=a.seed)
+            policy = RouterPolicy(
+                name, a.workers, seed=a.seed, workers_per_node=mesh.workers_per_node if mesh else 0
+            )
             on_kv = policy.on_kv_events
+            on_tier = policy.on_tier_events if mesh else None
         report = replay(
             _progress(requests, name, len(requests)),
             policy,
@@ -131,6 +184,8 @@ def run(a: argparse.Namespace) -> int:
             on_kv_events=on_kv,
             pace=a.speed,
             policy_name=name,
+            mesh=mesh,
+            on_tier_events=on_tier,
         )
         row = {
             "policy": name,
@@ -146,6 +201,9 @@ def run(a: argparse.Namespace) -> int:
             "ttft_p50_s": report.ttft_p50_s,
             "ttft_p99_s": report.ttft_p99_s,
             "wall_s": report.wall_s,
+            "hit_rate_all": report.hit_rate_all,
+            "capture_rate_all": report.capture_rate_all,
+            "tier_tokens": dict(report.tier_tokens),
         }
         if isinstance(policy, RouterPolicy) and policy.decision_s:
             ds = sorted(policy.decision_s)
@@ -155,7 +213,30 @@ def run(a: argparse.Namespace) -> int:
         rows.append(row)
         if a.json:
             print(json.dumps(row), flush=True)
-    if not a.json:
+    if not a.json and mesh is not None:
+        print(
+            f"\ntrace={a.trace} workers={a.workers} capacity_blocks={a.capacity_blocks} "
+            f"block_size={a.block_size} nodes of {mesh.workers_per_node} workers, "
+            f"cpu_blocks={mesh.cpu_blocks} disk_blocks={mesh.disk_blocks} "
+            f"peer_fetch={mesh.peer_fetch}\n"
+        )
+        print(
+            "| policy | GPU hit | all-tier hit | ceiling | GPU captured | all-tier captured "
+            "| served gpu/cpu/disk/peer % | max/mean load | TTFT p50 s | TTFT p99 s "
+            "| decision p50 ms |\n|---|---|---|---|---|---|---|---|---|---|---|"
+        )
+        for r in rows:
+            dec = f"{r['decision_p50_ms']:.2f}" if "decision_p50_ms" in r else "-"
+            tt = r["tier_tokens"]
+            total = sum(tt.values()) or 1
+            split = "/".join(f"{100 * tt[k] / total:.0f}" for k in ("gpu", "cpu", "disk", "peer"))
+            print(
+                f"| {r['policy']} | {r['hit_rate']:.1%} | {r['hit_rate_all']:.1%} "
+                f"| {r['ceiling']:.1%} | {r['capture_rate']:.1%} | {r['capture_rate_all']:.1%} "
+                f"| {split} | {r['load_max_over_mean']:.2f} | {r['ttft_p50_s']:.2f} "
+                f"| {r['ttft_p99_s']:.2f} | {dec} |"
+            )
+    elif not a.json:
         print(
             f"\ntrace={a.trace} workers={a.workers} capacity_blocks={a.capacity_blocks} "
             f"block_size={a.block_size}\n"

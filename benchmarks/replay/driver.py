@@ -13,6 +13,14 @@ arrival the workers run dry. Metrics (``ReplayReport``):
   reusable captured: of those, served from the cache (per request, min(cached, reusable));
 - the ceiling: tokens an infinite cache shared by all workers would serve (``traces.Ceiling``);
 - load balance: max / mean input tokens per worker; simulated TTFT p50 / p99.
+
+With a ``MeshConfig`` whose nodes have tiers (``mesh.py``), the workers are grouped into nodes,
+each with a kvmanager CPU (and disk) tier, and a request is also served from its node's tiers and
+from a peer node (its fetch delays its start; TTFT counts from the arrival). The report then says
+both: ``cached_tokens`` / ``reusable_tokens`` / ``reusable_captured_tokens`` stay the engines'
+own (GPU) figures, comparable with replays without tiers, and the ``*_all`` fields count tokens
+served from any tier or peer (``tier_tokens``: how many from each), against the longest prefix
+held anywhere (any engine or node store) when the request arrived.
 """
 
 from __future__ import annotations
@@ -21,12 +29,13 @@ import argparse
 import heapq
 import math
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
 
-from kvmesh.kv.events import KvEvent
+from kvmesh.kv.events import BlockStored, KvEvent
 from services.worker.sim.model import SimRequest, SimResult, SimulatedWorker, SimWorkerConfig
 
+from .mesh import FetchPlan, MeshConfig, NodeStore, apply_fetch, plan_fetch
 from .traces import Ceiling, ReplayRequest, cacheable_blocks, iter_sorted, quantile
 
 
@@ -39,10 +48,14 @@ class ClusterView:
     # Ground truth, per worker: leading blocks of the request in its cache now. Only oracles
     # may use it; a real router knows what its index learned from KV events.
     prefix_hit_blocks: list[int]
+    mesh: MeshConfig | None = None  # nodes and tiers; None: workers alone
+    stores: Sequence[NodeStore] = ()  # per node: its kvmanager's tiers (read only; oracles)
+    # Requests routed whose blocks are still being fetched (not on their engine yet), by id
+    in_fetch: Container[str] = frozenset()
 
 
 RoutePolicy = Callable[[ReplayRequest, ClusterView], int]
-KvEventsCallback = Callable[[int, Sequence[KvEvent]], None]
+KvEventsCallback = Callable[[int, Sequence[KvEvent]], None]  # (worker or node, events)
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +74,12 @@ class ReplayReport:
     ttft_mean_s: float
     virtual_s: float  # from the first arrival to the last finish
     wall_s: float  # real seconds the replay took
+    # Any tier or peer (equal to the GPU figures without tiers):
+    cached_all_tokens: int = 0  # prompt tokens served from the engine, a node tier or a peer
+    reusable_all_tokens: int = 0  # longest prefix held by any engine or node store at arrival
+    reusable_captured_all_tokens: int = 0
+    tier_tokens: tuple[tuple[str, int], ...] = ()  # (gpu|cpu|disk|peer, tokens served)
+    nodes: int = 0  # 0: no node tiers
 
     @property
     def hit_rate(self) -> float:
@@ -80,6 +99,15 @@ class ReplayReport:
         return _ratio(self.reusable_captured_tokens, self.reusable_tokens)
 
     @property
+    def hit_rate_all(self) -> float:
+        return _ratio(self.cached_all_tokens, self.input_tokens)
+
+    @property
+    def capture_rate_all(self) -> float:
+        """Share of the reusable tokens (held anywhere) served from any tier or peer."""
+        return _ratio(self.reusable_captured_all_tokens, self.reusable_all_tokens)
+
+    @property
     def load_balance(self) -> float:
         """Max over mean input tokens per worker (1.0: perfectly even)."""
         mean = sum(self.worker_input_tokens) / len(self.worker_input_tokens)
@@ -91,7 +119,15 @@ class ReplayReport:
 
     def as_dict(self) -> dict[str, object]:
         d = asdict(self)
-        for name in ("hit_rate", "ceiling", "reusable_rate", "capture_rate", "load_balance"):
+        for name in (
+            "hit_rate",
+            "ceiling",
+            "reusable_rate",
+            "capture_rate",
+            "load_balance",
+            "hit_rate_all",
+            "capture_rate_all",
+        ):
             d[name] = getattr(self, name)
         return d
 
@@ -109,21 +145,57 @@ def replay(
     on_kv_events: KvEventsCallback | None = None,
     pace: float | None = None,
     policy_name: str = "",
+    mesh: MeshConfig | None = None,
+    on_tier_events: KvEventsCallback | None = None,
 ) -> ReplayReport:
     """Replays ``requests`` (arrival order) on ``workers`` simulated workers of ``config``.
-    ``pace``: if set, virtual seconds per wall second (sleeps to keep up; None: flat out)."""
+    ``pace``: if set, virtual seconds per wall second (sleeps to keep up; None: flat out).
+    ``mesh``: nodes and their tiers (``mesh.py``); ``on_tier_events(node, events)`` gets each
+    node store's changes, as the router gets a kvmanager's tier event stream."""
     cfg = config or SimWorkerConfig()
     bs = cfg.block_size
+    tiered = mesh is not None and mesh.tiered
+    if tiered:
+        # The fetch time is charged before the engine sees the request (mesh.py): the engine
+        # adds nothing for its loaded blocks.
+        cfg = replace(cfg, load_s_per_token=0.0)
+    n_nodes = -(-workers // mesh.workers_per_node) if mesh is not None and tiered else 0
+
+    def tier_sink(j: int) -> Callable[[Sequence[KvEvent]], None] | None:
+        if on_tier_events is None:
+            return None
+        return lambda events: on_tier_events(j, events)
+
+    stores = [
+        NodeStore(mesh.cpu_blocks, mesh.disk_blocks, bs, tier_sink(j))
+        for j in range(n_nodes)
+        if mesh is not None
+    ]
 
     def sink(i: int) -> Callable[[Sequence[KvEvent]], None] | None:
-        if on_kv_events is None:
+        store = stores[mesh.node_of(i)] if tiered and mesh is not None else None
+        if on_kv_events is None and store is None:
             return None
-        return lambda events: on_kv_events(i, events)
+
+        def deliver(events: Sequence[KvEvent]) -> None:
+            if on_kv_events is not None:
+                on_kv_events(i, events)
+            if store is not None:  # write-through: what the engine stores, its node saves
+                for ev in events:
+                    if isinstance(ev, BlockStored):
+                        store.save(ev.block_hashes)
+
+        return deliver
 
     fleet = [SimulatedWorker(cfg, kv_sink=sink(i)) for i in range(workers)]
     heap: list[tuple[float, int]] = []
     scheduled = [math.inf] * workers  # the live heap entry of each worker
     results: list[SimResult] = []
+    # Requests whose blocks are being fetched: (ready at, n, worker, request)
+    fetching: list[tuple[float, int, int, SimRequest]] = []
+    in_fetch: set[str] = set()
+    arrival: dict[str, float] = {}
+    plans: dict[str, FetchPlan] = {}
     started_wall = time.monotonic()
 
     def wait_for(t: float) -> None:
@@ -140,7 +212,19 @@ def replay(
                 heapq.heappush(heap, (t, i))
 
     def run_until(t: float) -> None:
-        while heap and heap[0][0] <= t:
+        while True:
+            step_t = heap[0][0] if heap else math.inf
+            fetch_t = fetching[0][0] if fetching else math.inf
+            if min(step_t, fetch_t) > t or not (heap or fetching):
+                return
+            if fetch_t < step_t:  # a fetch done: the request reaches its engine
+                ft, _n, i, sreq = heapq.heappop(fetching)
+                in_fetch.discard(sreq.request_id)
+                wait_for(ft)
+                fleet[i].advance_to(ft)  # runs nothing: only sets its clock
+                fleet[i].submit(sreq)
+                reschedule(i)
+                continue
             et, i = heapq.heappop(heap)
             if et != scheduled[i]:
                 continue  # stale
@@ -151,6 +235,7 @@ def replay(
 
     ceiling = Ceiling(bs)
     reusable: list[int] = []
+    reusable_all: list[int] = []
     worker_input = [0] * workers
     input_tokens = ceiling_tokens = 0
     first_arrival: float | None = None
@@ -162,16 +247,40 @@ def replay(
         wait_for(t)
         limit = cacheable_blocks(req, bs)
         hits = [w.prefix_hit_blocks(req.block_hashes, limit) for w in fleet]
-        reusable.append(max(hits) * bs)
+        best_gpu = max(hits)
+        reusable.append(best_gpu * bs)
+        held = best_gpu
+        for st in stores:
+            if held >= limit:
+                break
+            if req.block_hashes[held] in st:
+                held = max(held, st.prefix(req.block_hashes, limit))
+        reusable_all.append(held * bs)
         ceiling_tokens += ceiling.observe(req)
         input_tokens += req.input_tokens
-        i = route(req, ClusterView(t, fleet, hits))
+        i = route(req, ClusterView(t, fleet, hits, mesh, stores, in_fetch))
         if not 0 <= i < workers:
             raise ValueError(f"the policy chose worker {i}; there are {workers}")
         worker_input[i] += req.input_tokens
+        rid = str(n)
+        arrival[rid] = t
+        external = 0
+        delay = 0.0
+        if tiered and mesh is not None:
+            node = mesh.node_of(i)
+            plan = plan_fetch(mesh, stores, node, req.block_hashes, hits[i], limit, bs)
+            apply_fetch(stores, node, req.block_hashes, plan)
+            plans[rid] = plan
+            external = plan.blocks if plan.blocks > hits[i] else 0
+            delay = plan.fetch_s
+        sreq = SimRequest(rid, req.block_hashes, req.input_tokens, req.output_tokens, external)
+        if delay > 0:
+            heapq.heappush(fetching, (t + delay, n, i, sreq))
+            in_fetch.add(rid)
+            continue
         w = fleet[i]
         w.advance_to(t)  # runs nothing (run_until did): only sets its clock to the arrival
-        w.submit(SimRequest(str(n), req.block_hashes, req.input_tokens, req.output_tokens))
+        w.submit(sreq)
         reschedule(i)
     run_until(math.inf)
     return _report(
@@ -179,11 +288,16 @@ def replay(
         workers,
         results,
         reusable,
+        reusable_all,
         worker_input,
         input_tokens,
         ceiling_tokens,
         first_arrival or 0.0,
         time.monotonic() - started_wall,
+        arrival,
+        plans,
+        n_nodes,
+        bs,
     )
 
 
@@ -192,20 +306,40 @@ def _report(
     workers: int,
     results: list[SimResult],
     reusable: list[int],
+    reusable_all: list[int],
     worker_input: list[int],
     input_tokens: int,
     ceiling_tokens: int,
     first_arrival: float,
     wall_s: float,
+    arrival: dict[str, float],
+    plans: dict[str, FetchPlan],
+    nodes: int,
+    bs: int,
 ) -> ReplayReport:
-    cached = captured = 0
+    cached = captured = cached_all = captured_all = 0
+    tiers = {"gpu": 0, "cpu": 0, "disk": 0, "peer": 0}
     ttfts: list[float] = []
     last = first_arrival
     for r in results:
-        cached += r.cached_tokens
-        captured += min(r.cached_tokens, reusable[int(r.request_id)])
-        if r.ttft_s is not None:
-            ttfts.append(r.ttft_s)
+        n = int(r.request_id)
+        gpu = r.cached_tokens - r.loaded_tokens  # served by the engine's own cache
+        cached += gpu
+        captured += min(gpu, reusable[n])
+        cached_all += r.cached_tokens
+        captured_all += min(r.cached_tokens, reusable_all[n])
+        tiers["gpu"] += gpu
+        plan = plans.get(r.request_id)
+        if plan is not None and r.loaded_tokens:
+            peer = min(plan.peer_blocks * bs, r.loaded_tokens)
+            disk = min(plan.disk_blocks * bs, r.loaded_tokens - peer)
+            tiers["peer"] += peer
+            tiers["disk"] += disk
+            # The rest came from the node's CPU tier (the engine lost some of its own blocks
+            # while the fetch ran: the node had them, written through).
+            tiers["cpu"] += r.loaded_tokens - peer - disk
+        if r.first_token_s is not None:
+            ttfts.append(r.first_token_s - arrival.get(r.request_id, r.arrival_s))
         last = max(last, r.finish_s)
     return ReplayReport(
         policy=policy,
@@ -222,6 +356,11 @@ def _report(
         ttft_mean_s=sum(ttfts) / len(ttfts) if ttfts else 0.0,
         virtual_s=last - first_arrival,
         wall_s=wall_s,
+        cached_all_tokens=cached_all,
+        reusable_all_tokens=sum(reusable_all),
+        reusable_captured_all_tokens=captured_all,
+        tier_tokens=tuple(tiers.items()),
+        nodes=nodes,
     )
 
 

@@ -2,9 +2,11 @@
 index, fed by the simulated workers' KV events exactly as the router's KV event streams feed it.
 
 Only the transport is missing: events go straight from the simulated worker to the index (one
-numbered batch per worker step, after an empty snapshot that makes each view exact), loads come
-from the simulated workers' own reports, and the scheduler's feedback hooks are called when the
-driver shows a request is no longer active.
+numbered batch per worker step, after an empty snapshot that makes each view exact), node store
+tier events likewise (``on_tier_events``, with each worker linked to its node's store), loads
+come from the simulated workers' own reports (their measured prefill work included), and the
+scheduler's feedback hooks are called as the driver shows them happen: ``on_first_token`` once
+the request's prefill is done, ``on_finished`` once it is no longer active.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from collections.abc import Sequence
 from kvmesh.discovery.keys import WorkerId, WorkerRecord
 from kvmesh.kv.events import KvEvent, KvEventBatch
 from services.router.core.index import KvIndex
-from services.router.core.index_types import IndexConfig
+from services.router.core.index_types import IndexConfig, StoreId, store_id
 from services.router.core.routing import make_policy
 from services.router.core.types import LoadSnapshot, RouteRequest
 from services.router.core.workers import WorkerSet
@@ -26,14 +28,22 @@ from .traces import ReplayRequest
 
 EPOCH = "replay"
 MODEL = "sim"
+LAYOUT = "0123456789abcdef"  # one KV layout for every simulated worker (a 16-hex layout key)
 
 
 class RouterPolicy:
     """A scheduler profile over the real KvIndex, as a ``RoutePolicy`` for the replay driver."""
 
     def __init__(
-        self, profile: str, workers: int, seed: int = 0, index_max_blocks: int = 8_000_000
+        self,
+        profile: str,
+        workers: int,
+        seed: int = 0,
+        index_max_blocks: int = 8_000_000,
+        workers_per_node: int = 0,
     ) -> None:
+        """``workers_per_node``: > 0 when the replay's nodes have kvmanager tiers: the index
+        follows each node store (``on_tier_events``) and links its workers to it."""
         self.name = profile
         self.index = KvIndex(IndexConfig(max_blocks=index_max_blocks))
         self.scheduler = make_policy(profile, index=self.index, rng=random.Random(seed))
@@ -45,7 +55,17 @@ class RouterPolicy:
             rec = WorkerRecord(worker_id=wid, address="sim", model=MODEL, model_path="")
             self.workers.apply_put(f"/kvmesh/replay/workers/both/{wid}", rec.to_json())
             self.index.apply(KvEventBatch(wid, EPOCH, 0, (), snapshot=True))
+        self._stores: list[StoreId] = []
+        if workers_per_node > 0:
+            nodes = -(-workers // workers_per_node)
+            self._stores = [store_id(f"kvm-{j:03d}", LAYOUT) for j in range(nodes)]
+            for sid in self._stores:
+                self.index.apply_store(sid, KvEventBatch(sid, EPOCH, 0, (), snapshot=True))
+            for i, wid in enumerate(self._ids):
+                self.index.link(wid, self._stores[i // workers_per_node])
+        self._store_seq = [0] * len(self._stores)
         self._active: dict[str, tuple[RouteRequest, int]] = {}
+        self._prefilled: set[str] = set()  # active, first token seen
         self._n = 0
         self.decision_s: list[float] = []  # wall time of each scheduling decision
         self.reasons: dict[str, int] = {}
@@ -53,6 +73,11 @@ class RouterPolicy:
     def on_kv_events(self, worker: int, events: Sequence[KvEvent]) -> None:
         self._seq[worker] += 1
         self.index.apply(KvEventBatch(self._ids[worker], EPOCH, self._seq[worker], tuple(events)))
+
+    def on_tier_events(self, node: int, events: Sequence[KvEvent]) -> None:
+        self._store_seq[node] += 1
+        sid = self._stores[node]
+        self.index.apply_store(sid, KvEventBatch(sid, EPOCH, self._store_seq[node], tuple(events)))
 
     def __call__(self, request: ReplayRequest, view: ClusterView) -> int:
         self._retire_finished(view)
@@ -65,6 +90,8 @@ class RouterPolicy:
                     waiting_requests=load.waiting,
                     in_flight_requests=load.running + load.waiting,
                     kv_cache_usage=load.kv_usage,
+                    prefill_computed_tokens=load.prefill_computed_tokens,
+                    prefill_s=load.prefill_s,
                 ),
             )
         route = RouteRequest(
@@ -85,10 +112,20 @@ class RouterPolicy:
         return slot
 
     def _retire_finished(self, view: ClusterView) -> None:
-        done = [
-            rid for rid, (_, slot) in self._active.items() if not view.workers[slot].is_active(rid)
-        ]
+        fetching = view.in_fetch
+        done = []
+        for rid, (route, slot) in self._active.items():
+            if rid in fetching:
+                continue
+            sim = view.workers[slot]
+            if not sim.is_active(rid):
+                done.append(rid)
+            elif rid not in self._prefilled and sim.has_first_token(rid):
+                self._prefilled.add(rid)  # the router sees the first token come back
+                self.scheduler.on_first_token(route, self._ids[slot])
         for rid in done:
             route, slot = self._active.pop(rid)
-            self.scheduler.on_first_token(route, self._ids[slot])
+            if rid not in self._prefilled:
+                self.scheduler.on_first_token(route, self._ids[slot])
+            self._prefilled.discard(rid)
             self.scheduler.on_finished(route, self._ids[slot])

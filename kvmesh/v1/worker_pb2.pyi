@@ -111,7 +111,7 @@ class WatchLoadRequest(_message.Message):
     def __init__(self, min_interval_s: _Optional[float] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("worker_id", "running_requests", "waiting_requests", "kv_cache_usage", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "in_flight_requests")
+    __slots__ = ("worker_id", "running_requests", "waiting_requests", "kv_cache_usage", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "in_flight_requests", "prefill_computed_tokens", "prefill_seconds")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +119,8 @@ class WorkerLoad(_message.Message):
     PREFIX_CACHE_QUERIED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     running_requests: int
     waiting_requests: int
@@ -126,7 +128,9 @@ class WorkerLoad(_message.Message):
     prefix_cache_queried_tokens: int
     prefix_cache_hit_tokens: int
     in_flight_requests: int
-    def __init__(self, worker_id: _Optional[str] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., in_flight_requests: _Optional[int] = ...) -> None: ...
+    prefill_computed_tokens: int
+    prefill_seconds: float
+    def __init__(self, worker_id: _Optional[str] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., in_flight_requests: _Optional[int] = ..., prefill_computed_tokens: _Optional[int] = ..., prefill_seconds: _Optional[float] = ...) -> None: ...
 
 class GetInfoRequest(_message.Message):
     __slots__ = ()

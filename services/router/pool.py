@@ -101,4 +101,6 @@ def load_from_pb(msg: worker_pb2.WorkerLoad) -> LoadSnapshot:
         kv_cache_usage=msg.kv_cache_usage,
         prefix_cache_queried_tokens=msg.prefix_cache_queried_tokens,
         prefix_cache_hit_tokens=msg.prefix_cache_hit_tokens,
+        prefill_computed_tokens=msg.prefill_computed_tokens,
+        prefill_s=msg.prefill_seconds,
     )

@@ -186,6 +186,12 @@ class EngineLoad:
     prefix_cache_queried_tokens: int = 0  # cumulative since start
     prefix_cache_hit_tokens: int = 0  # cumulative since start
     preemptions: int = 0  # requests the scheduler preempted, cumulative since start
+    # Prefill speed as the engine measured it, cumulative since start over requests whose
+    # prefill completed: prompt tokens computed (not from a cache) and the seconds from their
+    # scheduling to their first token (vLLM's per-request prefill_time). The router's cost
+    # model divides one by the other (scheduler/rates.py).
+    prefill_computed_tokens: int = 0
+    prefill_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -235,6 +235,8 @@ class _StatsSink(StatLoggerBase):
         self.queried_tokens = 0
         self.hit_tokens = 0
         self.preemptions = 0
+        self.prefill_tokens = 0  # prompt tokens computed by finished requests
+        self.prefill_s = 0.0  # their prefill times (scheduled -> first token)
         self.updates = 0
         self.listeners: list[Callable[[], None]] = []
         self.load_reports: OrderedDict[str, LoadReport] = OrderedDict()
@@ -265,6 +267,11 @@ class _StatsSink(StatLoggerBase):
     ) -> None:
         if iteration_stats is not None:  # vLLM's vllm:num_preemptions counts these
             self.preemptions += iteration_stats.num_preempted_reqs
+            for f in iteration_stats.finished_requests:  # the engine's own prefill timing
+                computed = f.num_prompt_tokens - f.num_cached_tokens
+                if computed > 0 and f.prefill_time > 0:
+                    self.prefill_tokens += computed
+                    self.prefill_s += f.prefill_time
         if scheduler_stats is None:
             return
         self.latest = scheduler_stats
@@ -400,6 +407,8 @@ class VllmEngine:
             prefix_cache_queried_tokens=self._stats.queried_tokens,
             prefix_cache_hit_tokens=self._stats.hit_tokens,
             preemptions=self._stats.preemptions,
+            prefill_computed_tokens=self._stats.prefill_tokens,
+            prefill_s=self._stats.prefill_s,
         )
 
     def add_load_listener(self, listener: Callable[[], None]) -> None:

@@ -119,6 +119,8 @@ def load_to_pb(load: EngineLoad, in_flight: int, worker_id: str) -> worker_pb2.W
         prefix_cache_queried_tokens=load.prefix_cache_queried_tokens,
         prefix_cache_hit_tokens=load.prefix_cache_hit_tokens,
         in_flight_requests=in_flight,
+        prefill_computed_tokens=load.prefill_computed_tokens,
+        prefill_seconds=load.prefill_s,
     )
 
 

@@ -84,6 +84,7 @@ class TestRegistry:
             "queue",
             "routed-volume",
             "session-affinity",
+            "ttft-cost",
         ]
 
     @pytest.mark.parametrize("kind", list(Kind), ids=str)

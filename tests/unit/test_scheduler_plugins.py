@@ -461,6 +461,7 @@ SCORERS = {
     "kv-usage": {},
     "routed-volume": {"half_life_requests": 3, "count": "uncached"},
     "active-context": {"idle_requests": 2},
+    "ttft-cost": {"min_sample_tokens": 1},
 }
 
 

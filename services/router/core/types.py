@@ -26,6 +26,10 @@ class LoadSnapshot:
     kv_cache_usage: float = 0.0
     prefix_cache_queried_tokens: int = 0
     prefix_cache_hit_tokens: int = 0
+    # Cumulative prefill work the engine measured (WorkerLoad fields 8-9): prompt tokens it
+    # computed and the seconds their prefills took; 0: not reported (an older worker).
+    prefill_computed_tokens: int = 0
+    prefill_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -207,6 +207,8 @@ class SimulatedEngine:
             kv_cache_usage=s.kv_usage,
             prefix_cache_queried_tokens=s.prefix_queried_tokens,
             prefix_cache_hit_tokens=s.prefix_hit_tokens,
+            prefill_computed_tokens=s.prefill_computed_tokens,
+            prefill_s=s.prefill_s,
         )
 
     def add_load_listener(self, listener: Callable[[], None]) -> None:

@@ -128,6 +128,10 @@ class SimLoad:
     pending_prefill_tokens: int
     prefix_queried_tokens: int = 0  # cumulative prompt tokens looked up at admission
     prefix_hit_tokens: int = 0  # cumulative prompt tokens served from the cache
+    # Cumulative over completed prefills, as vLLM's per-request stats: prompt tokens computed
+    # (not served from a cache) and the seconds from admission to the first token.
+    prefill_computed_tokens: int = 0
+    prefill_s: float = 0.0
 
 
 class _Run:
@@ -239,6 +243,8 @@ class SimulatedWorker:
         self._waiting_tokens = 0
         self._queried_tokens = 0
         self._hit_tokens = 0
+        self._prefill_tokens = 0
+        self._prefill_s = 0.0
         self._mem_version = 0  # bumped whenever blocks are released
         self._blocked: tuple[_Run, int] | None = None  # head that did not fit, at mem version
 
@@ -358,6 +364,11 @@ class SimulatedWorker:
     def is_active(self, request_id: str) -> bool:
         return request_id in self._runs
 
+    def has_first_token(self, request_id: str) -> bool:
+        """The request's prefill is done (or it is no longer here)."""
+        run = self._runs.get(request_id)
+        return run is None or run.first_token_s is not None
+
     @property
     def idle(self) -> bool:
         return self._step is None
@@ -376,6 +387,8 @@ class SimulatedWorker:
             pending_prefill_tokens=pending,
             prefix_queried_tokens=self._queried_tokens,
             prefix_hit_tokens=self._hit_tokens,
+            prefill_computed_tokens=self._prefill_tokens,
+            prefill_s=self._prefill_s,
         )
 
     # ---- internals -----------------------------------------------------------------------------
@@ -588,6 +601,8 @@ class SimulatedWorker:
             if b >= run.req.prompt_tokens:
                 prefilled = True
                 run.first_token_s = now
+                self._prefill_tokens += run.req.prompt_tokens - run.hit_blocks * bs
+                self._prefill_s += now - (run.admitted_s or now)
                 run.generated = 1
                 if sink is not None:
                     sink(run.req.request_id, 1, now)

@@ -11,6 +11,7 @@ from .footprint import ActiveContextParams, ActiveContextScorer
 from .plugins import PluginEnv
 from .prefix import ApproxParams, ApproxPrefixScorer, PreciseParams, PrecisePrefixScorer
 from .registry import Kind, PluginType, Registry
+from .ttft import TtftCostScorer, TtftParams
 
 
 def _simple(cls: Any) -> Any:
@@ -64,6 +65,14 @@ BUILTIN_TYPES: tuple[PluginType, ...] = (
         CostParams,
         _simple(CostModelScorer),
         "least estimated time to first token (queue + recompute): sticky until saturated",
+    ),
+    PluginType(
+        "ttft-cost",
+        Kind.SCORER,
+        TtftParams,
+        TtftCostScorer.build,
+        "least estimated time to first token: queue + fetch from the best tier or peer + "
+        "recompute, at measured prefill rates",
     ),
     PluginType(
         "session-affinity",

@@ -267,6 +267,34 @@ scorers:
   - {type: in-flight, weight: 0.5}
 picker: max-score
 """,
+    "precise-cost": """\
+name: precise-cost
+description: >-
+  Measured time to first token over every tier and peer (ttft-cost): per worker, the wait for
+  its queue + the fetch of the prefix it lacks from its node's kvmanager tiers or the best
+  peer's + the prefill of what nobody holds, at the prefill rate each engine measures; a session
+  moves, with its cache, when that is cheaper than waiting where it is. Prefix affinity, an even
+  share of routed tokens (routed-volume) and of the live sessions' contexts (active-context)
+  price the load the next requests will bring, which the cost of this one does not.
+filters: [serving, model, role]
+scorers:
+  - type: ttft-cost
+    weight: 1.0
+  - type: precise-prefix
+    weight: 2.0
+    params:
+      tier_weights: {gpu: 1.0, cpu: 0.8, disk: 0.5}
+      degraded_factor: 0.5
+  - type: routed-volume
+    weight: 4.5
+    params: {half_life_requests: 400, yield_to_prefix: 0.3}
+  - type: active-context
+    weight: 5.5
+    params: {idle_requests: 400, fork_share: 0.0}
+  - {type: queue, weight: 1.0}
+  - {type: in-flight, weight: 0.5}
+picker: max-score
+""",
     "precise-sticky": """\
 name: precise-sticky
 description: >-

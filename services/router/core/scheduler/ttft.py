@@ -1,0 +1,189 @@
+"""Time to first token, estimated per candidate from measured rates: wait, fetch, or recompute.
+
+For each candidate ``w`` (``estimate``)::
+
+    queue_s(w)   = prefill_tokens_in_flight(w) * prefill_s_per_token(w)   # this router's ledger
+                   + running_requests(w) * running_request_s                # decode sharing steps
+    fetch_s(w)   = load(cpu_tokens(w), cpu) + load(disk_tokens(w), disk)   # its node's tiers
+                   + load(peer_tokens(w), peer)        # what another node's kvmanager adds
+    prefill_s(w) = tokens_nobody_holds(w) * prefill_s_per_token(w)
+    ttft_s(w)    = queue_s(w) + fetch_s(w) + prefill_s(w)
+
+with ``load(n, link) = link latency + n * link s_per_token`` (0 for n = 0). The matched prefix on
+``w``'s engine and its node's tiers comes from the profile's prefix source (the KV index);
+``peer_tokens`` is what the best other node store of the same layout holds beyond that (the
+router's peer hint names that store to the worker, core/peers.py), counted only past
+``peer_min_gain_blocks`` as the hint is. A store's prefix is taken as the best match among the
+candidates linked to it (their engines' blocks and the store's: equal to the store's own when
+it holds what its engines do, as the connector's write-through makes it), which costs no walk
+over the prompt beyond the index match; a store with no candidate linked to it is not counted.
+
+``prefill_s_per_token(w)`` is measured: the worker's own engine reports the prompt tokens it
+computed and the seconds those prefills took (WorkerLoad.prefill_computed_tokens /
+prefill_seconds, from vLLM's per-request stats); ``rates.PrefillRates`` keeps a moving average per
+worker, and the fleet's mean stands in for a worker that has reported none yet. The tier and
+peer rates are configured (defaults: this project's measurements in BENCHMARKS.md, scaled to the
+default prefill rate): the kvmanagers do not report their transfer speeds to the router yet.
+
+The score is ``(min_ttft + floor_s) / (ttft_s(w) + floor_s)``: 1 for the cheapest worker. A
+session stays where its context is while waiting there costs less than fetching it elsewhere
+(from the node tier or a peer) or recomputing it, and moves, with its cache, once it does not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvmesh.discovery.keys import WorkerId
+
+from ..index_types import StoreId, store_parts
+from ..workers import WorkerView
+from .params import check
+from .plugins import CycleContext, PluginEnv
+from .rates import PrefillRates
+
+# The defaults' base: the simulator's prefill cost per token (docs/simulator.md) and the
+# measured TTFT ratios of a 4K-token prompt loaded instead of recomputed (issue 4).
+_PREFILL_S = 5e-5
+
+
+@dataclass(frozen=True, slots=True)
+class TtftParams:
+    # Until a worker (and the fleet) has reported prefill work: seconds per computed token.
+    prefill_s_per_token: float = _PREFILL_S
+    min_sample_tokens: int = 2048  # report deltas smaller than this wait for more
+    rate_half_life_samples: float = 8.0  # moving average of the measured rate
+    running_request_s: float = 0.0  # slow-down per running request (s)
+    cpu_s_per_token: float = 0.28 * _PREFILL_S  # node CPU tier -> engine (0.28x recompute)
+    cpu_latency_s: float = 1e-3
+    disk_s_per_token: float = 0.83 * _PREFILL_S  # node disk tier -> engine (0.83x)
+    disk_latency_s: float = 5e-3
+    peer_s_per_token: float = 0.44 * _PREFILL_S  # peer kvmanager -> node -> engine (0.44x)
+    peer_latency_s: float = 2e-3
+    peer_min_gain_blocks: int = 4  # as the router's peer hints (RouterConfig.peer_hint_min_blocks)
+    floor_s: float = 0.05  # costs this close count as equal (keeps idle fleets from flapping)
+
+    def __post_init__(self) -> None:
+        for name in (
+            "prefill_s_per_token",
+            "running_request_s",
+            "cpu_s_per_token",
+            "cpu_latency_s",
+            "disk_s_per_token",
+            "disk_latency_s",
+            "peer_s_per_token",
+            "peer_latency_s",
+        ):
+            v = getattr(self, name)
+            check(v >= 0.0, f"{name} is {v}; use seconds >= 0")
+        check(self.prefill_s_per_token > 0, "prefill_s_per_token must be > 0")
+        check(self.min_sample_tokens >= 1, "min_sample_tokens must be >= 1")
+        check(self.rate_half_life_samples > 0, "rate_half_life_samples must be > 0")
+        check(self.peer_min_gain_blocks >= 1, "peer_min_gain_blocks must be >= 1")
+        check(self.floor_s > 0.0, f"floor_s is {self.floor_s}; use seconds > 0")
+
+
+class TtftCostScorer:
+    """Favours the worker with the least estimated time to first token (see module doc)."""
+
+    needs_prefix_source = True
+
+    def __init__(self, name: str, params: TtftParams, index: Any = None) -> None:
+        self.name = name
+        self._p = params
+        # Peer fetch needs the index's links of workers to node stores (KvIndex.linked);
+        # without them no candidate gets peer tokens.
+        self._stores = index if callable(getattr(index, "linked", None)) else None
+        self.rates = PrefillRates(
+            params.prefill_s_per_token, params.min_sample_tokens, params.rate_half_life_samples
+        )
+
+    @classmethod
+    def build(cls, name: str, params: TtftParams, env: PluginEnv) -> TtftCostScorer:
+        return cls(name, params, env.index)
+
+    def _peer_bests(
+        self, candidates: Sequence[WorkerView], matches: Mapping[WorkerId, Any]
+    ) -> tuple[dict[WorkerId, StoreId], dict[str, list[tuple[int, str]]]]:
+        """Each candidate's linked store, and per layout the two best (blocks, kvmanager) over
+        the stores: a store's prefix is bounded by its workers' matches (their engine's blocks
+        and the store's), and equals the best of them when the store holds what its engines
+        do (write-through): no walk over the prompt beyond the index match already made."""
+        linked = self._stores.linked if self._stores is not None else None
+        if linked is None:
+            return {}, {}
+        links: dict[WorkerId, StoreId] = {}
+        best: dict[StoreId, int] = {}
+        for v in candidates:
+            wid = v.record.worker_id
+            sid = linked(wid)
+            if sid is None:
+                continue
+            links[wid] = sid
+            m = matches.get(wid)
+            if m is not None and m.blocks > best.get(sid, 0):
+                best[sid] = m.blocks
+        top: dict[str, list[tuple[int, str]]] = {}
+        for sid, blocks in best.items():
+            kvm, layout = store_parts(sid)
+            t = top.setdefault(layout, [])
+            t.append((blocks, kvm))
+            t.sort(reverse=True)
+            del t[2:]
+        return links, top
+
+    def estimate(self, ctx: CycleContext, candidates: Sequence[WorkerView]) -> list[float]:
+        """Estimated time to first token on each candidate, in seconds."""
+        p = self._p
+        req = ctx.request
+        prompt = req.prompt_tokens
+        total_blocks = len(req.block_hashes)
+        fallback_bs = prompt // total_blocks if total_blocks else 0
+        matches: Mapping[WorkerId, Any] = ctx.prefix()
+        tally = ctx.ledger.tally
+        rates = self.rates
+        for v in candidates:
+            rates.observe(v.record.worker_id, v.load)
+        links, top = self._peer_bests(candidates, matches)
+        out = []
+        for v in candidates:
+            wid = v.record.worker_id
+            rate = rates.s_per_token(wid)
+            load = v.load
+            queue = tally(wid).prefill_tokens * rate
+            if p.running_request_s:
+                queue += max(load.running_requests, 0) * p.running_request_s
+            bs = v.record.block_size or fallback_bs
+            m = matches.get(wid)
+            have = m.blocks if m is not None and m.blocks > 0 else 0
+            fetch = 0.0
+            if m is not None and have:
+                if m.cpu_blocks:
+                    fetch += p.cpu_latency_s + m.cpu_blocks * bs * p.cpu_s_per_token
+                if m.disk_blocks:
+                    fetch += p.disk_latency_s + m.disk_blocks * bs * p.disk_s_per_token
+            own = links.get(wid)
+            if own is not None and top:
+                kvm, layout = store_parts(own)
+                peer = 0
+                for blocks, k in top.get(layout, ()):
+                    if k != kvm:
+                        peer = blocks
+                        break
+                gain = peer - have
+                if gain >= p.peer_min_gain_blocks:
+                    fetch += p.peer_latency_s + gain * bs * p.peer_s_per_token
+                    have += gain
+            uncached = prompt - have * bs
+            out.append(queue + fetch + (uncached if uncached > 0 else 0) * rate)
+        return out
+
+    def score(self, ctx: CycleContext, candidates: Sequence[WorkerView]) -> Sequence[float]:
+        costs = self.estimate(ctx, candidates)
+        if not costs:
+            return []
+        floor = self._p.floor_s
+        best = min(costs) + floor
+        return [best / (c + floor) for c in costs]

@@ -1,0 +1,43 @@
+"""The engine's measured prefill work reaches the router: vLLM's per-request stats summed by the
+worker's stat logger, carried by WorkerLoad fields 8-9, read back into the router's snapshot."""
+
+from __future__ import annotations
+
+import pytest
+from vllm.v1.engine import FinishReason
+from vllm.v1.metrics.stats import FinishedRequestStats, IterationStats
+
+from services.router.pool import load_from_pb
+from services.worker.core import EngineLoad
+from services.worker.engine import _StatsSink
+from services.worker.servicer import load_to_pb
+
+
+def finished(prompt: int, cached: int, prefill_s: float) -> FinishedRequestStats:
+    return FinishedRequestStats(
+        FinishReason.LENGTH, num_prompt_tokens=prompt, num_cached_tokens=cached,
+        prefill_time=prefill_s,
+    )  # fmt: skip
+
+
+def test_the_stat_logger_sums_computed_tokens_and_prefill_seconds():
+    sink = _StatsSink()
+    it = IterationStats()
+    it.finished_requests = [
+        finished(1000, 200, 0.4),
+        finished(64, 64, 0.01),  # all cached: computed nothing, says nothing of the rate
+        finished(500, 0, 0.0),  # no prefill time (aborted before its first token)
+    ]
+    sink.record(None, it)
+    it2 = IterationStats()
+    it2.finished_requests = [finished(300, 100, 0.1)]
+    sink.record(None, it2)
+    assert sink.prefill_tokens == 800 + 200
+    assert sink.prefill_s == pytest.approx(0.5)
+
+
+def test_worker_load_carries_the_prefill_counters_to_the_router():
+    load = EngineLoad(running_requests=2, prefill_computed_tokens=12345, prefill_s=1.5)
+    snap = load_from_pb(load_to_pb(load, in_flight=3, worker_id="w"))
+    assert (snap.prefill_computed_tokens, snap.prefill_s) == (12345, 1.5)
+    assert snap.running_requests == 2 and snap.in_flight_requests == 3
