@@ -9,7 +9,7 @@ import pytest
 from kvmesh.discovery.keys import Role, WorkerId, WorkerRecord, WorkerState, worker_key
 from kvmesh.errors import InvalidArgument, Unavailable
 from services.router.core import validation
-from services.router.core.routing import LeastLoaded, RandomPick, RoundRobin, make_policy
+from services.router.core.routing import make_policy
 from services.router.core.types import ChatMessage, LoadSnapshot, RouteRequest
 from services.router.core.workers import WorkerSet
 
@@ -115,7 +115,7 @@ class TestRouting:
         ws = self._set()
         ws.started(WorkerId("a"))
         ws.set_load(WorkerId("b"), LoadSnapshot(in_flight_requests=3))
-        d = LeastLoaded(random.Random(0)).pick(REQ, ws.candidates("tiny"))
+        d = make_policy("least-loaded", rng=random.Random(0)).pick(REQ, ws.candidates("tiny"))
         assert d.worker_id == "c"
         assert d.policy == "least-loaded"
 
@@ -123,20 +123,22 @@ class TestRouting:
         ws = self._set()
         ws.set_load(WorkerId("a"), LoadSnapshot(in_flight_requests=2))
         ws.set_load(WorkerId("c"), LoadSnapshot(in_flight_requests=2))
-        assert LeastLoaded().pick(REQ, ws.candidates("tiny")).worker_id == "b"
+        assert make_policy("least-loaded").pick(REQ, ws.candidates("tiny")).worker_id == "b"
 
     def test_least_loaded_breaks_ties_on_kv_usage_then_randomly(self):
         ws = self._set()
         ws.set_load(WorkerId("a"), LoadSnapshot(kv_cache_usage=0.5))
         picks = {
-            LeastLoaded(random.Random(s)).pick(REQ, ws.candidates("tiny")).worker_id
+            make_policy("least-loaded", rng=random.Random(s))
+            .pick(REQ, ws.candidates("tiny"))
+            .worker_id
             for s in range(40)
         }
         assert picks == {"b", "c"}
 
     def test_round_robin_cycles(self):
         ws = self._set()
-        rr = RoundRobin()
+        rr = make_policy("round-robin")
         assert [rr.pick(REQ, ws.candidates("tiny")).worker_id for _ in range(4)] == [
             "a",
             "b",
@@ -144,12 +146,10 @@ class TestRouting:
             "a",
         ]
 
-    @pytest.mark.parametrize(
-        "policy", [LeastLoaded(), RoundRobin(), RandomPick()], ids=lambda p: p.name
-    )
-    def test_no_candidates_is_unavailable(self, policy):
+    @pytest.mark.parametrize("name", ["least-loaded", "round-robin", "random"])
+    def test_no_candidates_is_unavailable(self, name):
         with pytest.raises(Unavailable, match="no serving worker for model 'tiny'"):
-            policy.pick(REQ, [])
+            make_policy(name).pick(REQ, [])
 
     def test_unknown_policy(self):
         with pytest.raises(InvalidArgument, match="unknown routing policy"):

@@ -34,7 +34,8 @@ from services.router.core.scheduler import (
 )
 from services.router.core.scheduler.affinity import SessionParams
 from services.router.core.scheduler.cost import CostParams
-from services.router.core.scheduler.filters import NoParams, RoleParams, ServingFilter
+from services.router.core.scheduler.filters import RoleParams, ServingFilter
+from services.router.core.scheduler.params import NoParams
 from services.router.core.scheduler.pickers import MaxScoreParams, MaxScorePicker
 from services.router.core.scheduler.prefix import PreciseParams, TierWeights
 from services.router.core.types import RouteDecision

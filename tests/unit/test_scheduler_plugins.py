@@ -23,7 +23,6 @@ from services.router.core.scheduler.affinity import SessionAffinityScorer, Sessi
 from services.router.core.scheduler.cost import CostModelScorer, CostParams
 from services.router.core.scheduler.filters import (
     ModelFilter,
-    NoParams,
     RoleFilter,
     RoleParams,
     ServingFilter,
@@ -37,7 +36,7 @@ from services.router.core.scheduler.load import (
     QueueParams,
     QueueScorer,
 )
-from services.router.core.scheduler.load import NoParams as LoadNoParams
+from services.router.core.scheduler.params import NoParams
 from services.router.core.scheduler.pickers import (
     MaxScoreParams,
     MaxScorePicker,
@@ -45,7 +44,6 @@ from services.router.core.scheduler.pickers import (
     RoundRobinPicker,
     SeedParams,
 )
-from services.router.core.scheduler.pickers import NoParams as PickNoParams
 from services.router.core.scheduler.prefix import (
     ApproxParams,
     ApproxPrefixScorer,
@@ -239,8 +237,8 @@ class TestLoad:
                 0.25,
                 id="router-count",
             ),
-            pytest.param(KvUsageScorer("k", LoadNoParams()), view("x", kv=0.7), 0.3, id="kv"),
-            pytest.param(KvUsageScorer("k", LoadNoParams()), view("x", kv=1.7), 0.0, id="kv-over"),
+            pytest.param(KvUsageScorer("k", NoParams()), view("x", kv=0.7), 0.3, id="kv"),
+            pytest.param(KvUsageScorer("k", NoParams()), view("x", kv=1.7), 0.0, id="kv-over"),
         ],
     )
     def test_values(self, scorer, loaded, want):
@@ -397,7 +395,7 @@ class TestPickers:
             ]
 
     def test_round_robin(self):
-        p = RoundRobinPicker("rr", PickNoParams())
+        p = RoundRobinPicker("rr", NoParams())
         cands = views(3)
         ctx = ctx_for(request(1), cands)
         assert [p.pick(ctx, cands, [0.0] * 3).index for _ in range(4)] == [0, 1, 2, 0]

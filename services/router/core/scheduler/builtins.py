@@ -8,6 +8,7 @@ from . import filters, load, pickers
 from .affinity import SessionAffinityScorer, SessionParams
 from .cost import CostModelScorer, CostParams
 from .footprint import ActiveContextParams, ActiveContextScorer
+from .params import NoParams
 from .plugins import PluginEnv
 from .prefix import ApproxParams, ApproxPrefixScorer, PreciseParams, PrecisePrefixScorer
 from .registry import Kind, PluginType, Registry
@@ -26,14 +27,14 @@ BUILTIN_TYPES: tuple[PluginType, ...] = (
     PluginType(
         "serving",
         Kind.FILTER,
-        filters.NoParams,
+        NoParams,
         _simple(filters.ServingFilter),
         "workers in state serving",
     ),
     PluginType(
         "model",
         Kind.FILTER,
-        filters.NoParams,
+        NoParams,
         _simple(filters.ModelFilter),
         "workers serving the request's model",
     ),
@@ -119,7 +120,7 @@ BUILTIN_TYPES: tuple[PluginType, ...] = (
     PluginType(
         "kv-usage",
         Kind.SCORER,
-        load.NoParams,
+        NoParams,
         _simple(load.KvUsageScorer),
         "more free KV cache",
     ),
@@ -134,7 +135,7 @@ BUILTIN_TYPES: tuple[PluginType, ...] = (
     PluginType(
         "round-robin",
         Kind.PICKER,
-        pickers.NoParams,
+        NoParams,
         _simple(pickers.RoundRobinPicker),
         "each candidate in turn",
     ),

@@ -8,12 +8,8 @@ from dataclasses import dataclass
 from kvmesh.discovery.keys import Role
 
 from ..workers import WorkerView
+from .params import NoParams
 from .plugins import CycleContext
-
-
-@dataclass(frozen=True, slots=True)
-class NoParams:
-    pass
 
 
 class ServingFilter:

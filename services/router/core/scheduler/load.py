@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from ..types import RouteDecision, RouteRequest
 from ..workers import WorkerView, outstanding
-from .params import check
+from .params import NoParams, check
 from .plugins import CycleContext
 
 
@@ -90,11 +90,6 @@ class InFlightTokensScorer:
                 1.0 / (1.0 + tally(v.record.worker_id).prefill_tokens * inv) for v in candidates
             ]
         return [1.0 / (1.0 + tally(v.record.worker_id).prompt_tokens * inv) for v in candidates]
-
-
-@dataclass(frozen=True, slots=True)
-class NoParams:
-    pass
 
 
 class KvUsageScorer:

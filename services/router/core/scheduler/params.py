@@ -23,6 +23,11 @@ from kvmesh.errors import InvalidArgument
 P = TypeVar("P")
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class NoParams:
+    """The parameters of a plugin that takes none (any key given is an error)."""
+
+
 def check(ok: bool, message: str) -> None:
     """For ``__post_init__`` range checks: raise ``InvalidArgument(message)`` unless ``ok``."""
     if not ok:

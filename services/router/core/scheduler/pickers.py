@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..workers import WorkerView
-from .params import check
+from .params import NoParams, check
 from .plugins import Choice, CycleContext, PluginEnv
 
 
@@ -69,11 +69,6 @@ class RandomPicker:
         self, ctx: CycleContext, candidates: Sequence[WorkerView], totals: Sequence[float]
     ) -> Choice:
         return Choice(self._rng.randrange(len(candidates)), uses_scores=False)
-
-
-@dataclass(frozen=True, slots=True)
-class NoParams:
-    pass
 
 
 class RoundRobinPicker:
