@@ -30,7 +30,8 @@ class RouterConfig:
     etcd_ttl_s: float = setting(10.0, "lease TTL of the router's own etcd record, seconds")
     policy: str = setting(
         "precise-sticky",
-        "scheduler profile: a built-in name (config/scheduler/*.yaml) or a profile YAML file",
+        "scheduler profile: a built-in name (services/router/core/scheduler/profiles/*.yaml)"
+        " or a profile YAML file",
     )
     index_max_blocks: int = setting(
         4_000_000, "KV index bound in distinct blocks (~80 bytes of memory each)"

@@ -53,6 +53,7 @@ from tests.unit.scheduler_fakes import (
 )
 
 REPO = Path(__file__).resolve().parents[2]
+PROFILES = REPO / "services" / "router" / "core" / "scheduler" / "profiles"
 
 
 def fixed_profile(*columns: tuple[float, tuple[float, ...]], picker: str = "max-score") -> str:
@@ -220,13 +221,14 @@ class TestProfiles:
         assert d.policy == name
 
     @pytest.mark.parametrize("name", sorted(BUILTIN_PROFILES))
-    def test_config_files_match_builtins(self, name):
-        path = REPO / "config" / "scheduler" / f"{name}.yaml"
+    def test_each_builtin_file_names_its_profile(self, name):
+        path = PROFILES / f"{name}.yaml"
         assert parse_yaml(path.read_text()) == builtin_profile(name)
+        assert builtin_profile(name).name == name
 
-    def test_config_dir_has_only_builtins(self):
-        files = {p.stem for p in (REPO / "config" / "scheduler").glob("*.yaml")}
-        assert files == set(BUILTIN_PROFILES)
+    def test_every_file_in_profiles_is_a_builtin(self):
+        files = {p.stem for p in PROFILES.glob("*.yaml")}
+        assert files == set(BUILTIN_PROFILES) >= {"precise-sticky", "round-robin"}
 
     def test_defaults(self):
         spec = parse_yaml("name: bare")
@@ -360,7 +362,7 @@ class TestMakePolicy:
             make_policy("fastest")
 
     def test_yaml_path(self):
-        p = make_policy(str(REPO / "config/scheduler/approximate-prefix.yaml"))
+        p = make_policy(str(PROFILES / "approximate-prefix.yaml"))
         assert p.name == "approximate-prefix"
 
     def test_policies_lists_builtins(self):

@@ -4,7 +4,8 @@ Pure: no grpc, etcd or vLLM. See docs/routing.md. Start-up::
 
     registry = default_registry()                       # once; register extra plugin types here
     env = PluginEnv(index=kv_index, rng=random.Random(seed))
-    scheduler = load_profile(Path("config/scheduler/precise-sticky.yaml"), registry=registry, env=env)
+    scheduler = load_profile(Path("my-profile.yaml"), registry=registry, env=env)
+    # or a built-in, one file each in profiles/: build_scheduler(builtin_profile(name), ...)
 
 and then, per request (the servicer): ``pick`` -> ``on_routed`` -> ``on_first_token`` ->
 ``on_finished``.

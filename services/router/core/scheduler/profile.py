@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -169,161 +170,19 @@ def load_profile(
     return build_scheduler(parse_yaml(text, f"profile file {str(path)!r}"), registry, env)
 
 
-# ---- the baselines ------------------------------------------------------------------------------
-BUILTIN_PROFILES: dict[str, str] = {
-    "round-robin": """\
-name: round-robin
-description: Each serving worker in turn, blind to caches and load (a baseline).
-filters: [serving, model, role]
-scorers: []
-picker: round-robin
-""",
-    "random": """\
-name: random
-description: A serving worker at random (a baseline).
-filters: [serving, model, role]
-scorers: []
-picker: random
-""",
-    "least-loaded": """\
-name: least-loaded
-description: Fewest outstanding and queued requests, then most free KV cache; blind to caches.
-filters: [serving, model, role]
-scorers:
-  - {type: in-flight, weight: 1.0}
-  - {type: queue, weight: 1.0}
-  - {type: kv-usage, weight: 0.1}
-picker: max-score
-""",
-    "approximate-prefix": """\
-name: approximate-prefix
-description: >-
-  Longest prefix per the router's own record of what it sent where (engines without KV events),
-  weighed against load.
-filters: [serving, model, role]
-scorers:
-  - {type: approximate-prefix, weight: 2.0, params: {stride_blocks: 4, blocks_per_worker: 65536}}
-  - {type: queue, weight: 1.0}
-  - {type: in-flight, weight: 1.0}
-  - {type: kv-usage, weight: 0.1}
-picker: max-score
-""",
-    "precise-prefix": """\
-name: precise-prefix
-description: >-
-  Longest tier-weighted prefix per the KV block index the workers' events feed, weighed against
-  load (llm-d's precise prefix-cache profile).
-filters: [serving, model, role]
-scorers:
-  - type: precise-prefix
-    weight: 2.0
-    params:
-      tier_weights: {gpu: 1.0, cpu: 0.8, disk: 0.5}
-      degraded_factor: 0.5
-  - {type: queue, weight: 1.0}
-  - {type: in-flight, weight: 1.0}
-  - {type: kv-usage, weight: 0.1}
-picker: max-score
-""",
-    "precise-active": """\
-name: precise-active
-description: >-
-  Precise prefix affinity plus an even share of the live sessions' contexts (active-context):
-  agent sessions resend their whole context each turn, so a worker's future load is the sum of
-  the contexts living on it. A session moves (recomputing once) only when the other sessions on
-  its worker carry far more context than another worker's; its next turns follow the prefix.
-  For fleets serving long agent sessions; see docs/routing.md for the replay numbers.
-filters: [serving, model, role]
-scorers:
-  - type: precise-prefix
-    weight: 2.0
-    params:
-      tier_weights: {gpu: 1.0, cpu: 0.8, disk: 0.5}
-      degraded_factor: 0.5
-  - type: active-context
-    weight: 5.5
-    params: {idle_requests: 400, fork_share: 0.0}
-  - {type: queue, weight: 1.0}
-  - {type: in-flight, weight: 0.5}
-picker: max-score
-""",
-    "precise-balanced": """\
-name: precise-balanced
-description: >-
-  Precise prefix affinity plus an even share of routed tokens: cold sessions go where recent
-  routed volume is lowest, and a worker whose share runs far above the fleet's mean sheds warm
-  sessions too (recomputing them). For busy fleets; on a mostly idle fleet prefer precise-sticky.
-filters: [serving, model, role]
-scorers:
-  - type: precise-prefix
-    weight: 2.0
-    params:
-      tier_weights: {gpu: 1.0, cpu: 0.8, disk: 0.5}
-      degraded_factor: 0.5
-  - type: routed-volume
-    weight: 4.5
-    params: {half_life_requests: 400, yield_to_prefix: 0.3}
-  - {type: queue, weight: 1.0}
-  - {type: in-flight, weight: 0.5}
-picker: max-score
-""",
-    "precise-cost": """\
-name: precise-cost
-description: >-
-  Measured time to first token over every tier and peer (ttft-cost): per worker, the wait for
-  its queue + the fetch of the prefix it lacks from its node's kvmanager tiers or the best
-  peer's + the prefill of what nobody holds, at the prefill rate each engine measures; a session
-  moves, with its cache, when that is cheaper than waiting where it is. Prefix affinity, an even
-  share of routed tokens (routed-volume) and of the live sessions' contexts (active-context)
-  price the load the next requests will bring, which the cost of this one does not.
-filters: [serving, model, role]
-scorers:
-  - type: ttft-cost
-    weight: 1.0
-  - type: precise-prefix
-    weight: 2.0
-    params:
-      tier_weights: {gpu: 1.0, cpu: 0.8, disk: 0.5}
-      degraded_factor: 0.5
-  - type: routed-volume
-    weight: 4.5
-    params: {half_life_requests: 400, yield_to_prefix: 0.3}
-  - type: active-context
-    weight: 5.5
-    params: {idle_requests: 400, fork_share: 0.0}
-  - {type: queue, weight: 1.0}
-  - {type: in-flight, weight: 0.5}
-picker: max-score
-""",
-    "precise-sticky": """\
-name: precise-sticky
-description: >-
-  Sticky until saturated: the worker holding the prefix keeps the request while its queue costs
-  less than recomputing the prompt elsewhere (cost model of time to first token), with session
-  affinity and load as tie-breakers.
-filters: [serving, model, role]
-scorers:
-  - type: cost-model
-    weight: 3.0
-    params:
-      prefill_s_per_token: 2.5e-5
-      queued_request_s: 0.5
-      cpu_s_per_token: 2.0e-6
-      disk_s_per_token: 1.0e-5
-      floor_s: 0.05
-  - type: precise-prefix
-    weight: 0.5
-    params:
-      tier_weights: {gpu: 1.0, cpu: 0.8, disk: 0.5}
-      degraded_factor: 0.5
-  - type: session-affinity
-    weight: 0.5
-    params: {max_sessions: 100000, max_waiting: 4, max_kv_usage: 0.95}
-  - {type: in-flight, weight: 0.2}
-  - {type: kv-usage, weight: 0.1}
-picker: max-score
-""",
-}
+# ---- the built-ins: one YAML file each in profiles/ (shipped with the package) -------------------
+def _builtin_texts() -> dict[str, str]:
+    root = resources.files(__package__).joinpath("profiles")
+    texts = {
+        entry.name.removesuffix(".yaml"): entry.read_text(encoding="utf-8")
+        for entry in root.iterdir()
+        if entry.name.endswith(".yaml")
+    }
+    return dict(sorted(texts.items()))
+
+
+BUILTIN_PROFILES: dict[str, str] = _builtin_texts()
+"""Built-in profile name -> its YAML (``profiles/NAME.yaml``, the only copy)."""
 
 
 def builtin_profile(name: str) -> ProfileSpec:
