@@ -39,6 +39,10 @@ class RouterConfig:
     # wait for the prefill) is given up for the request: hung, or stuck behind a queue. The
     # request goes to another worker (within max_retries), else UNAVAILABLE.
     first_token_timeout_s: float = 300.0
+    # A worker failing after tokens were streamed: the request goes on on another worker (its
+    # prompt plus the tokens sent, the rest of max_tokens: docs/failover.md), at most this many
+    # times per request; then (or with 0) it fails, UNAVAILABLE.
+    max_resumes: int = 2
     # The data path to each worker: one Worker.GenerateMany stream carrying all its requests,
     # outputs batched per engine step (services/router/mux.py); False: a Worker.Generate call
     # per request (one gRPC message per request per token).

@@ -359,6 +359,13 @@ def parse_args(argv: list[str] | None) -> RouterConfig:
         "(default %(default)s)",
     )
     p.add_argument(
+        "--max-resumes",
+        type=int,
+        default=d.max_resumes,
+        help="times one request is resumed on another worker after its worker failed "
+        "mid-stream; 0 = never, fail (docs/failover.md; default %(default)s)",
+    )
+    p.add_argument(
         "--processes",
         type=int,
         default=d.processes,
@@ -430,6 +437,8 @@ def parse_args(argv: list[str] | None) -> RouterConfig:
         p.error(f"--peer-hint-min-blocks is {a.peer_hint_min_blocks}; use 1 or more")
     if not a.first_token_timeout_s > 0:
         p.error(f"--first-token-timeout-s is {a.first_token_timeout_s}; use > 0 seconds")
+    if a.max_resumes < 0:
+        p.error(f"--max-resumes is {a.max_resumes}; use 0 or more")
     if a.processes < 1:
         p.error(f"--processes is {a.processes}; use 1 or more")
     try:
@@ -479,6 +488,7 @@ def parse_args(argv: list[str] | None) -> RouterConfig:
         tokenizer_overrides=overrides,
         default_timeout_s=a.default_timeout_s,
         first_token_timeout_s=a.first_token_timeout_s,
+        max_resumes=a.max_resumes,
         worker_mux=a.worker_mux,
         processes=a.processes,
         reuse_port=a.reuse_port,
