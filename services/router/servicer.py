@@ -345,7 +345,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 span.set_attribute("disagg", dd.reason.value)
                 span.set_attribute("uncached_tokens", dd.uncached_tokens)
             else:
-                decision = self._disagg.pick_decode(route, candidates)
+                try:
+                    decision = self._disagg.pick_decode(route, candidates)
+                except errors.Unavailable as exc:  # prefill workers left: the failure says why
+                    if (exhausted := progress.exhausted()) is None:
+                        raise
+                    raise exhausted from exc
             if not handing_off and prefill is None:
                 decision = self._with_peer(route, decision)
             self.metrics.decided(decision, time.perf_counter() - started)

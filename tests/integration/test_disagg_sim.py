@@ -320,6 +320,8 @@ async def test_decode_failure_after_tokens_with_no_decode_worker_left_is_unavail
     for e in (engines["d0"], engines["d1"]):
         e.fail = "after-tokens"
     with pytest.raises(grpc.aio.AioRpcError) as info:
-        await client.complete(make_request(LONG, max_tokens=8), timeout_s=30)
+        await client.complete(make_request(LONG, max_tokens=64, ignore_eos=True), timeout_s=30)
     assert info.value.code() is grpc.StatusCode.UNAVAILABLE
-    assert "no decode-capable worker" in (info.value.details() or "")
+    details = info.value.details() or ""
+    assert "failed after" in details and "retry the request" in details
+    assert "no other serving worker to try" in details  # the prefill worker cannot decode
