@@ -160,9 +160,9 @@ async def test_greedy_stream_resumed_over_grpc_is_the_uninterrupted_output(mesh:
         assert usage.resumes == 1
         assert (usage.prompt_tokens, usage.completion_tokens) == (len(p), MAX_TOKENS)
         assert usage.worker_id != mesh.workers[killed].name
-        # the new worker prefilled (or loaded) the prompt and the replayed tokens
-        assert 0 <= usage.resume_recomputed_tokens <= len(p) + MAX_TOKENS
-        print(f"resume recomputed {usage.resume_recomputed_tokens} tokens", flush=True)
+        # The new worker loaded blocks of the prompt and of the replayed tokens from the node
+        # kvmanager (the connector saved them as they filled): it recomputed less than the prompt.
+        assert 0 <= usage.resume_recomputed_tokens < len(p), usage
     finally:
         if killed >= 0:
             await two_serving(mesh, killed)
