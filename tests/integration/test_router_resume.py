@@ -1,31 +1,40 @@
 """Mid-stream failover on simulated engines (services/worker/sim) behind the real worker gRPC
 service, a real etcd and a real router: a worker process SIGKILLed while it streams a request's
 tokens, and the client's stream going on on another worker, with no token missing or repeated
-and the usage counted as if uninterrupted (docs/failover.md). The simulated output continues a
-prompt that ends with the start of it, so "no gap, no repeat" is exactly the uninterrupted
-output."""
+and the usage counted as if uninterrupted (docs/failover.md); with no worker left, or past
+--max-resumes, a retryable UNAVAILABLE; a stop string that spans the seam ending the stream.
+The simulated output continues a prompt that ends with the start of it, so "no gap, no repeat"
+is exactly the uninterrupted output."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import os
 import signal
 import sys
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvmesh import errors
 from kvmesh.client import RouterClient, make_request
+from kvmesh.kv.hashing import HashConfig, block_hashes
+from kvmesh.v1 import common_pb2
 from services.router.config import RouterConfig
 from services.router.main import start_router
+from services.worker.config import WorkerConfig
+from services.worker.core import GenerateRequest, OutputDelta
 from services.worker.main import parse_args, simulated_engine
 from services.worker.server import start_worker
-from services.worker.sim.engine import SimEngineConfig, fake_token_ids
+from services.worker.sim.engine import SimEngineConfig, SimulatedEngine, fake_token_ids
+from services.worker.sim.model import SimWorkerConfig
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -155,3 +164,109 @@ async def test_with_no_worker_to_resume_on_the_client_gets_a_retryable_unavailab
     details = info.value.details() or ""
     assert "worker victim failed after" in details and "retry the request" in details
     assert "no other serving worker to try" in details
+
+
+class DiesAfter(SimulatedEngine):
+    """The simulator, dying (UNAVAILABLE) once it has streamed ``die_after`` tokens of a
+    request, one token a message (0: it does not die)."""
+
+    def __init__(self, die_after: int = 0) -> None:
+        super().__init__(
+            SimEngineConfig(
+                worker=SimWorkerConfig(capacity_blocks=1024, block_size=16),
+                model="sim",
+                max_model_len=4096,
+                vocab_size=1000,
+                speedup=20.0,
+            ),
+            hasher=functools.partial(block_hashes, cfg=HashConfig(block_size=16)),
+        )
+        self.die_after = die_after
+        self.seen: list[GenerateRequest] = []
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[OutputDelta]:
+        self.seen.append(request)
+        sent = 0
+        async for delta in super().generate(request):
+            for i, t in enumerate(delta.token_ids):
+                last = i == len(delta.token_ids) - 1
+                yield dataclasses.replace(
+                    delta,
+                    token_ids=(t,),
+                    text=f" t{t}",
+                    finish=delta.finish if last else None,
+                )
+                sent += 1
+                if sent == self.die_after:
+                    raise errors.Unavailable("simulated worker died mid-stream")
+
+
+@pytest.fixture
+async def pair(etcd, request):
+    """A router and two in-process simulated workers, each dying at its 6th token of a request
+    (the resumed attempt of a request ends before its 6th)."""
+    cluster = f"seam{os.getpid()}{abs(hash(time.monotonic())) % 10**5}"
+    engines = {"w1": DiesAfter(die_after=6), "w2": DiesAfter(die_after=6)}
+    workers = [
+        await start_worker(
+            WorkerConfig(
+                worker_id=wid,
+                cluster=cluster,
+                etcd_endpoints=tuple(etcd.endpoints),
+                drain_grace_s=1.0,
+            ),
+            engine,
+        )
+        for wid, engine in engines.items()
+    ]
+    router = await start_router(
+        RouterConfig(
+            cluster=cluster,
+            etcd_endpoints=tuple(etcd.endpoints),
+            drain_grace_s=1.0,
+            metrics_port=-1,
+            http_port=-1,
+            max_resumes=getattr(request, "param", 2),
+        )
+    )
+    try:
+        async with RouterClient(router.address) as client:
+            await until(lambda: len(router.workers.candidates("sim")) == 2)
+            yield client, engines
+    finally:
+        await router.stop()
+        for w in workers:
+            await w.stop()
+
+
+async def test_a_stop_string_across_the_seam_ends_the_resumed_stream(pair):
+    client, engines = pair
+    out = fake_token_ids("seam-1", 12, 1000)
+    # " t<6th> t<7th>": the dying worker's last token, then the resumed worker's first
+    stop = f" t{out[5]} t{out[6]}"
+    request = make_request(PROMPT, max_tokens=12, ignore_eos=True, request_id="seam-1", stop=[stop])
+    chunks = [chunk async for chunk in client.stream(request, timeout_s=30)]
+    assert all(e.seen for e in engines.values())  # the first picked died, the other resumed
+    final = chunks[-1].finished
+    assert final.reason == common_pb2.FINISH_REASON_STOP
+    assert final.stop_reason == stop
+    tokens = [t for c in chunks for t in c.token_ids]
+    assert tokens == out[:7]  # the resumed worker's first token completed the stop string
+    # the text up to the seam was sent before the stop string could be seen; nothing after
+    assert "".join(c.text for c in chunks) == "".join(f" t{t}" for t in out[:6])
+    assert (final.usage.resumes, final.usage.completion_tokens) == (1, 7)
+
+
+@pytest.mark.parametrize("pair", [1], indirect=True, ids=["max-resumes-1"])
+async def test_past_max_resumes_the_stream_ends_with_a_retryable_error(pair):
+    client, _engines = pair
+    request = make_request(PROMPT, max_tokens=30, ignore_eos=True, request_id="twice")
+    got: list[int] = []
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        async for chunk in client.stream(request, timeout_s=30):
+            got.extend(chunk.token_ids)
+    assert got == fake_token_ids("twice", 12, 1000)  # 6 from each, then it gave up
+    assert info.value.code() is grpc.StatusCode.UNAVAILABLE
+    details = info.value.details() or ""
+    assert "failed after 12 streamed token(s)" in details and "retry the request" in details
+    assert "resumed 1 time(s) already, --max-resumes 1" in details
