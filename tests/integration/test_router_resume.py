@@ -21,11 +21,16 @@ from pathlib import Path
 
 import grpc
 import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvmesh import errors
 from kvmesh.client import RouterClient, make_request
 from kvmesh.kv.hashing import HashConfig, block_hashes
+from kvmesh.telemetry import setup_tracing
 from kvmesh.v1 import common_pb2
 from services.router.config import RouterConfig
 from services.router.main import start_router
@@ -201,8 +206,20 @@ class DiesAfter(SimulatedEngine):
                     raise errors.Unavailable("simulated worker died mid-stream")
 
 
+@pytest.fixture(scope="module")
+def spans() -> InMemorySpanExporter:
+    """An in-memory exporter on the process's tracer provider (set once per process)."""
+    exporter = InMemorySpanExporter()
+    provider = trace.get_tracer_provider()
+    if isinstance(provider, TracerProvider):  # another module set one up already
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+    else:
+        setup_tracing("kvmesh-resume-test", extra_processor=SimpleSpanProcessor(exporter))
+    return exporter
+
+
 @pytest.fixture
-async def pair(etcd, request):
+async def pair(etcd, spans, request):
     """A router and two in-process simulated workers, each dying at its 6th token of a request
     (the resumed attempt of a request ends before its 6th)."""
     cluster = f"seam{os.getpid()}{abs(hash(time.monotonic())) % 10**5}"
@@ -232,7 +249,7 @@ async def pair(etcd, request):
     try:
         async with RouterClient(router.address) as client:
             await until(lambda: len(router.workers.candidates("sim")) == 2)
-            yield client, engines
+            yield client, engines, spans
     finally:
         await router.stop()
         for w in workers:
@@ -240,7 +257,7 @@ async def pair(etcd, request):
 
 
 async def test_a_stop_string_across_the_seam_ends_the_resumed_stream(pair):
-    client, engines = pair
+    client, engines, spans = pair
     out = fake_token_ids("seam-1", 12, 1000)
     # " t<6th> t<7th>": the dying worker's last token, then the resumed worker's first
     stop = f" t{out[5]} t{out[6]}"
@@ -255,11 +272,26 @@ async def test_a_stop_string_across_the_seam_ends_the_resumed_stream(pair):
     # the text up to the seam was sent before the stop string could be seen; nothing after
     assert "".join(c.text for c in chunks) == "".join(f" t{t}" for t in out[:6])
     assert (final.usage.resumes, final.usage.completion_tokens) == (1, 7)
+    # The request's span says it was resumed, from which worker, after how many tokens.
+    (span,) = [
+        s
+        for s in spans.get_finished_spans()
+        if s.attributes is not None
+        and s.attributes.get("request_id") == "seam-1"
+        and any(e.name == "resume" for e in s.events)
+    ]
+    (event,) = [e for e in span.events if e.name == "resume"]
+    assert event.attributes is not None
+    failed = event.attributes["failed_worker_id"]
+    assert failed in engines and failed != final.usage.worker_id
+    assert (event.attributes["resume"], event.attributes["replayed_tokens"]) == (1, 6)
+    assert event.attributes["max_tokens_left"] == 6
+    assert span.attributes is not None and span.attributes["resumes"] == 1
 
 
 @pytest.mark.parametrize("pair", [1], indirect=True, ids=["max-resumes-1"])
 async def test_past_max_resumes_the_stream_ends_with_a_retryable_error(pair):
-    client, _engines = pair
+    client, _engines, _spans = pair
     request = make_request(PROMPT, max_tokens=30, ignore_eos=True, request_id="twice")
     got: list[int] = []
     with pytest.raises(grpc.aio.AioRpcError) as info:

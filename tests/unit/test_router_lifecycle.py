@@ -314,3 +314,12 @@ def test_max_resumes_bounds_the_resumes_of_a_request() -> None:
         actions.append(step.action)
     assert actions == [Action.RESUME_ELSEWHERE, Action.RESUME_ELSEWHERE, Action.FAIL]
     assert progress.tried == {"a", "b"}
+
+
+def test_max_resumes_flag() -> None:
+    from services.router.main import parse_args
+
+    assert parse_args([]).max_resumes == 2
+    assert parse_args(["--max-resumes", "0"]).max_resumes == 0
+    with pytest.raises(SystemExit):
+        parse_args(["--max-resumes", "-1"])
