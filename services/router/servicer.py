@@ -35,7 +35,6 @@ from .core.index_types import StoreId
 from .core.lifecycle import Action, Attempt, Outcome, Progress, RetryPolicy, Step, next_step
 from .core.peers import PeerHints
 from .core.routing import RoutingPolicy
-from .core.seam import Seam
 from .core.types import ChatMessage, PeerHint, RouteDecision, RouteRequest
 from .core.workers import ModelSummary, WorkerSet
 from .decode import EndedEarly, Overlap, decode_stream, fell_back
@@ -44,6 +43,7 @@ from .metrics import RouterMetrics
 from .mux import MuxCall
 from .pool import WorkerPool
 from .prompt import PromptBuilder, PromptInput
+from .resume import Replay, held_back, resumed_route, resumed_sampling
 from .tokenizer import template_input
 
 log = logging.getLogger(__name__)
@@ -71,20 +71,6 @@ class _Ended:
     # What the client got from this attempt, one message per chunk (a resume replays its
     # token ids; their text is the seam's).
     sent: list[router_pb2.GenerateResponse] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class _Replay:
-    """A request's output so far, across its resumed attempts (docs/failover.md)."""
-
-    prompt_tokens: int  # the client's prompt
-    resumes: int = 0
-    tokens: int = 0  # sent by the attempts before the current one
-    token_ids: list[int] = field(default_factory=list)  # ... their ids
-    text: str = ""  # ... their text
-    recomputed: int = 0  # tokens resumed attempts computed again (as far as reported)
-    ttft_s: float = 0.0  # the first attempt's time to first token
-    seam: Seam | None = None  # stop strings across the last seam; None: none asked
 
 
 # The status a worker call ended with, as the lifecycle core names it (others: FAILED).
@@ -287,7 +273,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             time_remaining_s if time_remaining_s is not None else self._config.default_timeout_s
         )
         progress = Progress(route.request_id, not_resumable=not_resumable)
-        replay = _Replay(route.prompt_tokens)
+        replay = Replay(route.prompt_tokens)
         overlap = Overlap()
         handoff: worker_pb2.KvSource | None = None  # set once a prefill worker computed the KV
         try:
@@ -419,7 +405,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         arrived: float,
         overlap: Overlap,
         ended: _Ended,
-        replay: _Replay,
+        replay: Replay,
     ) -> AsyncGenerator[router_pb2.GenerateResponse, None]:
         """One worker call, proxied message by message (the only per-token work of the
         router). An attempt that stops short of the final message says how in ``ended``; a
@@ -534,41 +520,20 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self,
         route: RouteRequest,
         wid: WorkerId,
-        replay: _Replay,
+        replay: Replay,
         msg: worker_pb2.WorkerGenerateResponse,
         out: router_pb2.GenerateResponse,
         streamed: int,
     ) -> bool:
-        """A resumed attempt's message as the client's stream: its text across the seam (the
-        held-back text first, stop strings that span it) and the final usage counted as if
-        uninterrupted. True: a stop string across the seam ended the request (``out`` is now
-        its final message; the worker's call is to be cancelled)."""
-        stop = None
-        seam = replay.seam
-        if seam is not None and not seam.done:
-            out.text, stop = seam.feed(msg.text, final=msg.HasField("finished"))
-            if stop is not None:
-                out.finished.CopyFrom(
-                    common_pb2.Finished(reason=common_pb2.FINISH_REASON_STOP, stop_reason=stop)
-                )
-                out.finished.usage.worker_id = wid
-        if not out.HasField("finished"):
-            return False
-        u = out.finished.usage
-        if stop is None:
-            recomputed = max(route.prompt_tokens - u.cached_prompt_tokens, 0)
-            replay.recomputed += recomputed
+        """A resumed attempt's message as the client's stream (``Replay.go_on``), counted on
+        its final message. True: a stop string across the seam ended the request."""
+        stopped, recomputed = replay.go_on(route.prompt_tokens, wid, msg, out, streamed)
+        if out.HasField("finished"):
             self.metrics.resume_recomputed_tokens.labels(route.model).inc(recomputed)
-            u.completion_tokens += replay.tokens
-        else:
-            u.completion_tokens = replay.tokens + streamed + len(msg.token_ids)
-        u.prompt_tokens = replay.prompt_tokens
-        u.resumes = replay.resumes
-        u.resume_recomputed_tokens = replay.recomputed
-        span = trace.get_current_span()
-        span.set_attribute("resumes", replay.resumes)
-        span.set_attribute("resume_recomputed_tokens", replay.recomputed)
-        return stop is not None
+            span = trace.get_current_span()
+            span.set_attribute("resumes", replay.resumes)
+            span.set_attribute("resume_recomputed_tokens", replay.recomputed)
+        return stopped
 
     async def _resume(
         self,
@@ -577,76 +542,35 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         sampling: common_pb2.SamplingParams,
         ended: _Ended,
         step: Step,
-        replay: _Replay,
+        replay: Replay,
     ) -> tuple[RouteRequest, common_pb2.SamplingParams]:
-        """The next attempt of a request whose worker failed mid-stream: the prompt plus every
-        token the client has, the rest of max_tokens and min_tokens, the same seed and
-        sampling, the stop strings watched across the seam (docs/failover.md). Routed as any
-        request (the KV index finds who holds the blocks), the failed worker excluded. Raises
-        the step's error when nothing is left to generate."""
-        ids = [t for out in ended.sent for t in out.token_ids]
-        replay.token_ids.extend(ids)
-        replay.text += "".join(out.text for out in ended.sent)
-        replay.tokens += len(ids)
-        replay.resumes = step.progress.resumes
-        left = sampling.max_tokens - len(ids)
-        if left <= 0:  # every token was sent, not the final message: nothing to resume
+        """The next attempt of a request whose worker failed mid-stream (``resume.py``): the
+        prompt plus every token the client has, the rest of max_tokens, the same sampling, the
+        stop strings watched across the seam (docs/failover.md). Routed as any request (the KV
+        index finds who holds the blocks), the failed worker excluded. Raises the step's error
+        when nothing is left to generate."""
+        ids = replay.record(ended.sent, step.progress.resumes)
+        resumed = resumed_sampling(sampling, len(ids))
+        if resumed is None:  # every token was sent, not the final message: nothing to resume
             assert step.error is not None
             raise step.error from ended.cause
-        resumed = common_pb2.SamplingParams()
-        resumed.CopyFrom(sampling)
-        resumed.max_tokens = left
-        resumed.min_tokens = max(sampling.min_tokens - len(ids), 0)
-        resumed.ClearField("prompt_logprobs")  # the client has them from the first attempt
-        prompt_ids = [*route.prompt_token_ids, *ids]
-        prompt = await self._prompts.build(
-            model.name,
-            model.model_path,
-            model.block_size,
-            route.session_id,
-            PromptInput(token_ids=prompt_ids),
-            lambda _ids: None,  # the same length the request was admitted with
-        )
+        new_route = await resumed_route(self._prompts, model, route, ids)
         stops = tuple(s for s in sampling.stop if s)
         if stops:
-            pending = await self._held_back(route, model, replay)
-            tail = replay.text[-max(len(s) for s in stops) :]
-            replay.seam = Seam(stops, tail, pending)
+            replay.watch_seam(
+                stops, await held_back(self._prompts, model, replay, route.request_id)
+            )
         trace.get_current_span().add_event(
             "resume",
             {
                 "failed_worker_id": ended.attempt.worker_id if ended.attempt else "",
                 "resume": replay.resumes,
                 "replayed_tokens": replay.tokens,
-                "max_tokens_left": left,
+                "max_tokens_left": resumed.max_tokens,
             },
         )
         self.metrics.resumes.labels(route.model).inc()
-        new_route = replace(
-            route,
-            prompt_token_ids=tuple(prompt_ids),
-            prompt_tokens=len(prompt_ids),
-            block_hashes=prompt.hashed.hashes,
-        )
         return new_route, resumed
-
-    async def _held_back(self, route: RouteRequest, model: ModelSummary, replay: _Replay) -> str:
-        """The text of tokens the client has whose text it does not: vLLM holds back the end of
-        its output while it could be the start of a stop string. The tokens' full text less
-        what was sent; "" when that cannot be told (no tokenizer: the seam then checks only
-        the text sent)."""
-        try:
-            full = await self._prompts.decode(model.name, model.model_path, replay.token_ids)
-        except Exception as exc:  # a tokenizer trouble costs only the held-back text
-            log.warning(
-                "request %s: cannot decode its output to resume it: %s", route.request_id, exc
-            )
-            return ""
-        full = full.rstrip("\ufffd")  # an unfinished character: the next worker sends it
-        if not full.startswith(replay.text):
-            log.info("request %s: its output text is not its tokens' decoding", route.request_id)
-            return ""
-        return full[len(replay.text) :]
 
     def _routed(self, route: RouteRequest, decision: RouteDecision) -> None:
         """Logs and counts the decision an attempt is about to carry out."""

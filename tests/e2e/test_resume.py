@@ -107,8 +107,11 @@ async def grpc_output(
     """The request's token ids, text and final usage, and the killed worker's index (-1)."""
     chunks: list[router_pb2.GenerateResponse] = []
     killed = -1
+    request = greedy(p, request_id, stop)
+    if stop:
+        request.sampling.logprobs = 0  # each token's own, which the new worker goes on giving
     async with RouterClient(mesh.router_address) as client:
-        stream = aiter(client.stream(greedy(p, request_id, stop), timeout_s=2 * STEP_S))
+        stream = aiter(client.stream(request, timeout_s=2 * STEP_S))
         if kill:
             while sum(len(c.token_ids) for c in chunks) < KILL_AFTER:
                 chunks.append(await asyncio.wait_for(anext(stream), STEP_S))
@@ -117,6 +120,10 @@ async def grpc_output(
             chunks.append(chunk)
     assert chunks[-1].HasField("finished")
     tokens = [t for c in chunks for t in c.token_ids]
+    if stop:
+        logprobs = [(lp.token_id, lp.logprob) for c in chunks for lp in c.logprobs]
+        assert [t for t, _ in logprobs] == tokens  # one per token, across the seam too
+        assert all(lp <= 0.0 for _, lp in logprobs)
     return tokens, "".join(c.text for c in chunks), chunks[-1].finished.usage, killed
 
 
@@ -194,6 +201,7 @@ NEVER = ("~~~~never~stops~~~~",)
 
 
 async def test_text_held_back_for_a_stop_string_is_not_lost_at_the_seam(mesh: Mesh):
+    """With logprobs asked: the resumed worker's tokens carry theirs."""
     p = prompt(1402)
     tokens, text, _usage, _ = await grpc_output(mesh, p, "held-uninterrupted", False, NEVER)
     assert len(tokens) == MAX_TOKENS
