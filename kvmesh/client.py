@@ -138,8 +138,11 @@ def usage_line(c: Completion) -> str:
     u = c.usage
     if u is None:
         return "[usage] (stream ended without a final chunk)"
+    # A worker failed mid-stream and the router resumed the request elsewhere (docs/failover.md)
+    resumed = f" resumed={u.resumes} recomputed={u.resume_recomputed_tokens}" if u.resumes else ""
     return (
         f"[usage] prompt_tokens={u.prompt_tokens} cached_tokens={u.cached_prompt_tokens} "
         f"output_tokens={u.completion_tokens} ttft_ms={u.time_to_first_token_s * 1000:.0f} "
         f"worker={u.worker_id} finish={c.finish_reason.removeprefix('FINISH_REASON_').lower()}"
+        f"{resumed}"
     )

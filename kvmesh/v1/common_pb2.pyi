@@ -73,7 +73,7 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: bool = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_tokens: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "cached_prompt_tokens", "completion_tokens", "worker_id", "time_to_first_token_s", "cached_gpu_tokens", "cached_cpu_tokens", "cached_disk_tokens", "cached_peer_tokens", "queue_time_s", "prefill_time_s", "decode_time_s")
+    __slots__ = ("prompt_tokens", "cached_prompt_tokens", "completion_tokens", "worker_id", "time_to_first_token_s", "cached_gpu_tokens", "cached_cpu_tokens", "cached_disk_tokens", "cached_peer_tokens", "queue_time_s", "prefill_time_s", "decode_time_s", "resumes", "resume_recomputed_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +86,8 @@ class Usage(_message.Message):
     QUEUE_TIME_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TIME_S_FIELD_NUMBER: _ClassVar[int]
     DECODE_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    RESUMES_FIELD_NUMBER: _ClassVar[int]
+    RESUME_RECOMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     cached_prompt_tokens: int
     completion_tokens: int
@@ -98,7 +100,9 @@ class Usage(_message.Message):
     queue_time_s: float
     prefill_time_s: float
     decode_time_s: float
-    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., worker_id: _Optional[str] = ..., time_to_first_token_s: _Optional[float] = ..., cached_gpu_tokens: _Optional[int] = ..., cached_cpu_tokens: _Optional[int] = ..., cached_disk_tokens: _Optional[int] = ..., cached_peer_tokens: _Optional[int] = ..., queue_time_s: _Optional[float] = ..., prefill_time_s: _Optional[float] = ..., decode_time_s: _Optional[float] = ...) -> None: ...
+    resumes: int
+    resume_recomputed_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., worker_id: _Optional[str] = ..., time_to_first_token_s: _Optional[float] = ..., cached_gpu_tokens: _Optional[int] = ..., cached_cpu_tokens: _Optional[int] = ..., cached_disk_tokens: _Optional[int] = ..., cached_peer_tokens: _Optional[int] = ..., queue_time_s: _Optional[float] = ..., prefill_time_s: _Optional[float] = ..., decode_time_s: _Optional[float] = ..., resumes: _Optional[int] = ..., resume_recomputed_tokens: _Optional[int] = ...) -> None: ...
 
 class Finished(_message.Message):
     __slots__ = ("reason", "stop_reason", "usage")

@@ -75,6 +75,11 @@ class RouterConfig:
     max_retries: int = setting(
         1, "other workers tried when one is unavailable before the first token"
     )
+    max_resumes: int = setting(
+        2,
+        "times one request is resumed on another worker after its worker failed mid-stream "
+        "(prompt + the tokens already sent; docs/failover.md); past it: UNAVAILABLE, retryable",
+    )
     first_token_timeout_s: float = setting(
         300.0,
         "give a worker up (retry elsewhere, within max_retries; else UNAVAILABLE) when it "
@@ -140,3 +145,5 @@ class RouterConfig:
             )
         if self.processes < 1:
             raise InvalidArgument(f"--processes is {self.processes}; use 1 or more")
+        if self.max_resumes < 0:
+            raise InvalidArgument(f"--max-resumes is {self.max_resumes}; use 0 or more")

@@ -125,6 +125,19 @@ class RouterMetrics:
             "Requests sent to another worker after one was unavailable before the first token.",
             registry=r,
         )
+        self.resumes = Counter(
+            "kvmesh_router_resumes",
+            "Requests resumed on another worker after theirs failed mid-stream, by model.",
+            ["model"],
+            registry=r,
+        )
+        self.resume_recomputed_tokens = Counter(
+            "kvmesh_router_resume_recomputed_tokens",
+            "Tokens resumed requests computed again on their new worker (prompt plus replayed "
+            "tokens not loaded from a cache), by model.",
+            ["model"],
+            registry=r,
+        )
         self.disagg_decisions = Counter(
             "kvmesh_router_disagg_decisions",
             "Prefill/decode decisions by model and reason: 'disaggregated', or why the request "

@@ -109,6 +109,22 @@ class PromptBuilder:
                 _hash_attributes(span, hashed)
             return Prompt(ids, hashed, inline=True)
 
+        return await self._in_executor(block_size, session_id, encode, check)
+
+    async def decode(self, model: str, path: str, token_ids: Sequence[int]) -> str:
+        """``token_ids``' text, in the executor (a resumed stream's seam: docs/failover.md)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self._executor, self._tokenizers.decode_now, model, path, token_ids
+        )
+
+    async def _in_executor(
+        self,
+        block_size: int,
+        session_id: str,
+        encode: Callable[[], list[int]],
+        check: Callable[[list[int]], None],
+    ) -> Prompt:
         def job() -> tuple[list[int], SessionHashes, tuple[int, int, int, int]]:
             t0 = time.time_ns()
             ids = encode()

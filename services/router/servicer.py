@@ -9,7 +9,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import grpc
 from opentelemetry import trace
@@ -43,6 +43,7 @@ from .metrics import RouterMetrics
 from .mux import MuxCall
 from .pool import WorkerPool
 from .prompt import PromptBuilder, PromptInput
+from .resume import Replay, held_back, resumed_route, resumed_sampling
 from .tokenizer import template_input
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,9 @@ class _Ended:
 
     attempt: Attempt | None = None
     cause: BaseException | None = None  # the worker call's error, chained to the client's
+    # What the client got from this attempt, one message per chunk (a resume replays its
+    # token ids; their text is the seam's).
+    sent: list[router_pb2.GenerateResponse] = field(default_factory=list)
 
 
 # The status a worker call ended with, as the lifecycle core names it (others: FAILED).
@@ -90,7 +94,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         linked: Callable[[WorkerId], StoreId | None] | None = None,
     ) -> None:
         self._config = config
-        self._retry = RetryPolicy(config.max_retries)
+        self._retry = RetryPolicy(config.max_retries, config.max_resumes)
         # The worker -> node store link (the KV index's); None: no worker can hand KV over.
         self._linked: Callable[[WorkerId], StoreId | None] = linked or (lambda _w: None)
         self._disagg = disagg or DisaggHandler(
@@ -179,7 +183,13 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 priority=request.priority,
                 block_hashes=hashed.hashes,
             )
-            chunks = self._proxy(route, sampling_pb, time_remaining_s, arrived)
+            if forced is not None or sampling_pb.HasField("structured_output"):
+                not_resumable = "a structured output's grammar state cannot be replayed"
+            else:
+                not_resumable = ""
+            chunks = self._proxy(
+                route, model, sampling_pb, time_remaining_s, arrived, not_resumable
+            )
             async with contextlib.aclosing(chunks):
                 async for chunk in chunks:
                     finished = chunk.HasField("finished")
@@ -250,17 +260,21 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def _proxy(
         self,
         route: RouteRequest,
+        model: ModelSummary,
         sampling: common_pb2.SamplingParams,
         time_remaining_s: float | None,
         arrived: float,
+        not_resumable: str = "",
     ) -> AsyncGenerator[router_pb2.GenerateResponse, None]:
         """The request's worker attempts, until one sends the final message. Each attempt that
         ends without it goes to the lifecycle core (``core/lifecycle.py``), whose step this
-        carries out: pick another worker, resend without the hand-off, or fail."""
+        carries out: pick another worker, resend without the hand-off, resume the stream
+        elsewhere, or fail."""
         deadline = arrived + (
             time_remaining_s if time_remaining_s is not None else self._config.default_timeout_s
         )
-        progress = Progress(route.request_id)
+        progress = Progress(route.request_id, not_resumable=not_resumable)
+        replay = Replay(route.prompt_tokens)
         overlap = Overlap()
         handoff: worker_pb2.KvSource | None = None  # set once a prefill worker computed the KV
         try:
@@ -272,7 +286,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     handoff, overlap.task = None, None  # the prefill fell back: nothing to wait for
                 ended = _Ended()
                 attempt = self._attempt(
-                    route, decision, sampling, handoff, deadline, arrived, overlap, ended
+                    route, decision, sampling, handoff, deadline, arrived, overlap, ended, replay
                 )
                 async with contextlib.aclosing(attempt):
                     async for out in attempt:
@@ -284,6 +298,13 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 progress = step.progress
                 if step.action is Action.RESEND_WITHOUT_HANDOFF:
                     handoff, overlap.task = None, None
+                elif step.action is Action.RESUME_ELSEWHERE:
+                    route, sampling = await self._resume(
+                        route, model, sampling, ended, step, replay
+                    )
+                    if overlap.task is not None and not overlap.task.done():
+                        overlap.task.cancel()
+                    handoff, overlap.task = None, None  # the new worker finds the KV itself
         finally:
             if overlap.task is not None and not overlap.task.done():
                 overlap.task.cancel()  # nobody needs its KV any more; it aborts its engine call
@@ -311,7 +332,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 span.set_attribute("disagg", dd.reason.value)
                 span.set_attribute("uncached_tokens", dd.uncached_tokens)
             else:
-                decision = self._disagg.pick_decode(route, candidates)
+                try:
+                    decision = self._disagg.pick_decode(route, candidates)
+                except errors.Unavailable as exc:  # prefill workers left: the failure says why
+                    if (exhausted := progress.exhausted()) is None:
+                        raise
+                    raise exhausted from exc
             if not handing_off and prefill is None:
                 decision = self._with_peer(route, decision)
             self.metrics.decided(decision, time.perf_counter() - started)
@@ -339,12 +365,21 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         assert attempt is not None
         if attempt.outcome is Outcome.NO_FIRST_TOKEN:
             log.warning("%s for %s", step.progress.last_failure, route.request_id)
-        if step.action in (Action.FAIL, Action.RESUME_ELSEWHERE):
-            # RESUME_ELSEWHERE: the failover issue's; ``self._retry`` never asks for it yet, and
-            # until the servicer can resume a stream the client gets the step's error.
+        if step.action is Action.FAIL:
             assert step.error is not None
             raise step.error from ended.cause
-        if step.action is Action.RESEND_WITHOUT_HANDOFF:
+        if step.action is Action.RESUME_ELSEWHERE:
+            log.warning(
+                "request %s: worker %s failed mid-stream (%s: %s); resuming it elsewhere "
+                "(resume %d of at most %d)",
+                route.request_id,
+                attempt.worker_id,
+                attempt.code,
+                attempt.details,
+                step.progress.resumes,
+                self._retry.max_resumes,
+            )
+        elif step.action is Action.RESEND_WITHOUT_HANDOFF:
             log.info(
                 "request %s: its overlapped prefill fell back; the decode request is sent"
                 " again, aggregated",
@@ -371,9 +406,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         arrived: float,
         overlap: Overlap,
         ended: _Ended,
+        replay: Replay,
     ) -> AsyncGenerator[router_pb2.GenerateResponse, None]:
         """One worker call, proxied message by message (the only per-token work of the
-        router). An attempt that stops short of the final message says how in ``ended``."""
+        router). An attempt that stops short of the final message says how in ``ended``; a
+        resumed one (``replay``) continues the stream the client has."""
         wid = decision.worker_id
         stub = self._pool.stub(wid)
         if stub is None:  # left between pick and call
@@ -384,6 +421,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         model = route.model
         # Checked once per attempt: the default path copies nothing more per chunk.
         with_logprobs = sampling.HasField("logprobs") or sampling.HasField("prompt_logprobs")
+        resumed = replay.resumes > 0
+        sent = ended.sent
         sent_any = False
         streamed = 0
         last_token_s = 0.0
@@ -418,12 +457,16 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     out.finished.CopyFrom(msg.finished)
                     out.finished.usage.worker_id = wid
                     metrics.cached_tokens.labels(model).inc(msg.finished.usage.cached_prompt_tokens)
+                # A resumed attempt: the stream the client has goes on (its text across the
+                # seam, its usage); True: a stop string across the seam ends it here.
+                seam_stop = resumed and self._resumed(route, wid, replay, msg, out, streamed)
+                finished = finished or seam_stop
                 now = time.monotonic()
                 if finished:
-                    u = msg.finished.usage
+                    u = out.finished.usage
                     metrics.finished(
                         model,
-                        FINISH_NAMES.get(msg.finished.reason, "unknown"),
+                        FINISH_NAMES.get(out.finished.reason, "unknown"),
                         u.completion_tokens,
                         now - arrived,
                         dispatched - arrived,
@@ -431,10 +474,15 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     )
                 if not sent_any and (msg.token_ids or finished):
                     ttft = now - arrived
-                    if finished:
-                        out.finished.usage.time_to_first_token_s = ttft
-                    trace_first_token(ttft)
-                    metrics.ttft_seconds.labels(model).observe(ttft)
+                    if resumed:  # the client had its first token from the first attempt
+                        if finished:
+                            out.finished.usage.time_to_first_token_s = replay.ttft_s
+                    else:
+                        replay.ttft_s = ttft
+                        if finished:
+                            out.finished.usage.time_to_first_token_s = ttft
+                        trace_first_token(ttft)
+                        metrics.ttft_seconds.labels(model).observe(ttft)
                     self._policy.on_first_token(route, wid)
                     sent_any = True
                 elif msg.token_ids:
@@ -443,9 +491,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 if msg.token_ids:
                     last_token_s = now
                     streamed += len(msg.token_ids)
-                if finished:  # the worker's status first: this RPC ends with its message
-                    await await_status(call)
+                if finished and not seam_stop:  # the worker's status first: this RPC ends
+                    await await_status(call)  # with its message
+                sent.append(out)
                 yield out
+                if seam_stop:
+                    return  # the worker's call is cancelled below
         except EndedEarly as exc:
             ended.attempt = Attempt(wid, exc.outcome, waited_s=first_token_s)
         except grpc.aio.AioRpcError as exc:
@@ -454,8 +505,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             ended.attempt = Attempt(
                 wid,
                 _OUTCOME_OF.get(code, Outcome.FAILED),
-                answered=sent_any,
-                streamed_tokens=streamed,
+                answered=sent_any or resumed,
+                streamed_tokens=replay.tokens + streamed,
                 code=code.name,
                 details=exc.details() or "",
                 cause=from_rpc_error(exc),
@@ -465,6 +516,62 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             self._workers.finished(wid)
             self._policy.on_finished(route, wid)
             self._active.pop(route.request_id, None)
+
+    def _resumed(
+        self,
+        route: RouteRequest,
+        wid: WorkerId,
+        replay: Replay,
+        msg: worker_pb2.WorkerGenerateResponse,
+        out: router_pb2.GenerateResponse,
+        streamed: int,
+    ) -> bool:
+        """A resumed attempt's message as the client's stream (``Replay.go_on``), counted on
+        its final message. True: a stop string across the seam ended the request."""
+        stopped, recomputed = replay.go_on(route.prompt_tokens, wid, msg, out, streamed)
+        if out.HasField("finished"):
+            self.metrics.resume_recomputed_tokens.labels(route.model).inc(recomputed)
+            span = trace.get_current_span()
+            span.set_attribute("resumes", replay.resumes)
+            span.set_attribute("resume_recomputed_tokens", replay.recomputed)
+        return stopped
+
+    async def _resume(
+        self,
+        route: RouteRequest,
+        model: ModelSummary,
+        sampling: common_pb2.SamplingParams,
+        ended: _Ended,
+        step: Step,
+        replay: Replay,
+    ) -> tuple[RouteRequest, common_pb2.SamplingParams]:
+        """The next attempt of a request whose worker failed mid-stream (``resume.py``): the
+        prompt plus every token the client has, the rest of max_tokens, the same sampling, the
+        stop strings watched across the seam (docs/failover.md). Routed as any request (the KV
+        index finds who holds the blocks), the failed worker excluded. Raises the step's error
+        when nothing is left to generate."""
+        ids = replay.record(ended.sent, step.progress.resumes)
+        resumed = resumed_sampling(sampling, len(ids))
+        if resumed is None:  # every token was sent, not the final message: nothing to resume
+            assert step.error is not None
+            raise step.error from ended.cause
+        new_route = await resumed_route(self._prompts, model, route, ids)
+        stops = tuple(s for s in sampling.stop if s)
+        if stops:
+            replay.watch_seam(
+                stops, await held_back(self._prompts, model, replay, route.request_id)
+            )
+        trace.get_current_span().add_event(
+            "resume",
+            {
+                "failed_worker_id": ended.attempt.worker_id if ended.attempt else "",
+                "resume": replay.resumes,
+                "replayed_tokens": replay.tokens,
+                "max_tokens_left": resumed.max_tokens,
+            },
+        )
+        self.metrics.resumes.labels(route.model).inc()
+        return new_route, resumed
 
     def _routed(self, route: RouteRequest, decision: RouteDecision) -> None:
         """Logs and counts the decision an attempt is about to carry out."""

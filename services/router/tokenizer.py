@@ -68,6 +68,12 @@ class Tokenizers:
 
         return self._executor.submit(run)
 
+    def decode_now(self, model: str, path: str, token_ids: Sequence[int]) -> str:
+        """``token_ids``' text as the engine's detokenizer makes it (special tokens skipped), on
+        the calling thread."""
+        tok = self._load(model, path)
+        return str(tok.decode(list(token_ids), skip_special_tokens=True))
+
     def encode_text_now(self, model: str, path: str, text: str) -> list[int]:
         """``text``'s token ids, on the calling thread."""
         tok = self._load(model, path)

@@ -11,8 +11,10 @@ file order, each leaving the mesh a little more broken:
    output, no client error;
 3. the kvmanager is dead (SIGKILL) but still registered: the same; restarted on its port,
    hand-offs work again;
-4. the serving decode worker dies mid-stream: the gRPC client gets UNAVAILABLE saying it may
-   retry, the OpenAI HTTP client an SSE error event, both within seconds.
+4. every decode worker dies mid-stream: with no decode worker to resume on (a decode worker
+   dying beside a live one is resumed there: test_resume.py, test_disagg_sim.py), the gRPC
+   client gets UNAVAILABLE saying it may retry, the OpenAI HTTP client an SSE error event, both
+   within seconds.
 
 The expected outputs come from vLLM's own engine, run once beside the mesh's start-up
 (reference_engine.py), not from the mesh under test."""
@@ -362,7 +364,7 @@ async def test_a_dead_kvmanager_costs_the_handoff_not_the_request(
             await asyncio.sleep(0.5)
 
 
-async def test_a_decode_worker_dying_mid_stream_is_a_retryable_error(pd_mesh: Mesh):
+async def test_decode_workers_dying_mid_stream_is_a_retryable_error(pd_mesh: Mesh):
     decodes = decode_workers(pd_mesh)
     assert decodes
     on_grpc, on_http = Stream(), Stream()
@@ -378,7 +380,7 @@ async def test_a_decode_worker_dying_mid_stream_is_a_retryable_error(pd_mesh: Me
             serving = await first_serving(decodes)
             assert serving
             killed_at = time.monotonic()
-            for w in serving:
+            for w in decodes:  # all of them: no decode worker is left to resume on
                 kill(w)
             await asyncio.wait_for(asyncio.gather(*tasks), 30)
         finally:

@@ -4,7 +4,8 @@ real etcd, a real kvmanager (it gives the router the workers' node store: the ha
 and a real router: the threshold, the role of each stage, the hand-off (the decode worker
 reports the handed-over blocks as cached, even when the saves land late), and each failure path:
 prefill worker unavailable or hanging -> aggregated; decode worker unavailable before its first
-token -> another decode worker; after tokens -> UNAVAILABLE."""
+token -> another decode worker; after tokens -> resumed on another decode worker, and
+UNAVAILABLE when none is left."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import functools
 import time
 import urllib.request
 from collections.abc import AsyncIterator
+from typing import ClassVar
 
 import grpc
 import pytest
@@ -32,7 +34,7 @@ from services.router.main import start_router
 from services.worker.config import WorkerConfig
 from services.worker.core import GenerateRequest, KvSource, OutputDelta
 from services.worker.server import start_worker
-from services.worker.sim.engine import SimEngineConfig, SimulatedEngine
+from services.worker.sim.engine import SimEngineConfig, SimulatedEngine, fake_token_ids
 from services.worker.sim.handoff import HandoffConfig, SimKvStores
 from services.worker.sim.model import SimWorkerConfig
 from tests.support import eventually
@@ -53,7 +55,10 @@ SHORT = list(range(1, 101))  # 100 tokens < THRESHOLD
 
 class SimWorker(SimulatedEngine):
     """The simulator with a switchable failure: ``fail`` = "unavailable" (refuses every
-    request), "hang" (never answers) or "after-tokens" (dies after its first tokens)."""
+    request), "hang" (never answers), "after-tokens" (dies after its first tokens) or
+    "after-tokens-once" (the same, once per request id across the workers of the test)."""
+
+    died_once: ClassVar[set[str]] = set()  # "after-tokens-once": the request ids that did
 
     def __init__(self, stores: SimKvStores) -> None:
         super().__init__(
@@ -91,6 +96,13 @@ class SimWorker(SimulatedEngine):
             yield delta
             n += len(delta.token_ids)
             if self.fail == "after-tokens" and n >= 2:
+                raise errors.Unavailable("simulated worker died mid-stream")
+            if (
+                self.fail == "after-tokens-once"
+                and n >= 2
+                and request.request_id not in (died := SimWorker.died_once)
+            ):
+                died.add(request.request_id)
                 raise errors.Unavailable("simulated worker died mid-stream")
 
 
@@ -277,10 +289,33 @@ async def test_a_hung_decode_worker_is_given_up_after_the_first_token_timeout(me
     assert await metric(router, "kvmesh_router_retries_total") >= 1
 
 
-async def test_decode_failure_after_tokens_is_unavailable(mesh):
+async def test_decode_failure_after_tokens_resumes_on_the_other_decode_worker(mesh):
+    router, client, engines = mesh
+    for e in (engines["d0"], engines["d1"]):
+        e.fail = "after-tokens-once"
+    done = await client.complete(
+        make_request(LONG, max_tokens=8, ignore_eos=True, request_id="pd-resume"), timeout_s=30
+    )
+    assert done.token_ids == fake_token_ids("pd-resume", 8, 1000)  # no gap, no repeat
+    assert done.usage is not None
+    assert (done.usage.resumes, done.usage.completion_tokens) == (1, 8)
+    assert done.usage.prompt_tokens == len(LONG)
+    decoded = [w for w in ("d0", "d1") if engines[w].seen]
+    assert sorted(decoded) == ["d0", "d1"]  # a decode worker each, the prefill worker not
+    resumed = next(
+        r for w in decoded for r in engines[w].seen if len(r.prompt_token_ids) > len(LONG)
+    )
+    assert resumed.kv_source is None or resumed.kv_source.handoff_wait_s == 0  # no hand-off
+    assert await metric(router, "kvmesh_router_resumes_total") == 1
+
+
+async def test_decode_failure_after_tokens_with_no_decode_worker_left_is_unavailable(mesh):
     _router, client, engines = mesh
     for e in (engines["d0"], engines["d1"]):
         e.fail = "after-tokens"
     with pytest.raises(grpc.aio.AioRpcError) as info:
-        await client.complete(make_request(LONG, max_tokens=8), timeout_s=30)
+        await client.complete(make_request(LONG, max_tokens=64, ignore_eos=True), timeout_s=30)
     assert info.value.code() is grpc.StatusCode.UNAVAILABLE
+    details = info.value.details() or ""
+    assert "failed after" in details and "retry the request" in details
+    assert "no other serving worker to try" in details  # the prefill worker cannot decode

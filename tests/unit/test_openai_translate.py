@@ -604,6 +604,8 @@ KVMESH = {
     "cached_tokens_by_tier": {"gpu": 1, "cpu": 2, "disk": 0, "peer": 1},
     "prompt_tokens": 10,
     "time_to_first_token_s": 0.25,
+    "resumes": 0,
+    "resume_recomputed_tokens": 0,
 }
 
 

@@ -3,7 +3,7 @@ an attempt ended, the next action, the error a failing request gets, and what is
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 import pytest
@@ -27,6 +27,10 @@ ONE_RETRY = RetryPolicy(max_retries=1)
 RETRIED = Progress(
     "req-1", tried=frozenset({W2}), last_failure="worker w2 sent no token", attempts=1
 )
+RESUMING = RetryPolicy(max_retries=1, max_resumes=2)
+ONCE_RESUMED = Progress(
+    "req-1", tried=frozenset({W2}), last_failure="worker w2 failed", attempts=1, resumes=1
+)
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,7 @@ class Row:
     drain: bool = False
     tried: frozenset[WorkerId] = frozenset()  # after the step
     policy: RetryPolicy = ONE_RETRY
+    resumes: int = 0  # after the step
 
 
 def unavailable(
@@ -148,24 +153,89 @@ ROWS = {
         Unavailable,
         ("worker w1 failed: INTERNAL: boom",),
     ),
-    "resume-mid-stream-when-asked": Row(
+    "killed-mid-stream-resumes-elsewhere": Row(
         FRESH,
         unavailable(answered=True, streamed=5),
         Action.RESUME_ELSEWHERE,
         Unavailable,  # what the client gets if the stream cannot be resumed
         ("after 5 streamed token(s)",),
-        counted=True,
+        drain=True,
         tried=frozenset({W1}),
-        policy=RetryPolicy(max_retries=1, resume_mid_stream=True),
+        resumes=1,
+        policy=RESUMING,
     ),
-    "resume-mid-stream-out-of-retries-fails": Row(
-        RETRIED,
+    "engine-died-mid-stream-resumes-without-draining": Row(
+        FRESH,
+        Attempt(W1, Outcome.FAILED, True, 5, "INTERNAL", "engine died"),
+        Action.RESUME_ELSEWHERE,
+        Unavailable,
+        ("after 5 streamed token(s)", "INTERNAL: engine died"),
+        tried=frozenset({W1}),
+        resumes=1,
+        policy=RESUMING,
+    ),
+    "resume-does-not-use-a-retry": Row(
+        RETRIED,  # its one retry is spent
+        unavailable(answered=True, streamed=5),
+        Action.RESUME_ELSEWHERE,
+        Unavailable,
+        drain=True,
+        tried=frozenset({W1, W2}),
+        resumes=1,
+        policy=RESUMING,
+    ),
+    "resumed-attempt-failing-before-its-first-token-resumes-again": Row(
+        ONCE_RESUMED,  # answered: the client has the first attempt's tokens
+        unavailable(answered=True, streamed=9),
+        Action.RESUME_ELSEWHERE,
+        Unavailable,
+        ("after 9 streamed token(s)",),
+        drain=True,
+        tried=frozenset({W1, W2}),
+        resumes=2,
+        policy=RESUMING,
+    ),
+    "resumed-request-still-has-its-retry": Row(
+        ONCE_RESUMED,  # W2 was resumed from, not retried
+        Attempt(W1, Outcome.NO_FIRST_TOKEN, answered=True, waited_s=1.0),
+        Action.RETRY_ELSEWHERE,
+        counted=True,
+        tried=frozenset({W1, W2}),
+        resumes=1,
+        policy=RESUMING,
+    ),
+    "past-max-resumes-fails-saying-so": Row(
+        replace(ONCE_RESUMED, resumes=2),
+        unavailable(answered=True, streamed=9),
+        Action.FAIL,
+        Unavailable,
+        ("after 9 streamed token(s)", "retry the request", "resumed 2 time(s) already"),
+        tried=frozenset({W2}),
+        resumes=2,
+        policy=RESUMING,
+    ),
+    "max-resumes-0-fails-mid-stream": Row(
+        FRESH,
         Attempt(W1, Outcome.FAILED, True, 5, "INTERNAL", "engine died"),
         Action.FAIL,
         Unavailable,
-        ("after 5 streamed token(s)",),
-        tried=RETRIED.tried,
-        policy=RetryPolicy(max_retries=1, resume_mid_stream=True),
+        ("after 5 streamed token(s)", "resuming is off, --max-resumes 0"),
+        policy=RetryPolicy(max_retries=1, max_resumes=0),
+    ),
+    "not-resumable-fails-saying-why": Row(
+        replace(FRESH, not_resumable="a structured output"),
+        unavailable(answered=True, streamed=5),
+        Action.FAIL,
+        Unavailable,
+        ("after 5 streamed token(s)", "not resumed: a structured output"),
+        policy=RESUMING,
+    ),
+    "deadline-mid-stream-is-not-resumed": Row(
+        FRESH,
+        Attempt(W1, Outcome.DEADLINE, answered=True, streamed_tokens=3, code="DEADLINE_EXCEEDED"),
+        Action.FAIL,
+        DeadlineExceeded,
+        policy=RESUMING,
     ),
 }
 
@@ -178,6 +248,7 @@ def test_next_step(row: Row) -> None:
     assert step.drain_worker is row.drain
     assert step.progress.tried == row.tried
     assert step.progress.attempts == row.progress.attempts + 1
+    assert step.progress.resumes == row.resumes
     if row.error is None:
         assert step.error is None
     else:
@@ -232,3 +303,23 @@ def test_a_failed_decode_worker_is_a_retryable_unavailable(code, details, stream
     assert says in msg
     assert "worker decode-1" in msg and "retry the request" in msg
     assert details in msg
+
+
+def test_max_resumes_bounds_the_resumes_of_a_request() -> None:
+    progress, actions = FRESH, []
+    for wid in ("a", "b", "c"):
+        failed = Attempt(WorkerId(wid), Outcome.UNAVAILABLE, True, 4, "UNAVAILABLE", "gone")
+        step = next_step(progress, failed, RESUMING)
+        progress = step.progress
+        actions.append(step.action)
+    assert actions == [Action.RESUME_ELSEWHERE, Action.RESUME_ELSEWHERE, Action.FAIL]
+    assert progress.tried == {"a", "b"}
+
+
+def test_max_resumes_flag() -> None:
+    from services.router.main import parse_args
+
+    assert parse_args([]).max_resumes == 2
+    assert parse_args(["--max-resumes", "0"]).max_resumes == 0
+    with pytest.raises(SystemExit):
+        parse_args(["--max-resumes", "-1"])

@@ -17,6 +17,7 @@ from services.worker.sim.engine import (
     SimEngineConfig,
     SimulatedEngine,
     fake_token_ids,
+    replayed_tokens,
     simple_block_hashes,
 )
 from services.worker.sim.model import SimWorkerConfig
@@ -191,3 +192,26 @@ async def test_a_request_that_finishes_while_another_arrives_still_completes():
 
 async def _drain(stream):
     return [d async for d in stream]
+
+
+@pytest.mark.parametrize(
+    ("tail", "replayed"),
+    [(0, 0), (1, 1), (5, 5), (12, 12)],
+    ids=["fresh", "one-token", "five", "all-but-the-rest"],
+)
+def test_a_prompt_ending_with_its_own_output_is_replayed(tail: int, replayed: int) -> None:
+    prompt = [*range(40), *fake_token_ids("rr", tail, 1000)]
+    assert replayed_tokens("rr", prompt, 1000) == replayed
+    assert replayed_tokens("other", prompt, 1000) == 0  # another request's output: a prompt
+
+
+def test_a_stray_copy_of_the_first_token_is_not_a_replay() -> None:
+    first, second = fake_token_ids("rr", 2, 1000)
+    assert replayed_tokens("rr", [first, 7, 8, first, second], 1000) == 2
+    assert replayed_tokens("rr", [first, 7, 8], 1000) == 0
+
+
+async def test_a_resumed_request_continues_the_output(engine):
+    replayed = fake_token_ids("rs", 5, 1000)
+    deltas = await collect(engine, gen("rs", [*range(100), *replayed], 7))
+    assert [t for d in deltas for t in d.token_ids] == fake_token_ids("rs", 7, 1000, start=5)

@@ -14,8 +14,10 @@ One request, one ``Progress`` (which workers were tried, why the last one was gi
 | unavailable before the first token          | retry elsewhere within ``max_retries``, the |
 |                                             | worker marked draining; else fail           |
 | the request's own deadline                  | fail: DEADLINE_EXCEEDED                     |
-| any failure after tokens were streamed      | fail: UNAVAILABLE, naming the worker (or    |
-|                                             | resume elsewhere, once ``resume_mid_stream``)|
+| any failure after tokens were streamed      | resume elsewhere (prompt + the tokens the   |
+|                                             | client has), within ``max_resumes``, unless |
+|                                             | the request cannot be replayed; else fail:  |
+|                                             | UNAVAILABLE, naming the worker              |
 | any other status before the first token     | fail with the worker's own error            |
 
 Every failure is one the client may retry as a whole, except the worker's own errors (an
@@ -47,9 +49,9 @@ class Action(StrEnum):
 
     RETRY_ELSEWHERE = "retry-elsewhere"  # pick another worker (not tried yet) and call it
     RESEND_WITHOUT_HANDOFF = "resend-without-handoff"  # pick again, aggregated: no kv_source
-    # Continue the stream on another worker, replaying the tokens the client has (the failover
-    # issue). Only with ``RetryPolicy.resume_mid_stream``, which the servicer does not set yet:
-    # it cannot carry this out and would fail with ``Step.error``.
+    # Continue the stream on another worker (not tried yet): the prompt plus the tokens the
+    # client has, the rest of max_tokens (docs/failover.md). ``Step.error``: what the client
+    # gets if that cannot be done (no worker left, nothing left to generate).
     RESUME_ELSEWHERE = "resume-elsewhere"
     FAIL = "fail"  # raise ``Step.error``
 
@@ -57,9 +59,9 @@ class Action(StrEnum):
 @dataclass(frozen=True, slots=True)
 class RetryPolicy:
     max_retries: int = 1  # other workers tried after failures before the first token
-    # Mid-stream failures resume on another worker (``Action.RESUME_ELSEWHERE``) within
-    # ``max_retries``; False (the servicer today): they fail.
-    resume_mid_stream: bool = False
+    # Mid-stream failures resumed on another worker (``Action.RESUME_ELSEWHERE``) per request;
+    # past it (or 0) they fail. Not counted against ``max_retries``.
+    max_resumes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,8 +70,10 @@ class Attempt:
 
     worker_id: WorkerId
     outcome: Outcome
-    answered: bool = False  # the client has the first output (a token or the final message)
-    streamed_tokens: int = 0  # tokens the client has from this attempt
+    # The client has output (a token or the final message): from this attempt, or from the
+    # attempts a resumed request replays.
+    answered: bool = False
+    streamed_tokens: int = 0  # tokens the client has (all attempts of the request)
     code: str = ""  # the call's gRPC status name (UNAVAILABLE ...), when it ended with one
     details: str = ""  # the status details
     waited_s: float = 0.0  # NO_FIRST_TOKEN: how long the worker had for its first output
@@ -86,6 +90,10 @@ class Progress:
     tried: frozenset[WorkerId] = frozenset()  # given up for this request: never picked again
     last_failure: str = ""  # why the last worker was given up (the final error says it)
     attempts: int = 0  # attempts ended so far (0: the first pick makes the P/D decision)
+    resumes: int = 0  # mid-stream failures resumed elsewhere so far
+    # Why this request cannot be resumed mid-stream (e.g. a structured output, whose grammar
+    # state a replay does not restore); empty: it can.
+    not_resumable: str = ""
 
     def exhausted(self) -> Unavailable | None:
         """The error when no untried candidate is left: the last failure's, when there was one
@@ -113,7 +121,8 @@ def next_step(progress: Progress, attempt: Attempt, policy: RetryPolicy) -> Step
         return Step(Action.RETRY_ELSEWHERE, replace(done, tried=done.tried | {wid}))
     if outcome is Outcome.HANDOFF_LOST:
         return Step(Action.RESEND_WITHOUT_HANDOFF, done)
-    retries_left = len(progress.tried) < policy.max_retries
+    # Workers given up mid-stream are resumes (their own budget), not retries.
+    retries_left = len(progress.tried) - progress.resumes < policy.max_retries
     if outcome is Outcome.NO_FIRST_TOKEN:
         why = f"worker {wid} sent no token in {attempt.waited_s:.1f}s (--first-token-timeout-s)"
         gave_up = replace(done, tried=done.tried | {wid}, last_failure=why)
@@ -130,12 +139,10 @@ def next_step(progress: Progress, attempt: Attempt, policy: RetryPolicy) -> Step
         why = f"worker {wid} unavailable: {attempt.details}"
         gave_up = replace(done, tried=done.tried | {wid}, last_failure=why)
         return Step(Action.RETRY_ELSEWHERE, gave_up, counted=True, drain_worker=True)
-    if attempt.answered or outcome is Outcome.UNAVAILABLE:  # nobody else can take it over
-        failed = decode_failed(wid, attempt.code, attempt.details, attempt.streamed_tokens)
-        if attempt.answered and policy.resume_mid_stream and retries_left:
-            resumed = replace(done, tried=done.tried | {wid}, last_failure=str(failed))
-            return Step(Action.RESUME_ELSEWHERE, resumed, failed, counted=True)
-        return Step(Action.FAIL, done, failed)
+    if attempt.answered:
+        return _after_tokens(done, attempt, policy)
+    if outcome is Outcome.UNAVAILABLE:  # nobody else can take it over
+        return Step(Action.FAIL, done, decode_failed(wid, attempt.code, attempt.details, 0))
     if attempt.cause is not None:
         return Step(Action.FAIL, done, attempt.cause)
     return Step(
@@ -143,12 +150,33 @@ def next_step(progress: Progress, attempt: Attempt, policy: RetryPolicy) -> Step
     )
 
 
+def _after_tokens(done: Progress, attempt: Attempt, policy: RetryPolicy) -> Step:
+    """A failure after the client got tokens: resumed elsewhere while the request may be, else
+    the retryable error saying why not."""
+    wid = attempt.worker_id
+    failed = decode_failed(wid, attempt.code, attempt.details, attempt.streamed_tokens)
+    if done.not_resumable:
+        return Step(Action.FAIL, done, Unavailable(f"{failed} (not resumed: {done.not_resumable})"))
+    if done.resumes >= policy.max_resumes:
+        why = (
+            f"resumed {done.resumes} time(s) already, --max-resumes {policy.max_resumes}"
+            if policy.max_resumes > 0
+            else "resuming is off, --max-resumes 0"
+        )
+        return Step(Action.FAIL, done, Unavailable(f"{failed} (not resumed: {why})"))
+    resumed = replace(
+        done, tried=done.tried | {wid}, last_failure=str(failed), resumes=done.resumes + 1
+    )
+    drain = attempt.outcome is Outcome.UNAVAILABLE  # as before the first token
+    return Step(Action.RESUME_ELSEWHERE, resumed, failed, drain_worker=drain)
+
+
 def decode_failed(
     worker_id: WorkerId, code: str, details: str, streamed_tokens: int
 ) -> Unavailable:
     """What the client gets when the worker streaming its answer fails and no other worker can
-    take over: after tokens were streamed (they cannot be taken back, and the router does not
-    resume a stream elsewhere), or before when no other worker is left. Whatever the worker's
+    take over: after tokens were streamed (they cannot be taken back) when the request is not
+    resumed elsewhere, or before when no other worker is left. Whatever the worker's
     status (``code``, a gRPC status name; a killed worker's connection says only "Socket
     closed"), the request as a whole may be sent again: UNAVAILABLE, saying so and naming the
     worker. The caller's own deadline is not this (DEADLINE_EXCEEDED)."""

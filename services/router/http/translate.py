@@ -558,7 +558,8 @@ def cached_by_tier(usage: common_pb2.Usage) -> dict[str, int]:
 
 
 def kvmesh_json(request_id: str, usage: common_pb2.Usage) -> dict[str, Any]:
-    """The ``kvmesh`` object of a response: which worker served it and what the cache saved."""
+    """The ``kvmesh`` object of a response: which worker served it, what the cache saved, and
+    whether it was resumed after a worker failed."""
     return {
         "request_id": request_id,
         "worker_id": usage.worker_id,
@@ -566,6 +567,9 @@ def kvmesh_json(request_id: str, usage: common_pb2.Usage) -> dict[str, Any]:
         "cached_tokens_by_tier": cached_by_tier(usage),
         "prompt_tokens": usage.prompt_tokens,
         "time_to_first_token_s": round(usage.time_to_first_token_s, 6),
+        # a worker failed mid-stream and the request went on on another (docs/failover.md)
+        "resumes": usage.resumes,
+        "resume_recomputed_tokens": usage.resume_recomputed_tokens,
     }
 
 

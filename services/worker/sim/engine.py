@@ -8,6 +8,9 @@ Prompt token ids are turned into block hashes by the injected ``hasher`` (pass v
 hashing to make the events comparable with a real engine's); the default,
 ``simple_block_hashes``, is a deterministic chained hash that is NOT vLLM-compatible.
 
+A prompt that ends with the start of the request's own made-up output (a request resumed after
+its worker failed mid-stream) gets the rest of it: the output continues, as a model's would.
+
 Not simulated: text (each token's text is `` t<id>``), stop strings (only ``stop_token_ids``,
 ``max_tokens``, the context length and an optional simulated end of sequence end a request),
 sampling parameters (ignored, except ``min_tokens``). A structured output, log probabilities,
@@ -77,10 +80,32 @@ def _splitmix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def fake_token_ids(request_id: str, count: int, vocab_size: int) -> list[int]:
-    """The made-up output of ``request_id``: the same ids for the same request id everywhere."""
-    seed = int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=8).digest(), "big")
-    return [_splitmix64(seed + i) % vocab_size for i in range(count)]
+def _seed(request_id: str) -> int:
+    return int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=8).digest(), "big")
+
+
+def fake_token_ids(request_id: str, count: int, vocab_size: int, start: int = 0) -> list[int]:
+    """The made-up output of ``request_id``: the same ids for the same request id everywhere
+    (``start``: from its start-th token on)."""
+    seed = _seed(request_id)
+    return [_splitmix64(seed + i) % vocab_size for i in range(start, start + count)]
+
+
+def replayed_tokens(request_id: str, prompt: Sequence[int], vocab_size: int) -> int:
+    """How many of ``request_id``'s made-up output tokens end ``prompt``: a request resumed on
+    another worker sends its prompt plus the tokens the client has (docs/failover.md), and the
+    made-up output goes on after them, as a model continues its own text. 0: none."""
+    seed = _seed(request_id)
+    first = _splitmix64(seed) % vocab_size
+    n, at = len(prompt), 0
+    while True:
+        try:
+            i = prompt.index(first, at)
+        except ValueError:
+            return 0
+        if all(prompt[i + j] == _splitmix64(seed + j) % vocab_size for j in range(1, n - i)):
+            return n - i
+        at = i + 1
 
 
 def _check_simulated(s: Sampling) -> None:
@@ -316,7 +341,8 @@ class SimulatedEngine:
             eos = max(eos, s.min_tokens)  # no end of sequence before min_tokens
         if eos > 0 and not s.ignore_eos:
             limit = min(limit, eos)
-        output = fake_token_ids(request.request_id, limit, info.vocab_size)
+        start = replayed_tokens(request.request_id, request.prompt_token_ids, info.vocab_size)
+        output = fake_token_ids(request.request_id, limit, info.vocab_size, start)
         stop_reason: str | None = None
         if eos > 0 and not s.ignore_eos and limit == eos:
             stop_reason = ""
