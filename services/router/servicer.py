@@ -426,6 +426,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         sent_any = False
         streamed = 0
         last_token_s = 0.0
+        itl = metrics.itl_seconds.labels(model)  # per chunk: the labelled child, looked up once
         self._active[route.request_id] = _Active(wid)
         self._workers.started(wid)
         self._policy.on_routed(route, decision)
@@ -487,7 +488,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     sent_any = True
                 elif msg.token_ids:
                     per_token = (now - last_token_s) / len(msg.token_ids)
-                    metrics.itl_seconds.labels(model).observe(per_token)
+                    itl.observe(per_token)
                 if msg.token_ids:
                     last_token_s = now
                     streamed += len(msg.token_ids)
