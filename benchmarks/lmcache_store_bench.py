@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import shutil
 import statistics
@@ -166,10 +167,8 @@ class PlainDiskStore:
     def _drop(self, key: int) -> int:
         size = self.index.pop(key)
         self.used -= size
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(self._path(key))
-        except FileNotFoundError:
-            pass
         return size
 
     def put(self, key: int, data: bytes) -> bool:

@@ -285,7 +285,7 @@ class Mesh:
     def _spawn(self, name: str, module: str, args: list[str], ready_tag: str) -> Child:
         log_path = self.log_dir / f"{name}.log"
         env = {**os.environ, **child_env(), **self.spec.env}
-        logf = open(log_path, "a", buffering=1)
+        logf = open(log_path, "a", buffering=1)  # noqa: SIM115 - the child's stderr, open while it runs
         proc = subprocess.Popen(
             [sys.executable, "-m", module, *args],
             stdout=subprocess.PIPE,

@@ -84,10 +84,9 @@ def _wait_http(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: fl
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"vllm serve exited ({proc.returncode}); log:\n{tail(log)}")
-        with contextlib.suppress(OSError):
-            with urllib.request.urlopen(url, timeout=2) as resp:
-                if resp.status == 200:
-                    return
+        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=2) as resp:
+            if resp.status == 200:
+                return
         time.sleep(1.0)
     raise TimeoutError(f"vllm serve not ready in {timeout_s:.0f} s; log:\n{tail(log)}")
 
@@ -117,7 +116,7 @@ def start_vllm(
         "--dtype", engine.dtype,
         "--disable-uvicorn-access-log",
     ]  # fmt: skip
-    logf = open(log, "ab")
+    logf = open(log, "ab")  # noqa: SIM115 - the server's log, open while it runs (closed by stop)
     proc = subprocess.Popen(
         args,
         stdout=logf,

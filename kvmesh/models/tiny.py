@@ -100,7 +100,7 @@ lines inside ``<tools></tools>`` and how to call them) comes first; an assistant
 follow its content, one ``<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>`` a line;
 a tool message's content is wrapped in ``<tool_response>\\n...\\n</tool_response>``."""
 
-_WORDS = (
+_WORDS = (  # noqa: SIM905 - one readable block of words, split once at import
     "the a an of to and in is it that for on with as by at from this be are was not or have "
     "model token cache block prefix worker router request prompt answer route mesh tier disk "
     "memory page hash key value store load save fetch evict hit miss warm cold fast slow small "

@@ -17,6 +17,7 @@ written (mmap raises).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import hmac
 import logging
@@ -196,10 +197,8 @@ class ShmRegistry:
             raise BadShm(f"shared-memory segment {name} does not start with the caller's token")
         # From now on nobody can open it (and nobody but its creator, if it kept a descriptor,
         # can shrink it under the mapping).
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
-        except FileNotFoundError:
-            pass
         shm_id = secrets.randbits(64) or 1
         while shm_id in self._segments:
             shm_id = secrets.randbits(64) or 1

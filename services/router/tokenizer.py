@@ -204,9 +204,9 @@ def template_input(chat: router_pb2.ChatInput) -> TemplateInput:
         if name in names[:j]:
             raise InvalidArgument(f"chat.tools[{j}].name {name!r} is defined twice")
     choice = chat.tool_choice
-    if choice.mode in (router_pb2.TOOL_CHOICE_MODE_REQUIRED, router_pb2.TOOL_CHOICE_MODE_FUNCTION):
-        if not tools:
-            raise InvalidArgument("chat.tool_choice asks for a tool call but chat.tools is empty")
+    forcing = (router_pb2.TOOL_CHOICE_MODE_REQUIRED, router_pb2.TOOL_CHOICE_MODE_FUNCTION)
+    if choice.mode in forcing and not tools:
+        raise InvalidArgument("chat.tool_choice asks for a tool call but chat.tools is empty")
     if choice.mode == router_pb2.TOOL_CHOICE_MODE_FUNCTION and choice.function_name not in names:
         raise InvalidArgument(
             f"chat.tool_choice.function_name {choice.function_name!r} is not one of chat.tools "

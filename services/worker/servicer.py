@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -193,10 +194,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         """Aborts every in-flight request in the engine (their streams end with ABORT)."""
         ids = [rid for rid in self._active if self._engine.is_running(rid)]
         for rid in ids:
-            try:
+            with contextlib.suppress(errors.NotFound):
                 await self._engine.abort(rid)
-            except errors.NotFound:
-                pass
         return len(ids)
 
     async def close(self) -> None:

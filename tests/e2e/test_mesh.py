@@ -274,7 +274,7 @@ BAD_INPUTS = [
 ]
 
 
-@pytest.mark.parametrize("request_,code,message", BAD_INPUTS)
+@pytest.mark.parametrize(("request_", "code", "message"), BAD_INPUTS)
 async def test_bad_input_gets_a_clear_error(
     mesh: Mesh, request_: router_pb2.GenerateRequest, code, message
 ):

@@ -244,7 +244,7 @@ def test_layout_key_round_trips() -> None:
     assert key.startswith("kvmesh-kv1;model=tiny;block_size=32;")
     assert parse_layout_key(key) == LAYOUT
     assert LAYOUT.bytes_per_block(4) == BLOCK_BYTES_F32
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="not a kvmesh-kv1 layout key"):
         parse_layout_key("other;model=x")
 
 

@@ -114,7 +114,7 @@ async def test_put_lookup_get_round_trip_with_demotion_to_disk(kvm):
 
 
 @pytest.mark.parametrize(
-    "layout,data_bytes,match",
+    ("layout", "data_bytes", "match"),
     [
         pytest.param(LAYOUT, BLOCK_BYTES - 1, "needs 32768", id="short-block"),
         pytest.param(

@@ -247,7 +247,7 @@ async def test_unknown_unreachable_or_self_peer(daemons) -> None:
 
 
 @pytest.mark.parametrize(
-    "layout,match",
+    ("layout", "match"),
     [
         pytest.param(kvmanager_pb2.KvLayout(block_size=32, num_layers=2, num_kv_heads=2,
                                             head_size=32, dtype="float32"), "model", id="no-model"),

@@ -195,10 +195,10 @@ async def test_a_detached_client_goes_inline_then_attaches_a_new_segment(kvm, tm
         resp = await stub.DetachShm(kvmanager_pb2.DetachShmRequest(shm_id=old), timeout=5)
         assert resp.detached
         # A call naming the old id is refused: nothing is written through a detached mapping.
+        region = kvmanager_pb2.ShmRegion(shm_id=old, offset=HEADER_BYTES, length=BLOCK_BYTES)
+        req = kvmanager_pb2.GetBlocksRequest(layout=LAYOUT, block_hashes=[1], shm=region)
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            region = kvmanager_pb2.ShmRegion(shm_id=old, offset=HEADER_BYTES, length=BLOCK_BYTES)
-            req = kvmanager_pb2.GetBlocksRequest(layout=LAYOUT, block_hashes=[1], shm=region)
-            [m async for m in stub.GetBlocks(req, timeout=5)]
+            _ = [m async for m in stub.GetBlocks(req, timeout=5)]
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
         data = blocks(3, seed=2)
         hashes = [2001, 2002, 2003]
@@ -260,7 +260,7 @@ async def status_of(aw) -> grpc.StatusCode:
 
 
 @pytest.mark.parametrize(
-    "override,code",
+    ("override", "code"),
     [
         pytest.param({"name": "../../etc/passwd"}, "INVALID_ARGUMENT", id="path"),
         pytest.param({"name": "other-name"}, "INVALID_ARGUMENT", id="no-prefix"),

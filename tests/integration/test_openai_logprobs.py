@@ -244,15 +244,13 @@ async def test_echo_with_logprobs_scores_the_prompt(mesh: Mesh):
 async def test_bad_values_are_400_naming_the_param(
     mesh: Mesh, kind: str, args: dict[str, Any], param: str, stream: bool
 ):
+    if kind == "chat":
+        create: Any = mesh.client.chat.completions.create
+        body: dict[str, Any] = {"messages": HI}
+    else:
+        create, body = mesh.client.completions.create, {"prompt": "x"}
     with pytest.raises(openai.BadRequestError) as bad:
-        if kind == "chat":
-            await mesh.client.chat.completions.create(
-                model="tiny", messages=HI, max_tokens=2, stream=stream, **args
-            )
-        else:
-            await mesh.client.completions.create(
-                model="tiny", prompt="x", max_tokens=2, stream=stream, **args
-            )
+        await create(model="tiny", max_tokens=2, stream=stream, **body, **args)
     assert bad.value.status_code == 400
     assert bad.value.body["param"] == param, bad.value.body  # type: ignore[index]
 

@@ -193,16 +193,18 @@ async def test_a_client_leaving_a_stream_of_choices_aborts_them_all(
         "ignore_eos": True,
     }
     cancelled = mesh.ended("CANCELLED")
-    async with aiohttp.ClientSession() as s:
-        async with s.post(mesh.base_url + "/chat/completions", json=body) as resp:
-            assert resp.status == 200, await resp.text()
-            seen = set()
-            async for line in resp.content:  # until all three choices stream
-                if line.startswith(b"data: {"):
-                    seen.update(c["index"] for c in json.loads(line[6:])["choices"])
-                if len(seen) == 3:
-                    break
-            assert mesh.in_flight() == 3
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(mesh.base_url + "/chat/completions", json=body) as resp,
+    ):
+        assert resp.status == 200, await resp.text()
+        seen = set()
+        async for line in resp.content:  # until all three choices stream
+            if line.startswith(b"data: {"):
+                seen.update(c["index"] for c in json.loads(line[6:])["choices"])
+            if len(seen) == 3:
+                break
+        assert mesh.in_flight() == 3
     await eventually(lambda: mesh.in_flight() == 0, 10, "the choices' requests are aborted")
     assert mesh.ended("CANCELLED") - cancelled == 3  # none ran to its end
 

@@ -154,11 +154,16 @@ async def test_with_no_worker_to_resume_on_the_client_gets_a_retryable_unavailab
     _router, client, victim, _start_other = mesh
     request = make_request(PROMPT, max_tokens=MAX_TOKENS, ignore_eos=True, request_id="kill-2")
     got = 0
-    with pytest.raises(grpc.aio.AioRpcError) as info:
+
+    async def read_and_kill() -> None:
+        nonlocal got
         async for chunk in client.stream(request, timeout_s=60):
             got += len(chunk.token_ids)
             if got >= 5 and victim.returncode is None:
                 victim.send_signal(signal.SIGKILL)  # no other worker to resume on
+
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await read_and_kill()
     assert info.value.code() is grpc.StatusCode.UNAVAILABLE
     details = info.value.details() or ""
     assert "worker victim failed after" in details and "retry the request" in details
@@ -288,9 +293,13 @@ async def test_past_max_resumes_the_stream_ends_with_a_retryable_error(pair):
     client, _engines, _spans = pair
     request = make_request(PROMPT, max_tokens=30, ignore_eos=True, request_id="twice")
     got: list[int] = []
-    with pytest.raises(grpc.aio.AioRpcError) as info:
+
+    async def read() -> None:
         async for chunk in client.stream(request, timeout_s=30):
             got.extend(chunk.token_ids)
+
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await read()
     assert got == fake_token_ids("twice", 12, 1000)  # 6 from each, then it gave up
     assert info.value.code() is grpc.StatusCode.UNAVAILABLE
     details = info.value.details() or ""

@@ -60,7 +60,7 @@ async def test_kvmanager_metrics_port_in_use_undoes_the_started_server_and_data_
         peer=PeerConfig(data_plane_port=data_port),
         metrics_port=busy_port,
     )
-    with pytest.raises(OSError):
+    with pytest.raises(OSError, match=r"(?i)address already in use"):
         await start_kvmanager(config)
     assert not listening(grpc_port)
     assert not listening(data_port)
@@ -96,7 +96,7 @@ async def test_router_http_port_in_use_undoes_server_watchers_record_and_metrics
         metrics_port=metrics_port,
         http_port=busy_port,
     )
-    with pytest.raises(OSError):
+    with pytest.raises(OSError, match=r"(?i)address already in use"):
         await start_router(config)
     assert not listening(grpc_port)
     assert not listening(metrics_port)
@@ -178,11 +178,15 @@ async def serving(exc: Exception) -> AsyncIterator[grpc.aio.Channel]:
 
 async def call(channel: grpc.aio.Channel, method: str) -> grpc.aio.AioRpcError:
     path = f"/t.T/{method}"
-    with pytest.raises(grpc.aio.AioRpcError) as info:
+
+    async def invoke() -> None:
         if method == "Unary":
             await channel.unary_unary(path)(b"", timeout=5)
         else:
             _ = [m async for m in channel.unary_stream(path)(b"", timeout=5)]
+
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await invoke()
     return info.value
 
 

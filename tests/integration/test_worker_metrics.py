@@ -137,7 +137,7 @@ async def test_metrics_count_requests_tokens_latency_load_kv_events_and_etcd(etc
     # Stopped: the lease is revoked (the gauge would read 0) and the endpoint is closed.
     worker.refresh_metrics()
     assert worker.metrics.registry.get_sample_value("kvmesh_worker_etcd_registered") == 0
-    with pytest.raises(OSError):
+    with pytest.raises(OSError, match=r"(?i)refused"):
         await asyncio.to_thread(scrape, url)
 
 

@@ -63,13 +63,13 @@ def test_setups_and_bad_setups():
         ("selective", 4096),
     ]
     assert [s.mode for s in got][:2] == ["aggregated", "always"]
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="unknown mode 'sometimes'"):
         MeshSetup("sometimes")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="need 1 <= prefill_workers < workers"):
         MeshSetup("always", workers=4, prefill_workers=4)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="unknown placement 'sideways'"):
         MeshSetup("always", placement="sideways")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="workers_per_node must be >= 1"):
         MeshSetup("always", workers_per_node=0)
 
 

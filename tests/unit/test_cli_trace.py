@@ -95,7 +95,7 @@ def test_each_service_names_itself():
 
 
 def test_choices_are_the_exporters():
-    assert TRACE_EXPORTERS == tuple(e.value for e in Exporter)
+    assert tuple(e.value for e in Exporter) == TRACE_EXPORTERS
 
 
 def model_dir(tmp_path: Path) -> str:

@@ -122,7 +122,7 @@ def test_key_builders_check_names(call, kind: str) -> None:
 
 
 def test_worker_key_rejects_unknown_role() -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="'tensor' is not a valid Role"):
         worker_key("c", "tensor", "w")  # type: ignore[arg-type]
 
 

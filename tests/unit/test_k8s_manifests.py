@@ -288,7 +288,7 @@ def test_each_kustomization_renders_the_same_mesh(rendered) -> None:
         }
 
     base = keys("base")
-    assert KVMESH_WORKLOADS | ETCD_OBJECTS <= base
+    assert base >= KVMESH_WORKLOADS | ETCD_OBJECTS
     assert {
         ("Namespace", NAMESPACE),
         ("ConfigMap", "kvmesh-config"),

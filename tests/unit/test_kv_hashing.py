@@ -210,7 +210,8 @@ def test_salt_only_in_the_first_block() -> None:
     ids=str,
 )
 def test_bad_configs(kwargs: dict[str, object]) -> None:
-    with pytest.raises(ValueError):
+    # Each message names the field it refuses (the value, or the algorithm).
+    with pytest.raises(ValueError, match=r"block_size|seed|HashAlgo|without a seed"):
         HashConfig(**kwargs)  # type: ignore[arg-type]
 
 
@@ -347,7 +348,7 @@ def test_ids_beyond_32_bits_hash_without_reuse() -> None:
 
 
 def test_bad_bounds() -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="must be positive"):
         SessionHasher(CFG, max_sessions=0)
 
 

@@ -374,7 +374,7 @@ def test_stats():
     ],
 )
 def test_config_rejects_bad_values(kwargs):
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=f"^{next(iter(kwargs))} must be"):
         IndexConfig(**kwargs)
 
 

@@ -69,7 +69,7 @@ class TestWorkerSet:
         assert sorted(v.record.worker_id for v in ws.all()) == ["b", "c"]
 
     @pytest.mark.parametrize(
-        "key,value",
+        ("key", "value"),
         [
             pytest.param("/kvmesh/test/workers/both/a", "{not json", id="bad-json"),
             pytest.param("/kvmesh/test/workers/both/a", record("b").to_json(), id="id-mismatch"),
@@ -158,7 +158,7 @@ class TestRouting:
 
 class TestValidation:
     @pytest.mark.parametrize(
-        "messages,match",
+        ("messages", "match"),
         [
             pytest.param([], "messages is empty", id="empty"),
             pytest.param([ChatMessage("robot", "hi")], r"messages\[0\].role is 'robot'", id="role"),

@@ -10,7 +10,7 @@ from kvmesh.sampling import Sampling, check_prompt, check_sampling
 
 class TestSampling:
     @pytest.mark.parametrize(
-        "sampling,match,field",
+        ("sampling", "match", "field"),
         [
             pytest.param(
                 Sampling(max_tokens=0),
@@ -72,7 +72,7 @@ class TestSampling:
         check_sampling(sampling)
 
     @pytest.mark.parametrize(
-        "ids,max_tokens,match,field",
+        ("ids", "max_tokens", "match", "field"),
         [
             pytest.param([], 1, "no tokens", "input", id="empty"),
             pytest.param(

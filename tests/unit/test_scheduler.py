@@ -96,7 +96,7 @@ class TestRegistry:
             reg.register(PluginType("serving", kind, NoParams, lambda n, p, e: ServingFilter(n, p)))
 
     @pytest.mark.parametrize(
-        "name,kind,match",
+        ("name", "kind", "match"),
         [
             pytest.param(
                 "queu", Kind.SCORER, "unknown scorer type 'queu' .did you mean 'queue'", id="typo"
@@ -127,7 +127,7 @@ class _Nested:
 
 class TestParams:
     @pytest.mark.parametrize(
-        "cls,raw,match",
+        ("cls", "raw", "match"),
         [
             pytest.param(
                 SessionParams,
@@ -247,7 +247,7 @@ class TestProfiles:
         ]
 
     @pytest.mark.parametrize(
-        "text,match",
+        ("text", "match"),
         [
             pytest.param("- a\n- b", "expected a mapping with keys", id="not-mapping"),
             pytest.param("scorers: []", "'name' is required", id="no-name"),
@@ -428,7 +428,7 @@ class TestFramework:
         assert "deciding=s0" in text and "runner-up w01" in text and "w02: total=0.000" in text
 
     @pytest.mark.parametrize(
-        "profile,n,reason",
+        ("profile", "n", "reason"),
         [
             pytest.param(fixed_profile((1.0, (0.5,))), 1, "only-candidate", id="single"),
             pytest.param(fixed_profile((1.0, (0.5, 0.5))), 2, "tie-break", id="tie"),
@@ -554,7 +554,7 @@ class TestFeedback:
 # ---- behaviours of the baseline profiles ------------------------------------------------------
 class TestPrecisePrefix:
     @pytest.mark.parametrize(
-        "matches,want",
+        ("matches", "want"),
         [
             pytest.param({"w00": gpu(10), "w01": gpu(60), "w02": gpu(30)}, "w01", id="longest"),
             pytest.param(

@@ -72,7 +72,7 @@ class TestFilters:
         assert ids(ModelFilter("model", NoParams()).filter(ctx, cands)) == ["a", "b"]
 
     @pytest.mark.parametrize(
-        "req_role,accept,want",
+        ("req_role", "accept", "want"),
         [
             pytest.param(Role.BOTH, (), ["both"], id="plain-request"),
             pytest.param(Role.PREFILL, (), ["both", "prefill"], id="prefill-stage"),
@@ -91,7 +91,7 @@ class TestFilters:
 # ---- precise prefix ----------------------------------------------------------------------------
 class TestPrecisePrefix:
     @pytest.mark.parametrize(
-        "match,params,want",
+        ("match", "params", "want"),
         [
             pytest.param(gpu(50), PreciseParams(), 0.5, id="gpu-half"),
             pytest.param(gpu(100), PreciseParams(), 1.0, id="gpu-all"),
@@ -168,7 +168,7 @@ def _routed(s: ApproxPrefixScorer, hashes: tuple, wid: str) -> None:
 
 class TestApproxPrefix:
     @pytest.mark.parametrize(
-        "stride,sent,probe,want",
+        ("stride", "sent", "probe", "want"),
         [
             pytest.param(1, 10, chain(10), 10, id="all"),
             pytest.param(1, 10, chain(20), 10, id="longer-probe"),
@@ -217,7 +217,7 @@ class TestApproxPrefix:
 # ---- load ---------------------------------------------------------------------------------------
 class TestLoad:
     @pytest.mark.parametrize(
-        "scorer,loaded,want",
+        ("scorer", "loaded", "want"),
         [
             pytest.param(
                 QueueScorer("q", QueueParams(half=4)), view("x", waiting=4), 0.5, id="queue-half"
@@ -311,7 +311,7 @@ class TestCostModel:
         assert CostModelScorer("c", self.P).estimate(ctx, cands) == pytest.approx([0.05])
 
     @pytest.mark.parametrize(
-        "kw,match",
+        ("kw", "match"),
         [
             pytest.param({"prefill_s_per_token": -1.0}, "prefill_s_per_token is -1.0", id="neg"),
             pytest.param({"floor_s": 0.0}, "floor_s is 0.0; use seconds > 0", id="floor"),
@@ -325,7 +325,7 @@ class TestCostModel:
 # ---- session affinity ---------------------------------------------------------------------------
 class TestSessionAffinity:
     @pytest.mark.parametrize(
-        "params,home,saturated",
+        ("params", "home", "saturated"),
         [
             pytest.param(
                 SessionParams(max_waiting=3), view("h", waiting=2), False, id="below-waiting"
@@ -523,7 +523,7 @@ class TestRoutedVolume:
         assert before[0] < before[1] and after[0] > after[1]
 
     @pytest.mark.parametrize(
-        "yield_to_prefix,held_blocks,flat",
+        ("yield_to_prefix", "held_blocks", "flat"),
         [
             pytest.param(1.0, 100, True, id="full-yield-warm: prefix decides alone"),
             pytest.param(1.0, 0, False, id="full-yield-cold: volume decides"),
@@ -604,7 +604,7 @@ class TestActiveContext:
             self._scorer(idle_requests=0)
 
     @pytest.mark.parametrize(
-        "fork_share,held_blocks,flat",
+        ("fork_share", "held_blocks", "flat"),
         [
             pytest.param(0.7, 90, True, id="fork: continues a held context, follows the prefix"),
             pytest.param(0.7, 50, False, id="not-a-fork: mostly new context, balanced"),

@@ -355,8 +355,7 @@ class KvIndex:
         """(prefix length, any-bits of the workers whose prefix ends there), lengths ascending."""
         get = self._d.get
         ends: list[tuple[int, int]] = []
-        n = 0
-        for h in hashes:
+        for n, h in enumerate(hashes):
             m = get(h, 0) & active
             if m != active:
                 if n:
@@ -364,9 +363,8 @@ class KvIndex:
                 active = m
                 if not m:
                     break
-            n += 1
         else:
-            ends.append((n, active))
+            ends.append((len(hashes), active))
         return ends
 
     def _walk_projected(
@@ -379,8 +377,7 @@ class KvIndex:
         stores = _or(spread)
         memo: dict[int, int] = {}
         ends: list[tuple[int, int]] = []
-        n = 0
-        for h in hashes:
+        for n, h in enumerate(hashes):
             v = get(h, 0)
             pv = memo.get(v)
             if pv is None:
@@ -393,9 +390,8 @@ class KvIndex:
                 active = m
                 if not m:
                     break
-            n += 1
         else:
-            ends.append((n, active))
+            ends.append((len(hashes), active))
         return ends
 
     def _candidates(self, workers: Iterable[WorkerId] | None) -> tuple[int, dict[int, int], int]:

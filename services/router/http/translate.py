@@ -181,9 +181,8 @@ def choices_per_prompt(body: Mapping[str, Any]) -> int:
 
 
 def _reject_unsupported(body: Mapping[str, Any], kind: Kind) -> None:
-    if kind is Kind.COMPLETION:
-        if body.get("suffix"):
-            raise BadRequest("suffix is not supported; omit it", "suffix")
+    if kind is Kind.COMPLETION and body.get("suffix"):
+        raise BadRequest("suffix is not supported; omit it", "suffix")
 
 
 def _structured_param(body: Mapping[str, Any]) -> str:

@@ -18,6 +18,7 @@ hex digits of the block hash (at most 256 entries per directory level).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -182,7 +183,5 @@ def _size(path: Path) -> int:
 
 
 def _unlink_quietly(path: Path) -> None:
-    try:
+    with contextlib.suppress(OSError):
         path.unlink()
-    except OSError:
-        pass

@@ -141,10 +141,7 @@ class BlockSaver:
                     self._cond.wait()
                 if s.closed:
                     return
-                if batched:
-                    jobs = self._take_layout(s.jobs)
-                else:
-                    jobs = [s.jobs.popleft()]
+                jobs = self._take_layout(s.jobs) if batched else [s.jobs.popleft()]
                 s.busy = True
             ok, present = True, 0
             blocks = sum(len(j.block_hashes) for j in jobs)
