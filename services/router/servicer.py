@@ -299,9 +299,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 if step.action is Action.RESEND_WITHOUT_HANDOFF:
                     handoff, overlap.task = None, None
                 elif step.action is Action.RESUME_ELSEWHERE:
-                    route, sampling = await self._resume(
-                        route, model, sampling, ended, step, replay
-                    )
+                    resumed = await self._resume(route, model, sampling, ended, step, replay)
+                    if resumed is None:  # every token was sent; only the final message was lost
+                        yield _final_after_lost_end(route, ended, replay)
+                        return
+                    route, sampling = resumed
                     if overlap.task is not None and not overlap.task.done():
                         overlap.task.cancel()
                     handoff, overlap.task = None, None  # the new worker finds the KV itself
@@ -545,17 +547,16 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         ended: _Ended,
         step: Step,
         replay: Replay,
-    ) -> tuple[RouteRequest, common_pb2.SamplingParams]:
+    ) -> tuple[RouteRequest, common_pb2.SamplingParams] | None:
         """The next attempt of a request whose worker failed mid-stream (``resume.py``): the
         prompt plus every token the client has, the rest of max_tokens, the same sampling, the
         stop strings watched across the seam (docs/failover.md). Routed as any request (the KV
-        index finds who holds the blocks), the failed worker excluded. Raises the step's error
-        when nothing is left to generate."""
+        index finds who holds the blocks), the failed worker excluded. None when every
+        max_tokens token was sent (only the final message was lost: nothing to generate)."""
         ids = replay.record(ended.sent, step.progress.resumes)
         resumed = resumed_sampling(sampling, len(ids))
         if resumed is None:  # every token was sent, not the final message: nothing to resume
-            assert step.error is not None
-            raise step.error from ended.cause
+            return None
         new_route = await resumed_route(self._prompts, model, route, ids)
         stops = tuple(s for s in sampling.stop if s)
         if stops:
@@ -763,6 +764,24 @@ def kv_source_pb(peer: PeerHint | None) -> worker_pb2.KvSource | None:
 
 def trace_first_token(ttft_s: float) -> None:
     trace.get_current_span().add_event("first_token", {"ttft_s": ttft_s})
+
+
+def _final_after_lost_end(
+    route: RouteRequest, ended: _Ended, replay: Replay
+) -> router_pb2.GenerateResponse:
+    """The final message of a request whose worker died after sending every one of its
+    max_tokens tokens but before its final message: nothing is left to generate, so the
+    answer is complete (finish reason length; cached token counts are unknown: 0)."""
+    out = router_pb2.GenerateResponse(request_id=route.request_id)
+    out.finished.reason = common_pb2.FINISH_REASON_LENGTH
+    u = out.finished.usage
+    u.prompt_tokens = replay.prompt_tokens
+    u.completion_tokens = replay.tokens
+    u.worker_id = ended.attempt.worker_id if ended.attempt is not None else ""
+    u.resumes = max(replay.resumes - 1, 0)  # this one was not resumed: it was over
+    u.resume_recomputed_tokens = replay.recomputed
+    u.time_to_first_token_s = replay.ttft_s
+    return out
 
 
 def forced_choice(request: router_pb2.GenerateRequest) -> ForcedChoice | None:

@@ -10,6 +10,7 @@ UNAVAILABLE when none is left."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import time
 import urllib.request
@@ -55,8 +56,9 @@ SHORT = list(range(1, 101))  # 100 tokens < THRESHOLD
 
 class SimWorker(SimulatedEngine):
     """The simulator with a switchable failure: ``fail`` = "unavailable" (refuses every
-    request), "hang" (never answers), "after-tokens" (dies after its first tokens) or
-    "after-tokens-once" (the same, once per request id across the workers of the test)."""
+    request), "hang" (never answers), "after-tokens" (dies after its first tokens),
+    "after-tokens-once" (the same, once per request id across the workers of the test) or
+    "before-final" (sends every token, then dies instead of sending the final message)."""
 
     died_once: ClassVar[set[str]] = set()  # "after-tokens-once": the request ids that did
 
@@ -93,6 +95,9 @@ class SimWorker(SimulatedEngine):
             await asyncio.sleep(3600)
         n = 0
         async for delta in super().generate(request):
+            if self.fail == "before-final" and delta.finish is not None:
+                yield dataclasses.replace(delta, finish=None, timing=None)
+                raise errors.Unavailable("simulated worker died before its final message")
             yield delta
             n += len(delta.token_ids)
             if self.fail == "after-tokens" and n >= 2:
@@ -293,12 +298,13 @@ async def test_decode_failure_after_tokens_resumes_on_the_other_decode_worker(me
     router, client, engines = mesh
     for e in (engines["d0"], engines["d1"]):
         e.fail = "after-tokens-once"
+    # 64 tokens: the worker dies after its first ones, always with some left to resume.
     done = await client.complete(
-        make_request(LONG, max_tokens=8, ignore_eos=True, request_id="pd-resume"), timeout_s=30
+        make_request(LONG, max_tokens=64, ignore_eos=True, request_id="pd-resume"), timeout_s=30
     )
-    assert done.token_ids == fake_token_ids("pd-resume", 8, 1000)  # no gap, no repeat
+    assert done.token_ids == fake_token_ids("pd-resume", 64, 1000)  # no gap, no repeat
     assert done.usage is not None
-    assert (done.usage.resumes, done.usage.completion_tokens) == (1, 8)
+    assert (done.usage.resumes, done.usage.completion_tokens) == (1, 64)
     assert done.usage.prompt_tokens == len(LONG)
     decoded = [w for w in ("d0", "d1") if engines[w].seen]
     assert sorted(decoded) == ["d0", "d1"]  # a decode worker each, the prefill worker not
@@ -307,6 +313,24 @@ async def test_decode_failure_after_tokens_resumes_on_the_other_decode_worker(me
     )
     assert resumed.kv_source is None or resumed.kv_source.handoff_wait_s == 0  # no hand-off
     assert await metric(router, "kvmesh_router_resumes_total") == 1
+
+
+async def test_a_worker_lost_after_its_last_token_still_completes_the_answer(mesh):
+    # Every max_tokens token reached the client; only the final message was lost: nothing is
+    # left to generate, so the router ends the answer itself instead of failing it.
+    router, client, engines = mesh
+    for e in (engines["d0"], engines["d1"]):
+        e.fail = "before-final"
+    done = await client.complete(
+        make_request(LONG, max_tokens=8, ignore_eos=True, request_id="lost-end"), timeout_s=30
+    )
+    assert done.token_ids == fake_token_ids("lost-end", 8, 1000)
+    assert done.finish_reason == "FINISH_REASON_LENGTH"
+    assert done.usage is not None
+    assert (done.usage.completion_tokens, done.usage.resumes) == (8, 0)
+    assert done.usage.prompt_tokens == len(LONG)
+    assert sum(len(engines[w].seen) for w in ("d0", "d1")) == 1  # nothing was resumed
+    assert await metric(router, "kvmesh_router_resumes_total") == 0
 
 
 async def test_decode_failure_after_tokens_with_no_decode_worker_left_is_unavailable(mesh):

@@ -11,11 +11,11 @@ browser blocks the call.
 
 from __future__ import annotations
 
-import json
+import argparse
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from kvmesh import errors
+from kvmesh import errors, settings
 from kvmesh.settings import setting
 
 ALL_METHODS = ("DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT")  # what "*" stands for
@@ -24,19 +24,12 @@ PREFLIGHT_MAX_AGE_S = 600  # how long a browser may cache a preflight answer (St
 
 def parse_list(flag: str, raw: str) -> tuple[str, ...]:
     """A flag's list: a JSON list of strings (vLLM's form, ``'["https://a.example"]'``) or
-    comma-separated values. ``InvalidArgument`` naming ``flag`` otherwise."""
-    text = raw.strip()
-    if not text:
-        return ()
-    if text.startswith("["):
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise errors.InvalidArgument(f"{flag}: not a JSON list: {exc}") from None
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise errors.InvalidArgument(f"{flag}: want a JSON list of strings, got {text!r}")
-        return tuple(v.strip() for v in value if v.strip())
-    return tuple(v.strip() for v in text.split(",") if v.strip())
+    comma-separated values (``settings.parse_list``). ``InvalidArgument`` naming ``flag``
+    otherwise."""
+    try:
+        return settings.parse_list(raw)
+    except argparse.ArgumentTypeError as exc:
+        raise errors.InvalidArgument(f"{flag}: {exc}") from None
 
 
 @dataclass(frozen=True, slots=True)

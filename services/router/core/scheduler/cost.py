@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..workers import WorkerView
-from .params import check
+from .params import check, relative_scores
 from .plugins import CycleContext
 
 
@@ -91,9 +91,4 @@ class CostModelScorer:
         return out
 
     def score(self, ctx: CycleContext, candidates: Sequence[WorkerView]) -> Sequence[float]:
-        costs = self.estimate(ctx, candidates)
-        if not costs:
-            return []
-        floor = self._p.floor_s
-        best = min(costs) + floor
-        return [best / (c + floor) for c in costs]
+        return relative_scores(self.estimate(ctx, candidates), self._p.floor_s)

@@ -15,7 +15,7 @@ import enum
 import math
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
 from kvmesh.errors import InvalidArgument
@@ -26,6 +26,15 @@ P = TypeVar("P")
 @dataclasses.dataclass(frozen=True, slots=True)
 class NoParams:
     """The parameters of a plugin that takes none (any key given is an error)."""
+
+
+def relative_scores(costs: Sequence[float], floor_s: float) -> list[float]:
+    """Estimated costs (seconds) as scores: ``(min + floor_s) / (cost + floor_s)``, 1 for the
+    cheapest; costs within ``floor_s`` of each other score nearly alike."""
+    if not costs:
+        return []
+    best = min(costs) + floor_s
+    return [best / (c + floor_s) for c in costs]
 
 
 def check(ok: bool, message: str) -> None:

@@ -40,7 +40,7 @@ from kvmesh.discovery.keys import WorkerId
 
 from ..index_types import StoreId, store_parts
 from ..workers import WorkerView
-from .params import check
+from .params import check, relative_scores
 from .plugins import CycleContext, PluginEnv
 from .rates import PrefillRates
 
@@ -181,9 +181,4 @@ class TtftCostScorer:
         return out
 
     def score(self, ctx: CycleContext, candidates: Sequence[WorkerView]) -> Sequence[float]:
-        costs = self.estimate(ctx, candidates)
-        if not costs:
-            return []
-        floor = self._p.floor_s
-        best = min(costs) + floor
-        return [best / (c + floor) for c in costs]
+        return relative_scores(self.estimate(ctx, candidates), self._p.floor_s)
