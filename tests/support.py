@@ -5,6 +5,10 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 
 async def eventually(
@@ -24,3 +28,22 @@ async def eventually(
             raise AssertionError(f"{what}: not within {timeout_s} s")
         await asyncio.sleep(interval_s)
     return time.monotonic() - start
+
+
+def span_exporter(service_name: str) -> InMemorySpanExporter:
+    """An in-memory exporter on the process's tracer provider, which is set once per process:
+    added to the one another module set up already, or set up here with ``service_name``."""
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from kvmesh.telemetry import setup_tracing
+
+    exporter = InMemorySpanExporter()
+    provider = trace.get_tracer_provider()
+    if isinstance(provider, TracerProvider):
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+    else:
+        setup_tracing(service_name, extra_processor=SimpleSpanProcessor(exporter))
+    return exporter

@@ -21,16 +21,12 @@ from pathlib import Path
 
 import grpc
 import pytest
-from opentelemetry import trace
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvmesh import errors
 from kvmesh.client import RouterClient, make_request
 from kvmesh.kv.hashing import HashConfig, block_hashes
-from kvmesh.telemetry import setup_tracing
 from kvmesh.v1 import common_pb2
 from services.router.config import RouterConfig
 from services.router.main import start_router
@@ -40,7 +36,7 @@ from services.worker.main import parse_args, simulated_engine
 from services.worker.server import start_worker
 from services.worker.sim.engine import SimEngineConfig, SimulatedEngine, fake_token_ids
 from services.worker.sim.model import SimWorkerConfig
-from tests.support import eventually
+from tests.support import eventually, span_exporter
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -208,13 +204,7 @@ class DiesAfter(SimulatedEngine):
 @pytest.fixture(scope="module")
 def spans() -> InMemorySpanExporter:
     """An in-memory exporter on the process's tracer provider (set once per process)."""
-    exporter = InMemorySpanExporter()
-    provider = trace.get_tracer_provider()
-    if isinstance(provider, TracerProvider):  # another module set one up already
-        provider.add_span_processor(SimpleSpanProcessor(exporter))
-    else:
-        setup_tracing("kvmesh-resume-test", extra_processor=SimpleSpanProcessor(exporter))
-    return exporter
+    return span_exporter("kvmesh-resume-test")
 
 
 @pytest.fixture

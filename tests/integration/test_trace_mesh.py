@@ -24,17 +24,15 @@ from pathlib import Path
 import aiohttp
 import grpc
 import pytest
-from opentelemetry import trace
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
 from kvmesh.client import RouterClient, make_request
 from kvmesh.kv.hashing import HashConfig, block_hashes
-from kvmesh.telemetry import Exporter, otlp_target, setup_tracing, span_processor
+from kvmesh.telemetry import Exporter, otlp_target, span_processor
 from services.kvmanager.config import KvManagerConfig
 from services.kvmanager.core.config import StoreConfig
 from services.kvmanager.main import start_kvmanager
@@ -48,7 +46,7 @@ from services.worker.server import start_worker
 from services.worker.sim.engine import SimEngineConfig, SimulatedEngine
 from services.worker.sim.model import SimWorkerConfig
 from services.worker.traced import TracedEngine
-from tests.support import eventually
+from tests.support import eventually, span_exporter
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -64,13 +62,7 @@ CLOCK_SLACK_NS = 5_000_000
 @pytest.fixture(scope="module")
 def spans() -> InMemorySpanExporter:
     """An in-memory exporter on the process's tracer provider (set once per process)."""
-    exporter = InMemorySpanExporter()
-    provider = trace.get_tracer_provider()
-    if isinstance(provider, TracerProvider):  # another module set one up already
-        provider.add_span_processor(SimpleSpanProcessor(exporter))
-    else:
-        setup_tracing("kvmesh-trace-mesh-test", extra_processor=SimpleSpanProcessor(exporter))
-    return exporter
+    return span_exporter("kvmesh-trace-mesh-test")
 
 
 def _trace_of(spans: InMemorySpanExporter, request_id: str) -> int:
