@@ -96,10 +96,7 @@ class PromptBuilder:
         """The prompt's ids and hashes; ``check`` vets the ids before they are hashed (it
         raises for a prompt the model cannot take)."""
         encode = self._encoder(model, path, source)
-        inline = source.estimated_tokens() <= self._inline_tokens and (
-            source.token_ids is not None or self._tokenizers.is_loaded(model, path)
-        )
-        if inline:
+        if self._inline(model, path, source):
             with _tracer.start_as_current_span("tokenize") as span:
                 ids = encode()
                 span.set_attribute("prompt_tokens", len(ids))
@@ -110,6 +107,21 @@ class PromptBuilder:
             return Prompt(ids, hashed, inline=True)
 
         return await self._in_executor(block_size, session_id, encode, check)
+
+    def _inline(self, model: str, path: str, source: PromptInput) -> bool:
+        """Whether ``source`` is short enough to tokenize on the loop (tokenizer loaded)."""
+        return source.estimated_tokens() <= self._inline_tokens and (
+            source.token_ids is not None or self._tokenizers.is_loaded(model, path)
+        )
+
+    async def count(self, model: str, path: str, source: PromptInput) -> int:
+        """How many tokens ``source`` is, without hashing (count_tokens); a long one is
+        tokenized in the executor."""
+        encode = self._encoder(model, path, source)
+        if self._inline(model, path, source):
+            return len(encode())
+        loop = asyncio.get_running_loop()
+        return len(await loop.run_in_executor(self._executor, encode))
 
     async def decode(self, model: str, path: str, token_ids: Sequence[int]) -> str:
         """``token_ids``' text, in the executor (a resumed stream's seam: docs/failover.md)."""

@@ -221,6 +221,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         finally:
             self.metrics.ended(model_name, code)
 
+    async def count_tokens(self, request: router_pb2.GenerateRequest) -> int:
+        """The prompt tokens ``request`` has (its chat template rendered with its tools), without
+        routing or generating: the Anthropic front door's count_tokens."""
+        model = self._resolve_model(request.model)
+        return await self._prompts.count(model.name, model.model_path, self._prompt_input(request))
+
     def _resolve_model(self, name: str) -> ModelSummary:
         models = self._workers.models()
         if not models:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncGenerator
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import grpc
 from opentelemetry import context as otel_context
@@ -35,6 +35,36 @@ class RouterBackend(Protocol):
     async def list_models(self, timeout_s: float) -> router_pb2.ListModelsResponse: ...
 
     async def close(self) -> None: ...
+
+
+@runtime_checkable
+class TokenCounter(Protocol):
+    """A backend that counts a request's prompt tokens without generating (the in-process
+    router: its tokenizer and chat template)."""
+
+    async def count_tokens(self, request: router_pb2.GenerateRequest, timeout_s: float) -> int: ...
+
+
+async def count_tokens(
+    backend: RouterBackend, request: router_pb2.GenerateRequest, timeout_s: float
+) -> int:
+    """The prompt tokens of ``request`` (its chat template rendered, tools included). A router
+    reached over gRPC has no count RPC: there it is one generated token's usage (a prefill on
+    a worker, whose blocks the next request then finds cached)."""
+    if isinstance(backend, TokenCounter):
+        return await backend.count_tokens(request, timeout_s)
+    one = router_pb2.GenerateRequest()
+    one.CopyFrom(request)
+    one.sampling.max_tokens = 1
+    del one.sampling.stop[:]
+    stream = backend.generate(one, timeout_s)
+    try:
+        async for msg in stream:
+            if msg.HasField("finished"):
+                return msg.finished.usage.prompt_tokens
+    finally:
+        await stream.aclose()
+    raise errors.Unavailable("the router ended the stream without an answer")
 
 
 def error_from_rpc(exc: grpc.aio.AioRpcError) -> errors.KvmeshError:
@@ -88,6 +118,8 @@ class RouterStream(Protocol):
 
     def models(self) -> router_pb2.ListModelsResponse: ...
 
+    async def count_tokens(self, request: router_pb2.GenerateRequest) -> int: ...
+
 
 class InProcessRouterBackend:
     """The router's own servicer, called in its process: what ``kvmesh router`` serves HTTP
@@ -133,6 +165,9 @@ class InProcessRouterBackend:
 
     async def list_models(self, timeout_s: float) -> router_pb2.ListModelsResponse:
         return self._servicer.models()
+
+    async def count_tokens(self, request: router_pb2.GenerateRequest, timeout_s: float) -> int:
+        return await self._servicer.count_tokens(request)
 
     async def close(self) -> None:
         pass

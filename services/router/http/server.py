@@ -18,7 +18,7 @@ from prometheus_client.exposition import choose_encoder
 
 from kvmesh import __version__, errors
 
-from . import choices, translate
+from . import anthropic_http, choices, translate
 from .backend import GrpcRouterBackend, RouterBackend
 from .cors import CorsPolicy
 from .errors import BadRequest, MethodNotAllowed, PayloadTooLarge, UnknownRoute, error_body
@@ -150,6 +150,13 @@ class OpenAIServer:
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/v1/models/{model}", self._model)
+        anthropic_http.AnthropicEndpoints(
+            lambda: self.backend,
+            self._read_json,
+            api_keys=self._api_keys,
+            timeout_s=self._timeout_s,
+            models_timeout_s=self._models_timeout_s,
+        ).add_routes(app)  # POST /v1/messages, /v1/messages/count_tokens
         app.router.add_get("/health", self._health)
         app.router.add_get("/version", self._version)
         if self._registry is not None:
@@ -239,7 +246,10 @@ class OpenAIServer:
         self, request: web.Request, handler: Handler
     ) -> web.StreamResponse:
         """aiohttp's own errors (unknown path, wrong method, body too large, ...) in the OpenAI
-        shape; anything unexpected as a 500 with a request id and the trace in the log."""
+        shape (Anthropic's on its paths); anything unexpected as a 500 with a request id and the
+        trace in the log."""
+        if anthropic_http.is_anthropic_path(request.path):
+            return await anthropic_http.guard(request, handler, self._max_body_bytes)
         try:
             return await handler(request)
         except web.HTTPRequestEntityTooLarge:

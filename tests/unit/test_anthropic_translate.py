@@ -1,0 +1,446 @@
+"""Anthropic Messages -> the router's request, and the router's answer -> Anthropic's message and
+event stream (services/router/http/anthropic.py, anthropic_stream.py). Pure: every rule a row."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from kvmesh import errors
+from kvmesh.v1 import common_pb2, router_pb2
+from services.router.core.forced_tools import ForcedKind
+from services.router.http import anthropic
+from services.router.http.anthropic_stream import EventStream, MessageCollector
+from services.router.http.errors import BadRequest, Unauthorized
+from services.router.http.translate import Extensions
+
+EXT = Extensions()
+HI = [{"role": "user", "content": "hi"}]
+WEATHER = {
+    "name": "weather",
+    "description": "The weather",
+    "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}},
+    "cache_control": {"type": "ephemeral"},
+}
+
+
+def parse(**body: Any) -> anthropic.MessagesRequest:
+    return anthropic.parse_messages({"model": "tiny", "max_tokens": 8, **body}, EXT, "msg_1")
+
+
+def messages(req: anthropic.MessagesRequest) -> list[router_pb2.ChatMessage]:
+    return list(req.chat.generate.chat.messages)
+
+
+def test_plain_request_becomes_a_chat_request():
+    req = parse(messages=HI, temperature=0.5, top_p=0.9, top_k=7, stream=True)
+    g = req.chat.generate
+    assert (req.id, req.model, req.stream, g.request_id) == ("msg_1", "tiny", True, "msg_1")
+    assert (g.sampling.max_tokens, g.sampling.top_k) == (8, 7)
+    assert g.sampling.temperature == pytest.approx(0.5)
+    assert g.sampling.top_p == pytest.approx(0.9)
+    assert [(m.role, m.content) for m in messages(req)] == [("user", "hi")]
+
+
+@pytest.mark.parametrize(
+    ("system", "expected"),
+    [
+        pytest.param("Be brief.", [("system", "Be brief.")], id="string"),
+        pytest.param(
+            [
+                {"type": "text", "text": "x-anthropic-billing-header: cc_version=1; cch=abc"},
+                {"type": "text", "text": "Be ", "cache_control": {"type": "ephemeral"}},
+                {"type": "text", "text": "brief."},
+            ],
+            [("system", "Be brief.")],
+            id="blocks-billing-line-dropped",
+        ),
+        pytest.param(None, [], id="absent"),
+    ],
+)
+def test_system(system: Any, expected: list[tuple[str, str]]):
+    req = parse(system=system, messages=HI)
+    assert [(m.role, m.content) for m in messages(req)] == [*expected, ("user", "hi")]
+
+
+def test_tool_use_and_tool_result_become_tool_calls_and_tool_messages():
+    req = parse(
+        tools=[WEATHER],
+        messages=[
+            {"role": "user", "content": [{"type": "text", "text": "Weather?"}]},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "thinking", "thinking": "hm", "signature": "s"},
+                    {"type": "text", "text": "Let me look."},
+                    {
+                        "type": "tool_use",
+                        "id": "toolu_1",
+                        "name": "weather",
+                        "input": {"city": "Paris"},
+                    },
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"},
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": "toolu_2",
+                        "content": [{"type": "text", "text": "no"}],
+                        "is_error": True,
+                    },
+                    {"type": "text", "text": "And Rome?"},
+                ],
+            },
+        ],
+    )
+    got = messages(req)
+    assert [(m.role, m.content, m.tool_call_id) for m in got] == [
+        ("user", "Weather?", ""),
+        ("assistant", "Let me look.", ""),
+        ("tool", "sunny", "toolu_1"),
+        ("tool", "Error: no", "toolu_2"),
+        ("user", "And Rome?", ""),
+    ]
+    (call,) = got[1].tool_calls
+    assert (call.id, call.name, json.loads(call.arguments)) == (
+        "toolu_1",
+        "weather",
+        {"city": "Paris"},
+    )
+    (tool,) = req.chat.generate.chat.tools
+    assert (tool.name, tool.description) == ("weather", "The weather")
+    assert json.loads(tool.parameters_json) == WEATHER["input_schema"]
+    assert req.chat.parse_tool_calls and req.chat.forced is None
+
+
+@pytest.mark.parametrize(
+    ("choice", "mode", "forced"),
+    [
+        pytest.param({"type": "auto"}, router_pb2.TOOL_CHOICE_MODE_AUTO, None, id="auto"),
+        pytest.param(
+            {"type": "any", "disable_parallel_tool_use": True},
+            router_pb2.TOOL_CHOICE_MODE_REQUIRED,
+            ForcedKind.REQUIRED,
+            id="any",
+        ),
+        pytest.param(
+            {"type": "tool", "name": "weather"},
+            router_pb2.TOOL_CHOICE_MODE_FUNCTION,
+            ForcedKind.FUNCTION,
+            id="tool",
+        ),
+        pytest.param({"type": "none"}, router_pb2.TOOL_CHOICE_MODE_NONE, None, id="none"),
+    ],
+)
+def test_tool_choice(choice: Any, mode: int, forced: ForcedKind | None):
+    req = parse(messages=HI, tools=[WEATHER], tool_choice=choice)
+    assert req.chat.generate.chat.tool_choice.mode == mode
+    assert (req.chat.forced.kind if req.chat.forced else None) == forced
+    assert req.chat.parse_tool_calls == (choice["type"] != "none")
+
+
+def test_stop_sequences_beyond_openais_four_and_the_session():
+    stops = [f"s{i}" for i in range(6)]
+    req = parse(messages=HI, stop_sequences=stops, metadata={"user_id": "user_a_session_b"})
+    assert list(req.chat.generate.sampling.stop) == stops
+    assert req.stop_sequences == tuple(stops)
+    assert req.chat.generate.session_id == "user_a_session_b"
+    header = anthropic.parse_messages(
+        {"max_tokens": 4, "messages": HI, "metadata": {"user_id": "u"}},
+        Extensions(session_id="from-header"),
+        "msg_2",
+    )
+    assert header.chat.generate.session_id == "from-header"
+
+
+@pytest.mark.parametrize(
+    ("body", "says"),
+    [
+        pytest.param({"messages": HI}, "max_tokens: Field required", id="no-max_tokens"),
+        pytest.param({"messages": HI, "max_tokens": "8"}, "max_tokens", id="max_tokens-str"),
+        pytest.param({"messages": [], "max_tokens": 8}, "messages", id="no-messages"),
+        pytest.param(
+            {"messages": [{"role": "system", "content": "x"}], "max_tokens": 8},
+            "use 'user' or 'assistant'",
+            id="system-role",
+        ),
+        pytest.param(
+            {"messages": [*HI, {"role": "assistant", "content": "{"}], "max_tokens": 8},
+            "prefill",
+            id="last-assistant",
+        ),
+        pytest.param(
+            {
+                "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}],
+                "max_tokens": 8,
+            },
+            "'image' blocks are not supported",
+            id="image",
+        ),
+        pytest.param(
+            {
+                "messages": HI,
+                "max_tokens": 8,
+                "tools": [{"type": "web_search_20250305", "name": "web_search"}],
+            },
+            "only custom tools",
+            id="server-tool",
+        ),
+        pytest.param(
+            {"messages": HI, "max_tokens": 8, "tools": [WEATHER], "tool_choice": {"type": "x"}},
+            "tool_choice.type",
+            id="bad-choice",
+        ),
+        pytest.param(
+            {
+                "messages": HI,
+                "max_tokens": 8,
+                "tools": [WEATHER],
+                "tool_choice": {"type": "tool", "name": "clock"},
+            },
+            "not one of the tools",
+            id="unknown-tool",
+        ),
+        pytest.param(
+            {
+                "messages": [
+                    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": ""}]}
+                ],
+                "max_tokens": 8,
+            },
+            "tool_use_id",
+            id="result-without-id",
+        ),
+        pytest.param(
+            {"messages": HI, "max_tokens": 8, "stop_sequences": "END"},
+            "stop_sequences",
+            id="stop-string",
+        ),
+        pytest.param(
+            {"messages": HI, "max_tokens": 8, "mcp_servers": [{"url": "x"}]},
+            "mcp_servers",
+            id="mcp",
+        ),
+    ],
+)
+def test_bad_requests(body: dict[str, Any], says: str):
+    with pytest.raises(BadRequest, match=says):
+        anthropic.parse_messages(body, EXT, "msg_1")
+
+
+def test_count_tokens_needs_no_max_tokens():
+    chat = anthropic.parse_count_tokens({"model": "tiny", "messages": HI}, EXT, "msg_1")
+    assert chat.generate.sampling.max_tokens == 1
+    assert not chat.stream
+
+
+def test_x_api_key_is_the_api_key():
+    keys = {"sk-a": "team-a"}
+    assert anthropic.extensions_from_headers({"x-api-key": "sk-a"}, keys).tenant == "team-a"
+    with pytest.raises(Unauthorized):
+        anthropic.extensions_from_headers({"x-api-key": "sk-b"}, keys)
+    open_ = anthropic.extensions_from_headers({"x-api-key": "sk-b", "anthropic-version": "x"})
+    assert open_.tenant.startswith("key-")
+
+
+@pytest.mark.parametrize(
+    ("prompt", "cached", "block", "expected"),
+    [
+        pytest.param(100, 0, 32, (4, 96, 0), id="cold"),
+        pytest.param(100, 64, 32, (4, 32, 64), id="warm"),
+        pytest.param(100, 96, 32, (4, 0, 96), id="all-whole-blocks-cached"),
+        pytest.param(64, 32, 32, (0, 32, 32), id="whole-blocks"),
+        pytest.param(100, 40, 0, (0, 60, 40), id="block-size-unknown"),
+    ],
+)
+def test_usage_adds_up_to_the_prompt(
+    prompt: int, cached: int, block: int, expected: tuple[int, int, int]
+):
+    usage = common_pb2.Usage(prompt_tokens=prompt, cached_prompt_tokens=cached, completion_tokens=3)
+    got = anthropic.usage_json(usage, block)
+    assert (
+        got["input_tokens"],
+        got["cache_creation_input_tokens"],
+        got["cache_read_input_tokens"],
+    ) == expected
+    assert got["output_tokens"] == 3
+    assert sum(expected) == prompt
+
+
+@pytest.mark.parametrize(
+    ("finish", "matched", "calls", "expected"),
+    [
+        pytest.param("stop", None, False, ("end_turn", None), id="eos"),
+        pytest.param("stop", "END", False, ("stop_sequence", "END"), id="stop-sequence"),
+        pytest.param("stop", "151645", False, ("end_turn", None), id="stop-token"),
+        pytest.param("length", None, True, ("max_tokens", None), id="length"),
+        pytest.param("tool_calls", None, True, ("tool_use", None), id="calls"),
+        pytest.param("stop", "END", True, ("tool_use", None), id="calls-then-stop"),
+    ],
+)
+def test_stop_reason(finish: str, matched: str | None, calls: bool, expected: tuple[Any, ...]):
+    assert anthropic.stop_reason(finish, matched, calls, ("END",)) == expected
+
+
+@pytest.mark.parametrize(
+    ("exc", "status", "kind"),
+    [
+        pytest.param(BadRequest("bad"), 400, "invalid_request_error", id="bad"),
+        pytest.param(Unauthorized("key"), 401, "authentication_error", id="key"),
+        pytest.param(errors.NotFound("model"), 404, "not_found_error", id="model"),
+        pytest.param(errors.ResourceExhausted("slow"), 429, "rate_limit_error", id="rate"),
+        pytest.param(errors.Unavailable("no worker"), 529, "overloaded_error", id="unavailable"),
+        pytest.param(errors.DeadlineExceeded("late"), 504, "timeout_error", id="deadline"),
+        pytest.param(RuntimeError("secret"), 500, "api_error", id="internal"),
+    ],
+)
+def test_error_body(exc: BaseException, status: int, kind: str):
+    got_status, body = anthropic.error_body(exc, "rid-1")
+    assert (got_status, body["type"], body["error"]["type"]) == (status, "error", kind)
+    assert body["request_id"] == "rid-1"
+    if status == 500:
+        assert "secret" not in body["error"]["message"]
+
+
+# ---- the answer ---------------------------------------------------------------------------------
+def chunks(
+    texts: list[str],
+    reason: int = common_pb2.FINISH_REASON_STOP,
+    stop_reason: str = "",
+) -> list[router_pb2.GenerateResponse]:
+    out = [router_pb2.GenerateResponse(text=t) for t in texts]
+    last = router_pb2.GenerateResponse()
+    last.finished.reason = reason
+    last.finished.stop_reason = stop_reason
+    last.finished.usage.CopyFrom(
+        common_pb2.Usage(
+            prompt_tokens=70, cached_prompt_tokens=32, completion_tokens=len(texts), worker_id="w"
+        )
+    )
+    return [*out, last]
+
+
+def collect(req: anthropic.MessagesRequest, msgs: list[router_pb2.GenerateResponse]) -> Any:
+    out = MessageCollector(req, 32)
+    for m in msgs:
+        out.feed(m)
+    assert out.finished
+    return out.message()
+
+
+def events(
+    req: anthropic.MessagesRequest, msgs: list[router_pb2.GenerateResponse]
+) -> list[tuple[str, dict[str, Any]]]:
+    out = EventStream(req, 32)
+    got = out.start()
+    for m in msgs:
+        got += out.feed(m)
+    assert out.finished
+    for name, data in got:
+        assert name == data["type"]
+    return got
+
+
+def test_text_answer_whole_and_streamed():
+    req = parse(messages=HI, stop_sequences=["END"])
+    msgs = chunks(["Hel", "lo"], stop_reason="END")
+    body = collect(req, msgs)
+    assert body["content"] == [{"type": "text", "text": "Hello"}]
+    assert (body["stop_reason"], body["stop_sequence"]) == ("stop_sequence", "END")
+    assert body["usage"] == {
+        "input_tokens": 6,
+        "output_tokens": 2,
+        "cache_creation_input_tokens": 32,
+        "cache_read_input_tokens": 32,
+    }
+    assert (body["id"], body["type"], body["role"], body["model"]) == (
+        "msg_1",
+        "message",
+        "assistant",
+        "tiny",
+    )
+    assert body["kvmesh"]["worker_id"] == "w"
+
+    got = events(parse(messages=HI, stream=True, stop_sequences=["END"]), msgs)
+    assert [name for name, _ in got] == [
+        "message_start",
+        "ping",
+        "content_block_start",
+        "content_block_delta",
+        "content_block_delta",
+        "content_block_stop",
+        "message_delta",
+        "message_stop",
+    ]
+    assert got[0][1]["message"]["id"] == "msg_1"
+    assert got[2][1]["content_block"] == {"type": "text", "text": ""}
+    assert [d["delta"] for _, d in got[3:5]] == [
+        {"type": "text_delta", "text": "Hel"},
+        {"type": "text_delta", "text": "lo"},
+    ]
+    assert got[6][1]["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": "END"}
+    assert got[6][1]["usage"] == body["usage"]
+
+
+HERMES = [
+    "Sure.",
+    '<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+]
+
+
+def test_auto_tool_calls_become_tool_use_blocks():
+    body = collect(parse(messages=HI, tools=[WEATHER]), chunks(HERMES))
+    assert body["stop_reason"] == "tool_use"
+    text, call = body["content"]
+    assert text == {"type": "text", "text": "Sure."}
+    assert (call["type"], call["name"], call["input"]) == ("tool_use", "weather", {"city": "Paris"})
+    assert call["id"].startswith("toolu_")
+
+    got = events(parse(messages=HI, tools=[WEATHER], stream=True), chunks(HERMES))
+    starts = [d["content_block"] for n, d in got if n == "content_block_start"]
+    assert [b["type"] for b in starts] == ["text", "tool_use"]
+    assert (starts[1]["name"], starts[1]["input"]) == ("weather", {})
+    (args,) = [d["delta"] for n, d in got if d.get("delta", {}).get("type") == "input_json_delta"]
+    assert json.loads(args["partial_json"]) == {"city": "Paris"}
+    stops = [d["index"] for n, d in got if n == "content_block_stop"]
+    assert stops == [0, 1]
+    assert got[-2][1]["delta"]["stop_reason"] == "tool_use"
+
+
+def test_forced_calls():
+    named = parse(messages=HI, tools=[WEATHER], tool_choice={"type": "tool", "name": "weather"})
+    body = collect(named, chunks(['{"city":', ' "Rome"}']))
+    assert [(b["type"], b["input"]) for b in body["content"]] == [("tool_use", {"city": "Rome"})]
+    assert body["stop_reason"] == "tool_use"
+
+    streamed = parse(
+        messages=HI, tools=[WEATHER], tool_choice={"type": "tool", "name": "weather"}, stream=True
+    )
+    got = events(streamed, chunks(['{"city":', ' "Rome"}']))
+    parts = [d["delta"]["partial_json"] for n, d in got if n == "content_block_delta"]
+    assert parts == ['{"city":', ' "Rome"}']
+    assert got[-2][1]["delta"]["stop_reason"] == "tool_use"
+
+    cut = collect(named, chunks(['{"city":'], reason=common_pb2.FINISH_REASON_LENGTH))
+    assert cut["content"] == [{"type": "text", "text": '{"city":'}]
+    assert cut["stop_reason"] == "max_tokens"
+    got = events(streamed, chunks(['{"city":'], reason=common_pb2.FINISH_REASON_LENGTH))
+    assert got[-2][1]["delta"]["stop_reason"] == "max_tokens"
+
+    any_ = parse(messages=HI, tools=[WEATHER], tool_choice={"type": "any"})
+    body = collect(any_, chunks(['[{"name": "weather", "parameters": {"city": "Oslo"}}]']))
+    assert [(b["name"], b["input"]) for b in body["content"]] == [("weather", {"city": "Oslo"})]
+    assert body["stop_reason"] == "tool_use"
+
+
+def test_an_aborted_answer_is_overloaded():
+    aborted = chunks(["Hel"], reason=common_pb2.FINISH_REASON_ABORT)
+    with pytest.raises(errors.Unavailable):
+        collect(parse(messages=HI), aborted)
+    with pytest.raises(errors.Unavailable):
+        events(parse(messages=HI, stream=True), aborted)
