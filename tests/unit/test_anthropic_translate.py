@@ -4,6 +4,7 @@ event stream (services/router/http/anthropic.py, anthropic_stream.py). Pure: eve
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import pytest
@@ -229,8 +230,20 @@ def test_stop_sequences_beyond_openais_four_and_the_session():
     ],
 )
 def test_bad_requests(body: dict[str, Any], says: str):
-    with pytest.raises(BadRequest, match=says):
+    with pytest.raises(BadRequest, match=re.escape(says)):
         anthropic.parse_messages(body, EXT, "msg_1")
+
+
+def test_output_config_format_is_the_structured_output():
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}}
+    req = parse(
+        messages=HI,
+        output_config={"effort": "low", "format": {"type": "json_schema", "schema": schema}},
+    )
+    out = req.chat.generate.sampling.structured_output
+    assert json.loads(out.json_schema) == schema
+    with pytest.raises(BadRequest, match=r"output_config\.format\.type"):
+        parse(messages=HI, output_config={"format": {"type": "xml"}})
 
 
 def test_count_tokens_needs_no_max_tokens():

@@ -290,6 +290,24 @@ def _stop_sequences(value: object) -> tuple[str, ...]:
     return tuple(value)
 
 
+def _output_format(value: object) -> dict[str, Any] | None:
+    """``output_config.format`` (``{"type": "json_schema", "schema": ...}``: structured output)
+    as OpenAI's response_format; ``effort`` is accepted and ignored."""
+    if value is None:
+        return None
+    fmt = _object(value, "output_config").get("format")
+    if fmt is None:
+        return None
+    fmt = _object(fmt, "output_config.format")
+    if fmt.get("type") != "json_schema":
+        raise BadRequest(
+            f"output_config.format.type: is {fmt.get('type')!r}; use 'json_schema'",
+            "output_config.format",
+        )
+    schema = _object(fmt.get("schema"), "output_config.format.schema")
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
+
+
 def _session(body: Mapping[str, Any], ext: translate.Extensions) -> translate.Extensions:
     """``metadata.user_id`` is the session (agent CLIs send one per conversation) unless the
     ``x-kvmesh-session-id`` header names one."""
@@ -320,6 +338,9 @@ def _chat_body(body: Mapping[str, Any], max_tokens: int) -> dict[str, Any]:
     choice = _tool_choice(body.get("tool_choice"))
     if choice is not None:
         chat["tool_choice"] = choice
+    fmt = _output_format(body.get("output_config"))
+    if fmt is not None:
+        chat["response_format"] = fmt
     thinking = body.get("thinking")  # accepted, ignored: the models write no thinking blocks
     if thinking is not None:
         _object(thinking, "thinking")
