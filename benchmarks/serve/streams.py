@@ -44,6 +44,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--sim-speedup", type=float, default=0.05, help="simulated time per real time (0.05)"
     )
     p.add_argument("--router-processes", type=int, default=1)
+    p.add_argument(
+        "--policy", default="", help="the router's --policy (default: its default profile)"
+    )
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--out-dir", type=Path, default=None)
     p.set_defaults(func=cmd_streams)
@@ -81,6 +84,7 @@ def cmd_streams(a: argparse.Namespace) -> int:
         kvmanager_cpu_bytes=0,
         bind_cpus=False,  # simulated workers compute nothing
         router_processes=a.router_processes,
+        router_policy=a.policy,
         worker_args=sim_args,
         log_dir=out_dir / "mesh",
     )
@@ -111,10 +115,11 @@ def cmd_streams(a: argparse.Namespace) -> int:
 def format_table(rows: list[dict[str, Any]], a: argparse.Namespace) -> str:
     head = (
         f"{a.streams} concurrent streams, {a.workers} simulated workers, "
-        f"{a.prompt_tokens}-token prompts, {a.max_tokens} tokens each\n\n"
+        f"{a.prompt_tokens}-token prompts, {a.max_tokens} tokens each, router policy "
+        f"{a.policy or '(default)'}\n\n"
         "| path | streams done | failed | peak concurrent | TTFT p50 / p99 ms | "
-        "ITL p50 / p99 ms | tokens/s | router CPU us/token | router CPU ms/request |\n"
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|\n"
+        "ITL p50 / p99 ms | tokens/s | router CPU us/token | router CPU ms/request | streams per worker min / max |\n"
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
     )
     lines = []
     for r in rows:
@@ -124,7 +129,8 @@ def format_table(rows: list[dict[str, Any]], a: argparse.Namespace) -> str:
             f"| {r['ttft_p50_ms']:.1f} / {r['ttft_p99_ms']:.1f} "
             f"| {r['itl_p50_ms']:.1f} / {r['itl_p99_ms']:.1f} | {r['tokens_per_s']:.0f} "
             f"| {1e6 * r['router_cpu_s'] / tokens:.0f} "
-            f"| {1e3 * r['router_cpu_s'] / max(r['completed'], 1):.2f} |"
+            f"| {1e3 * r['router_cpu_s'] / max(r['completed'], 1):.2f} "
+            f"| {r.get('per_worker_min', '')} / {r.get('per_worker_max', '')} |"
         )
     direct = [r for r in rows if r["target"] == "direct"]
     routed = [r for r in rows if r["target"] == "router"]

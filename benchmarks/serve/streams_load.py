@@ -29,6 +29,7 @@ async def run(a: argparse.Namespace) -> dict[str, object]:
     itls: list[float] = []
     failed: list[str] = []
     in_flight = peak = tokens = 0
+    placed: dict[str, int] = {}  # router runs: streams per worker (from the final usage)
 
     async def one(i: int) -> None:
         nonlocal in_flight, peak, tokens
@@ -55,6 +56,9 @@ async def run(a: argparse.Namespace) -> dict[str, object]:
         got = 0
         try:
             async for msg in call:
+                if a.target == "router" and msg.HasField("finished"):
+                    wid = msg.finished.usage.worker_id
+                    placed[wid] = placed.get(wid, 0) + 1
                 if not msg.token_ids:
                     continue
                 now = time.perf_counter()
@@ -92,6 +96,9 @@ async def run(a: argparse.Namespace) -> dict[str, object]:
         "ttft_p99_ms": ms(ttfts, 99),
         "itl_p50_ms": ms(itls, 50),
         "itl_p99_ms": ms(itls, 99),
+        # direct: exactly round robin; router: what its placement did
+        "per_worker_max": max(placed.values()) if placed else -(-a.streams // len(addresses)),
+        "per_worker_min": min(placed.values()) if placed else a.streams // len(addresses),
     }
 
 

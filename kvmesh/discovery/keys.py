@@ -107,6 +107,9 @@ class WorkerRecord:
     # kvmanager; empty when it has none. Routers read that kvmanager's tier events for it.
     kv_layout: str = ""
     vllm_version: str = ""  # the vLLM its engine runs; empty for the simulated engine
+    # Most requests its engine runs at once (vLLM's max_num_seqs): routers count what they send
+    # beyond it as waiting before the worker's next load report says so. 0: not known.
+    max_running_requests: int = 0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)

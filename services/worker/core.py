@@ -207,6 +207,8 @@ class EngineInfo:
     # Most alternatives per token a request may ask for (sampling.logprobs); 0: no bound known.
     max_logprobs: int = 0
     vllm_version: str = ""  # the vLLM serving it; "" for an engine that is not vLLM
+    # Most requests the engine runs at once (vLLM's max_num_seqs); more wait. 0: not known.
+    max_running_requests: int = 0
 
 
 class Engine(Protocol):

@@ -361,6 +361,7 @@ class VllmEngine:
                 connector_layout=layouts[0] if layouts else "",
                 max_logprobs=vocab if max_logprobs < 0 else max_logprobs,
                 vllm_version=vllm.__version__,
+                max_running_requests=llm.vllm_config.scheduler_config.max_num_seqs,
             )
         except BaseException:
             llm.shutdown()

@@ -150,6 +150,7 @@ async def start_worker(config: WorkerConfig, engine: Engine) -> RunningWorker:
             vocab_size=info.vocab_size,
             kv_layout=config.kv_layout or layout_key_of(info.connector_layout),
             vllm_version=info.vllm_version,
+            max_running_requests=info.max_running_requests,
         )
         host.on_draining.append(lambda: setattr(servicer, "draining", True))
         host.draining_record = lambda: dataclasses.replace(

@@ -24,6 +24,8 @@ class WorkerView:
     load: LoadSnapshot = field(default_factory=LoadSnapshot)
     # Requests this router has sent to the worker and not seen finish.
     router_in_flight: int = 0
+    # Requests this router sent the worker since its last load report (which cannot count them).
+    sent_since_report: int = 0
 
     @property
     def serving(self) -> bool:
@@ -34,6 +36,24 @@ def outstanding(view: WorkerView) -> int:
     """Requests a worker is busy with: the larger of what this router sent it and what the
     worker reports (other routers' requests show up only in the worker's report)."""
     return max(view.router_in_flight, view.load.in_flight_requests)
+
+
+def waiting(view: WorkerView) -> int:
+    """Requests waiting in a worker's queue, now. The worker's report is up to one load interval
+    old, so a burst of arrivals would pile onto the worker that last said it was least busy.
+    Two corrections from what this router knows first-hand: a worker that reported a queue
+    queues what was sent to it since (until its next report); and one that published how many
+    requests it runs at once (``max_running_requests``) queues what is outstanding beyond that."""
+    reported = view.load.waiting_requests
+    if reported > 0:
+        reported += view.sent_since_report
+    else:
+        reported = 0
+    cap = view.record.max_running_requests
+    if cap <= 0:
+        return reported
+    beyond = outstanding(view) - cap
+    return beyond if beyond > reported else reported
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,11 +134,13 @@ class WorkerSet:
         view = self._workers.get(worker_id)
         if view is not None:
             view.load = load
+            view.sent_since_report = 0
 
     def started(self, worker_id: WorkerId) -> None:
         view = self._workers.get(worker_id)
         if view is not None:
             view.router_in_flight += 1
+            view.sent_since_report += 1
 
     def finished(self, worker_id: WorkerId) -> None:
         view = self._workers.get(worker_id)

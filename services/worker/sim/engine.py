@@ -196,6 +196,7 @@ class SimulatedEngine:
             max_model_len=max_len,
             block_size=wcfg.block_size,
             vocab_size=cfg.vocab_size,
+            max_running_requests=wcfg.max_running,
         )
         self._hasher = hasher or simple_block_hashes(wcfg.block_size)
         self._kv_stores = kv_stores

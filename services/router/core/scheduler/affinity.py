@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from kvmesh.discovery.keys import WorkerId
 
 from ..types import RouteDecision, RouteRequest
-from ..workers import WorkerView, outstanding
+from ..workers import WorkerView, outstanding, waiting
 from .params import check
 from .plugins import CycleContext, PluginEnv
 
@@ -20,7 +20,7 @@ from .plugins import CycleContext, PluginEnv
 class SessionParams:
     max_sessions: int = 100_000  # sessions remembered (least recently routed forgotten first)
     # The session's worker is saturated, and loses its bonus, when any limit is reached.
-    max_waiting: int = 4  # requests waiting in the worker's queue (its report); 0: no limit
+    max_waiting: int = 4  # requests waiting in the worker's queue (workers.waiting); 0: no limit
     max_in_flight: int = 0  # outstanding requests (router's count or the report); 0: no limit
     max_kv_usage: float = 0.95  # KV cache usage in [0, 1]; 1: no limit
 
@@ -52,7 +52,7 @@ class SessionAffinityScorer:
     def saturated(self, view: WorkerView) -> bool:
         p = self._p
         return (
-            (p.max_waiting > 0 and view.load.waiting_requests >= p.max_waiting)
+            (p.max_waiting > 0 and waiting(view) >= p.max_waiting)
             or (p.max_in_flight > 0 and outstanding(view) >= p.max_in_flight)
             or (p.max_kv_usage < 1.0 and view.load.kv_cache_usage >= p.max_kv_usage)
         )

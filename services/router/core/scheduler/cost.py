@@ -2,7 +2,8 @@
 
 For each candidate ``w``::
 
-    queue_s(w)  = max(waiting_requests(w) * queued_request_s,       # the worker's own report
+    queue_s(w)  = max(waiting(w) * queued_request_s,  # its report, or what this router sent
+                                                      # beyond its max running requests
                       prefill_tokens_in_flight(w) * prefill_s_per_token)  # this router's ledger
                   + running_requests(w) * running_request_s
     ttft_s(w)   = queue_s(w)
@@ -21,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..workers import WorkerView
+from ..workers import WorkerView, waiting
 from .params import check, relative_scores
 from .plugins import CycleContext
 
@@ -71,7 +72,7 @@ class CostModelScorer:
         for v in candidates:
             load = v.load
             queue = max(
-                max(load.waiting_requests, 0) * p.queued_request_s,
+                waiting(v) * p.queued_request_s,
                 tally(v.record.worker_id).prefill_tokens * per_tok,
             )
             if p.running_request_s:

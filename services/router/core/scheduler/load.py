@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..types import RouteDecision, RouteRequest
-from ..workers import WorkerView, outstanding
+from ..workers import WorkerView, outstanding, waiting
 from .params import NoParams, check
 from .plugins import CycleContext
 
@@ -30,7 +30,8 @@ class QueueParams:
 
 
 class QueueScorer:
-    """Fewer requests waiting in the worker's queue (its own report) is better."""
+    """Fewer requests waiting in the worker's queue is better (its own report, or what this
+    router sent beyond the requests it runs at once: ``workers.waiting``)."""
 
     def __init__(self, name: str, params: QueueParams) -> None:
         self.name = name
@@ -38,7 +39,7 @@ class QueueScorer:
 
     def score(self, ctx: CycleContext, candidates: Sequence[WorkerView]) -> Sequence[float]:
         inv = self._inv
-        return [1.0 / (1.0 + max(v.load.waiting_requests, 0) * inv) for v in candidates]
+        return [1.0 / (1.0 + waiting(v) * inv) for v in candidates]
 
 
 @dataclass(frozen=True, slots=True)
