@@ -12,6 +12,7 @@ from google.protobuf import json_format
 from kvmesh import errors
 from kvmesh.grpc_errors import ERROR_OF
 from kvmesh.v1 import common_pb2, router_pb2
+from services.router.core.auth import Identity
 from services.router.http import translate
 from services.router.http.errors import (
     BadRequest,
@@ -20,7 +21,6 @@ from services.router.http.errors import (
     error_body,
     http_status_for,
 )
-from services.router.core.auth import Identity
 from services.router.http.translate import Extensions, Kind
 
 EXT = Extensions()

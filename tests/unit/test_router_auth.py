@@ -198,3 +198,15 @@ def test_key_file_yaml_and_toml(tmp_path: Path):
         read_key_file(broken)
     with pytest.raises(InvalidArgument, match="No such file"):
         read_key_file(tmp_path / "missing.yaml")
+
+
+def test_cli_hash_key(capsys: pytest.CaptureFixture[str]):
+    from kvmesh.cli import main
+
+    assert main(["auth", "hash-key", SEARCH_KEY]) == 0
+    digest = capsys.readouterr().out.strip()
+    assert parse_key_table({"tenants": {"s": {"keys": [digest]}}}, "f").lookup(SEARCH_KEY)
+    assert main(["auth", "new-key"]) == 0
+    key_line, digest_line = capsys.readouterr().out.splitlines()
+    key = key_line.split()[-1]
+    assert digest_line.split()[-1] == f"sha256:{hash_key(key)}" and key.startswith("sk-kvmesh-")
