@@ -15,6 +15,7 @@ from __future__ import annotations
 import inspect
 import logging
 from collections.abc import Awaitable, Callable, Sequence
+from contextvars import ContextVar
 from typing import Any
 
 import grpc
@@ -24,6 +25,9 @@ from .core.auth import Claims, Identity, KeyTable, authorize
 log = logging.getLogger(__name__)
 
 KeySource = Callable[[], KeyTable]  # the table in force (``KeyFile.current``)
+# The authenticated caller of the unary call being handled (``Abort`` checks the request is
+# its tenant's); None on an open router, or outside a call.
+CALLER: ContextVar[Identity | None] = ContextVar("kvmesh_caller", default=None)
 ROUTER_SERVICE = "kvmesh.v1.Router"
 API_KEY_METADATA = "x-api-key"
 
@@ -97,15 +101,18 @@ def _wrap(handler: grpc.RpcMethodHandler, keys: KeySource) -> grpc.RpcMethodHand
         behavior, factory = handler.unary_unary, grpc.unary_unary_rpc_method_handler
     streaming_request = handler.request_streaming
 
-    def check(request: Any, context: grpc.aio.ServicerContext) -> None:
-        authenticate(keys, None if streaming_request else request, context)
+    def check(request: Any, context: grpc.aio.ServicerContext) -> Identity:
+        return authenticate(keys, None if streaming_request else request, context)
 
     wrapped: Any
     if inspect.iscoroutinefunction(behavior):
 
         async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            check(request, context)
-            return await behavior(request, context)
+            token = CALLER.set(check(request, context))
+            try:
+                return await behavior(request, context)
+            finally:
+                CALLER.reset(token)
 
     else:  # returns a generator (Router.Generate): returned as is, its errors raised here
 

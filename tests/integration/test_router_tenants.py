@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from kvmesh.client import make_request
-from kvmesh.v1 import router_pb2, router_pb2_grpc
+from kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
 from services.router.config import RouterConfig
 from services.router.core.auth import hash_key
 from services.router.main import RunningRouter, start_router
@@ -202,6 +202,21 @@ async def test_grpc_list_models_needs_a_key_health_and_reflection_do_not(mesh: T
     )
     names = {s.name async for a in answers for s in a.list_services_response.service}
     assert "kvmesh.v1.Router" in names
+
+
+async def test_abort_is_the_tenants_own(mesh: Tenanted):
+    """Another tenant aborting a request in flight is told it is not there; its own tenant
+    aborts it (the stream ends with reason ABORT)."""
+    request = make_request(PROMPT, max_tokens=3000, ignore_eos=True, request_id="search-long")
+    call = mesh.stub.Generate(request, metadata=bearer(SEARCH_KEY), timeout=60)
+    await anext(aiter(call))  # in flight: its first tokens came
+    abort = common_pb2.AbortRequest(request_id="search-long")
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await mesh.stub.Abort(abort, metadata=bearer(BATCH_KEY), timeout=5)
+    assert refused.value.code() is grpc.StatusCode.NOT_FOUND
+    await mesh.stub.Abort(abort, metadata=bearer(SEARCH_KEY), timeout=5)
+    rest = [msg async for msg in call]
+    assert rest[-1].finished.reason == common_pb2.FINISH_REASON_ABORT
 
 
 # ---- HTTP, through the official openai client ------------------------------------------------
