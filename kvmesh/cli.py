@@ -502,6 +502,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     model_cli.register(sub)
 
+    from services.router import keycli
+
+    keycli.register(sub)
+
     from benchmarks.replay import cli as replay_cli
 
     replay_cli.register(sub)

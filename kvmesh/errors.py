@@ -23,6 +23,15 @@ class InvalidArgument(KvmeshError):
         self.field = field
 
 
+class Unauthenticated(KvmeshError):
+    """No credentials, or ones this service does not know; send a valid API key."""
+
+
+class PermissionDenied(KvmeshError):
+    """The caller is known but may not ask this (another tenant's name, a higher priority
+    than its tenant holds); the message says what to change."""
+
+
 class NotFound(KvmeshError):
     """A named thing (model, request id) does not exist."""
 

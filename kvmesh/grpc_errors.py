@@ -22,6 +22,8 @@ STATUS_OF: dict[type[errors.KvmeshError], grpc.StatusCode] = {
     errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
     errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
+    errors.Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    errors.PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
 }
 
 ERROR_OF: dict[grpc.StatusCode, type[errors.KvmeshError]] = {v: k for k, v in STATUS_OF.items()}

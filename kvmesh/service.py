@@ -66,12 +66,20 @@ class ServiceHost:
     """A gRPC service's server, health, reflection, etcd record, metrics and refresh task;
     started step by step inside ``starting()``, stopped by one ``stop()``."""
 
-    def __init__(self, service_names: Sequence[str], bind: Bind, drain_grace_s: float) -> None:
+    def __init__(
+        self,
+        service_names: Sequence[str],
+        bind: Bind,
+        drain_grace_s: float,
+        interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    ) -> None:
+        """``interceptors`` run inside ``ErrorStatus`` (what they raise is mapped by its table),
+        e.g. the router's API keys (``services/router/auth.py``)."""
         self.service_names = tuple(service_names)
         self.bind = bind
         self.drain_grace_s = drain_grace_s
         self.server = grpc.aio.server(
-            interceptors=[*server_interceptors(), ErrorStatus()],
+            interceptors=[*server_interceptors(), ErrorStatus(), *interceptors],
             options=[
                 ("grpc.max_receive_message_length", bind.max_receive_bytes),
                 ("grpc.max_send_message_length", bind.max_send_bytes),

@@ -4,6 +4,7 @@ defaults < config file < environment ``KVMESH_ROUTER_*`` < flags, loaded in main
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from kvmesh.errors import InvalidArgument
 from kvmesh.settings import parse_pair, setting
@@ -111,11 +112,21 @@ class RouterConfig:
     )
     api_keys: tuple[str, ...] = setting(
         (),
-        "accepted API key (Bearer) for the HTTP API, repeatable; none: any key or none",
+        "accepted API key (Bearer) on the HTTP and gRPC APIs, each its own tenant, repeatable; "
+        "none and no --api-keys-file: open, any key or none (docs/tenants.md)",
         flag="api-key",
         repeat=True,
         parse=str,
         metavar="KEY",
+    )
+    api_keys_file: Path | None = setting(
+        None,
+        "YAML/TOML file of tenants, their priority classes and SHA-256 digests of their API "
+        "keys (kvmesh auth hash-key); required on the HTTP and gRPC APIs; unset: open "
+        "(docs/tenants.md)",
+    )
+    api_keys_reload_s: float = setting(
+        2.0, "how often the API key file is checked for changes, seconds; 0: only on SIGHUP"
     )
     http_max_body_bytes: int = setting(8 * MIB, "largest HTTP request body, bytes; larger: 413")
     cors: CorsPolicy = setting(
@@ -145,5 +156,11 @@ class RouterConfig:
             )
         if self.processes < 1:
             raise InvalidArgument(f"--processes is {self.processes}; use 1 or more")
+        if self.api_keys and self.api_keys_file is not None:
+            raise InvalidArgument(
+                "--api-key and --api-keys-file both given; use one (the file holds tenants)"
+            )
+        if self.api_keys_reload_s < 0:
+            raise InvalidArgument(f"--api-keys-reload-s is {self.api_keys_reload_s}; use >= 0")
         if self.max_resumes < 0:
             raise InvalidArgument(f"--max-resumes is {self.max_resumes}; use 0 or more")

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
 import socket
 import sys
 from collections.abc import Mapping
@@ -21,7 +22,9 @@ from kvmesh.settings import add_config_flags, load_config
 from kvmesh.telemetry import setup_logging, setup_tracing
 from kvmesh.v1 import router_pb2, router_pb2_grpc
 
+from .auth import ApiKeys, KeySource
 from .config import RouterConfig
+from .core.auth import static_table
 from .core.disagg import DisaggHandler
 from .core.index import KvIndex
 from .core.index_types import IndexConfig
@@ -31,6 +34,7 @@ from .core.workers import Change, WorkerSet
 from .hashing import PromptHasher
 from .http import OpenAIServer
 from .http.backend import InProcessRouterBackend
+from .keyfile import KeyFile
 from .kvsync import KvEventSync
 from .metrics import RouterMetrics
 from .pool import WorkerPool
@@ -60,6 +64,7 @@ class RunningRouter:
     metrics: RouterMetrics
     metrics_server: MetricsServer | None
     http: OpenAIServer | None  # the OpenAI-compatible front door; None: off
+    keys: KeyFile | None  # the API key file in force (--api-keys-file); None: none
     _host: ServiceHost
     _config: RouterConfig
 
@@ -67,6 +72,11 @@ class RunningRouter:
         """Health NOT_SERVING -> refuse new work -> leave etcd -> let streams finish (bounded)
         -> the rest, in reverse order of start (kvmesh/service.py)."""
         await self._host.stop()
+
+    def reload_keys(self) -> None:
+        """Re-reads the API key file now (SIGHUP); no file: nothing to do."""
+        if self.keys is not None:
+            self.keys.reload()
 
 
 async def start_router(config: RouterConfig) -> RunningRouter:
@@ -100,6 +110,8 @@ async def start_router(config: RouterConfig) -> RunningRouter:
         disagg,
         index.linked,
     )
+    # The key file first: a bad one fails the start before anything listens.
+    key_file, keys = await _api_keys(config)
     host = ServiceHost(
         (SERVICE_NAME,),
         Bind(
@@ -110,6 +122,7 @@ async def start_router(config: RouterConfig) -> RunningRouter:
             config.max_request_bytes,
         ),
         config.drain_grace_s,
+        interceptors=[ApiKeys(keys)] if keys is not None else (),
     )
     router_pb2_grpc.add_RouterServicer_to_server(servicer, host.server)
     host.on_draining.append(lambda: setattr(servicer, "draining", True))
@@ -143,6 +156,8 @@ async def start_router(config: RouterConfig) -> RunningRouter:
     )
     http = None
     async with host.starting():
+        if key_file is not None:
+            host.callback(key_file.close)
         host.callback(executor.shutdown, False, cancel_futures=True)
         host.callback(pool.close)
         host.callback(kv_sync.close)
@@ -176,7 +191,7 @@ async def start_router(config: RouterConfig) -> RunningRouter:
 
         host.refresh_every(config.metrics_refresh_s, refresh)
         if config.http_port >= 0:
-            http = _front_door(config, servicer, workers, metrics)
+            http = _front_door(config, servicer, workers, metrics, keys)
             await http.start()
             host.callback(http.close)
     log.info("router %s serving on %s with %d workers known", router_id, host.address, len(workers))
@@ -192,13 +207,30 @@ async def start_router(config: RouterConfig) -> RunningRouter:
         metrics=metrics,
         metrics_server=host.metrics_server,
         http=http,
+        keys=key_file,
         _host=host,
         _config=config,
     )
 
 
+async def _api_keys(config: RouterConfig) -> tuple[KeyFile | None, KeySource | None]:
+    """The key file (polled for changes) and the table source the front doors check; (None,
+    None): no keys, the mesh is open (docs/tenants.md)."""
+    if config.api_keys_file is not None:
+        key_file = await KeyFile.open(config.api_keys_file, config.api_keys_reload_s)
+        return key_file, key_file.current
+    if config.api_keys:
+        table = static_table(config.api_keys)
+        return None, lambda: table
+    return None, None
+
+
 def _front_door(
-    config: RouterConfig, servicer: RouterServicer, workers: WorkerSet, metrics: RouterMetrics
+    config: RouterConfig,
+    servicer: RouterServicer,
+    workers: WorkerSet,
+    metrics: RouterMetrics,
+    keys: KeySource | None,
 ) -> OpenAIServer:
     """The OpenAI-compatible HTTP API, calling this router's servicer in-process (no loopback
     gRPC hop)."""
@@ -206,7 +238,7 @@ def _front_door(
         "",
         config.http_host,
         config.http_port,
-        api_keys=config.api_keys or None,
+        keys=keys,
         max_body_bytes=config.http_max_body_bytes,
         request_timeout_s=config.default_timeout_s,
         metrics=metrics,
@@ -236,6 +268,7 @@ async def serve(config: RouterConfig) -> None:
     metrics = f" metrics={router.metrics_server.url}" if router.metrics_server else ""
     http = f" http={router.http.base_url}" if router.http is not None else ""
     print(f"{READY_LINE} address={router.address}{metrics}{http}", flush=True)
+    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, router.reload_keys)
     await signal_event().wait()
     log.info("router stopping: draining %d in-flight requests", router.servicer.in_flight)
     await router.stop()

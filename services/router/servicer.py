@@ -27,6 +27,7 @@ from kvmesh.sampling import (
 from kvmesh.telemetry import tracer
 from kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
+from .auth import CALLER
 from .config import RouterConfig
 from .core import validation
 from .core.disagg import DisaggHandler
@@ -60,6 +61,7 @@ _HANDOFF_WAIT_MARGIN_S = 1.0  # an overlapped decode waits this much past the pr
 @dataclass(slots=True)
 class _Active:
     worker_id: WorkerId
+    tenant: str = ""  # whose request it is (Abort by another tenant: NOT_FOUND)
 
 
 @dataclass(slots=True)
@@ -435,7 +437,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         streamed = 0
         last_token_s = 0.0
         itl = metrics.itl_seconds.labels(model)  # per chunk: the labelled child, looked up once
-        self._active[route.request_id] = _Active(wid)
+        self._active[route.request_id] = _Active(wid, route.tenant)
         self._workers.started(wid)
         self._policy.on_routed(route, decision)
         dispatched = time.monotonic()
@@ -668,7 +670,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             self._prefill_fallback(route, wid)
             return None
         if track:
-            self._active[route.request_id] = _Active(wid)
+            self._active[route.request_id] = _Active(wid, route.tenant)
         self._workers.started(wid)
         self._policy.on_routed(route, decision)
         try:
@@ -724,7 +726,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.AbortResponse:
         active = self._active.get(request.request_id)
-        if active is None:
+        caller = CALLER.get()  # with API keys: only the request's own tenant may abort it
+        if active is None or (caller is not None and caller.tenant != active.tenant):
             raise errors.NotFound(f"request {request.request_id!r} is not in flight on this router")
         stub = self._pool.stub(active.worker_id)
         if stub is not None:

@@ -11,6 +11,7 @@ import pytest
 
 from kvmesh import errors
 from kvmesh.v1 import common_pb2, router_pb2
+from services.router.core.auth import Identity
 from services.router.core.forced_tools import ForcedKind
 from services.router.http import anthropic
 from services.router.http.anthropic_stream import EventStream, MessageCollector
@@ -253,12 +254,14 @@ def test_count_tokens_needs_no_max_tokens():
 
 
 def test_x_api_key_is_the_api_key():
-    keys = {"sk-a": "team-a"}
-    assert anthropic.extensions_from_headers({"x-api-key": "sk-a"}, keys).tenant == "team-a"
-    with pytest.raises(Unauthorized):
-        anthropic.extensions_from_headers({"x-api-key": "sk-b"}, keys)
+    # keys configured: the middleware checked the key, its identity is what counts
+    who = Identity(tenant="team-a", priority=2)
+    ext = anthropic.extensions_from_headers({"x-api-key": "sk-a"}, who)
+    assert (ext.tenant, ext.priority) == ("team-a", 2)
+    # an open router: x-api-key names the tenant as Authorization would
     open_ = anthropic.extensions_from_headers({"x-api-key": "sk-b", "anthropic-version": "x"})
-    assert open_.tenant.startswith("key-")
+    bearer = anthropic.extensions_from_headers({"authorization": "Bearer sk-b"})
+    assert open_.tenant.startswith("key-") and open_.tenant == bearer.tenant
 
 
 @pytest.mark.parametrize(

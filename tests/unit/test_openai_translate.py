@@ -12,6 +12,7 @@ from google.protobuf import json_format
 from kvmesh import errors
 from kvmesh.grpc_errors import ERROR_OF
 from kvmesh.v1 import common_pb2, router_pb2
+from services.router.core.auth import Identity
 from services.router.http import translate
 from services.router.http.errors import (
     BadRequest,
@@ -535,33 +536,36 @@ HEADERS = [
         id="open-server-header-wins",
     ),
     pytest.param(
-        {"authorization": "Bearer sk-1", "x-kvmesh-tenant": "other"},
-        {"sk-1": "team-a"},
-        Extensions(tenant="team-a"),
-        id="keyed-server-key-wins",
+        {"x-api-key": "sk-1"},
+        None,
+        Extensions(tenant=translate.tenant_of_key("sk-1")),
+        id="anthropic-style-key",
+    ),
+    pytest.param(
+        {"authorization": "Bearer sk-1", "x-kvmesh-tenant": "other", "x-kvmesh-priority": "9"},
+        Identity("team-a", 3),
+        Extensions(tenant="team-a", priority=3),
+        id="authenticated-identity-wins",
     ),
 ]
 
 
-@pytest.mark.parametrize(("headers", "keys", "want"), HEADERS)
-def test_headers(headers: dict[str, str], keys: dict[str, str] | None, want: Extensions):
-    assert translate.extensions_from_headers(headers, keys) == want
+@pytest.mark.parametrize(("headers", "identity", "want"), HEADERS)
+def test_headers(headers: dict[str, str], identity: Identity | None, want: Extensions):
+    assert translate.extensions_from_headers(headers, identity) == want
     assert translate.tenant_of_key("sk-1") != "sk-1"  # never the secret itself
 
 
 @pytest.mark.parametrize(
     ("headers", "exc"),
     [
-        pytest.param({}, Unauthorized, id="missing-key"),
-        pytest.param({"authorization": "Bearer nope"}, Unauthorized, id="wrong-key"),
-        pytest.param(
-            {"authorization": "Bearer sk-1", "x-kvmesh-priority": "high"}, BadRequest, id="priority"
-        ),
+        pytest.param({"x-kvmesh-priority": "high"}, BadRequest, id="priority"),
+        pytest.param({"x-kvmesh-priority": str(2**31)}, BadRequest, id="priority-past-int32"),
     ],
 )
 def test_header_errors(headers: dict[str, str], exc: type[Exception]):
     with pytest.raises(exc):
-        translate.extensions_from_headers(headers, {"sk-1": "a"})
+        translate.extensions_from_headers(headers)
 
 
 # ---- responses -------------------------------------------------------------------------------
@@ -726,6 +730,12 @@ def test_models_json():
         pytest.param(grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_error", id="exhausted"),
         pytest.param(grpc.StatusCode.UNAVAILABLE, 503, "server_error", id="unavailable"),
         pytest.param(grpc.StatusCode.DEADLINE_EXCEEDED, 504, "server_error", id="deadline"),
+        pytest.param(
+            grpc.StatusCode.UNAUTHENTICATED, 401, "invalid_request_error", id="unauthenticated"
+        ),
+        pytest.param(
+            grpc.StatusCode.PERMISSION_DENIED, 403, "invalid_request_error", id="permission"
+        ),
     ],
 )
 def test_grpc_status_to_http(code: grpc.StatusCode, status: int, type_: str):

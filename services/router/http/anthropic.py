@@ -25,6 +25,7 @@ from typing import Any
 from kvmesh import errors
 from kvmesh.v1 import common_pb2
 
+from ..core.auth import Identity
 from . import translate
 from .errors import BadRequest, http_status_for
 
@@ -74,15 +75,12 @@ def new_tool_use_id() -> str:
 
 # ---- headers ---------------------------------------------------------------------------------
 def extensions_from_headers(
-    headers: Mapping[str, str], api_keys: Mapping[str, str] | None = None
+    headers: Mapping[str, str], identity: Identity | None = None
 ) -> translate.Extensions:
-    """``translate.extensions_from_headers`` with Anthropic's ``x-api-key`` read as the API
-    key when no ``Authorization`` header is sent. ``anthropic-version`` and ``anthropic-beta``
-    are accepted and ignored."""
-    key = headers.get("x-api-key", "").strip()
-    if key and not headers.get("authorization"):
-        headers = {**{k.lower(): v for k, v in headers.items()}, "authorization": f"Bearer {key}"}
-    return translate.extensions_from_headers(headers, api_keys)
+    """``translate.extensions_from_headers``: Anthropic's ``x-api-key`` is one of the headers
+    it reads the key from. ``anthropic-version`` and ``anthropic-beta`` are accepted and
+    ignored."""
+    return translate.extensions_from_headers(headers, identity)
 
 
 # ---- typed readers ---------------------------------------------------------------------------

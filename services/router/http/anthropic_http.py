@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 from typing import Any
 
@@ -18,6 +18,7 @@ from kvmesh import errors
 
 from . import anthropic, translate
 from .anthropic_stream import EventStream, MessageCollector, sse_event
+from .auth import identity_of
 from .backend import RouterBackend, count_tokens
 from .errors import BadRequest, MethodNotAllowed, PayloadTooLarge, UnknownRoute
 
@@ -54,13 +55,11 @@ class AnthropicEndpoints:
         backend: Callable[[], RouterBackend],
         read_json: Callable[[web.Request], Awaitable[object]],
         *,
-        api_keys: Mapping[str, str] | None,
         timeout_s: float,
         models_timeout_s: float,
     ) -> None:
         self._backend = backend
         self._read_json = read_json
-        self._api_keys = api_keys
         self._timeout_s = timeout_s
         self._models_timeout_s = models_timeout_s
 
@@ -79,7 +78,7 @@ class AnthropicEndpoints:
     async def count_tokens(self, request: web.Request) -> web.Response:
         rid = anthropic.new_message_id()
         try:
-            ext = anthropic.extensions_from_headers(request.headers, self._api_keys)
+            ext = anthropic.extensions_from_headers(request.headers, identity_of(request))
             chat = anthropic.parse_count_tokens(await self._read_json(request), ext, rid)
             chat, _ = await self._model(chat)
             n = await count_tokens(self._backend(), chat.generate, self._timeout_s)
@@ -94,7 +93,7 @@ class AnthropicEndpoints:
     async def messages(self, request: web.Request) -> web.StreamResponse:
         rid = anthropic.new_message_id()
         try:
-            ext = anthropic.extensions_from_headers(request.headers, self._api_keys)
+            ext = anthropic.extensions_from_headers(request.headers, identity_of(request))
             parsed = anthropic.parse_messages(await self._read_json(request), ext, rid)
             chat, block_size = await self._model(parsed.chat)
             parsed = replace(parsed, chat=chat)

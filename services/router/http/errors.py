@@ -20,7 +20,7 @@ class BadRequest(errors.InvalidArgument):
         self.param = param
 
 
-class Unauthorized(errors.KvmeshError):
+class Unauthorized(errors.Unauthenticated):
     """The API key is missing or not one of the configured keys."""
 
 
@@ -48,7 +48,8 @@ HTTP_OF: dict[type[BaseException], HttpStatus] = {
     MethodNotAllowed: HttpStatus(405, "invalid_request_error", "method_not_allowed"),
     UnknownRoute: HttpStatus(404, "invalid_request_error", "unknown_url"),
     BadRequest: HttpStatus(400, "invalid_request_error", None),
-    Unauthorized: HttpStatus(401, "invalid_request_error", "invalid_api_key"),
+    errors.Unauthenticated: HttpStatus(401, "invalid_request_error", "invalid_api_key"),
+    errors.PermissionDenied: HttpStatus(403, "invalid_request_error", "permission_denied"),
     PayloadTooLarge: HttpStatus(413, "invalid_request_error", "request_too_large"),
     errors.InvalidArgument: HttpStatus(400, "invalid_request_error", None),
     errors.NotFound: HttpStatus(404, "invalid_request_error", "model_not_found"),

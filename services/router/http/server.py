@@ -13,12 +13,15 @@ from typing import Any, Protocol
 
 import msgspec
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
 from kvmesh import __version__, errors
 
+from ..core.auth import KeyTable, static_table
 from . import anthropic_http, choices, translate
+from .auth import api_key_middleware, identity_of
 from .backend import GrpcRouterBackend, RouterBackend
 from .cors import CorsPolicy
 from .errors import BadRequest, MethodNotAllowed, PayloadTooLarge, UnknownRoute, error_body
@@ -67,6 +70,13 @@ def _json_response(
     )
 
 
+def _refusal(exc: BaseException, request: web.Request) -> web.Response:
+    """An API key refused, in the error shape of the API the path belongs to."""
+    if anthropic_http.is_anthropic_path(request.path):
+        return anthropic_http.error_response(exc)
+    return error_response(exc)
+
+
 def error_response(exc: BaseException, request_id: str = "") -> web.Response:
     status, body = error_body(exc, request_id)
     if status >= 500:
@@ -83,9 +93,10 @@ class OpenAIServer:
     in front of the router's gRPC API at ``router_address``, served on ``host:port`` (0: a free
     port, see ``port`` after ``start``). Runs on the caller's asyncio loop.
 
-    ``api_keys``: None accepts any key (or none); otherwise the accepted keys, as key -> tenant
-    or just keys (tenant derived from the key). ``default_max_tokens`` applies when a request
-    sets neither max_tokens nor max_completion_tokens. ``backend`` replaces the gRPC channel
+    ``keys``: the API key table in force (``core.auth``; docs/tenants.md), checked per request
+    by ``auth.api_key_middleware``; ``api_keys``: a fixed one, as key -> tenant or just keys
+    (tenant derived from the key); neither: open, any key or none. ``default_max_tokens``
+    applies when a request sets neither max_tokens nor max_completion_tokens. ``backend`` replaces the gRPC channel
     (an in-process router, a fake in tests). ``metrics``, if given, counts every request by
     endpoint and HTTP status.
 
@@ -102,6 +113,7 @@ class OpenAIServer:
         port: int = 8000,
         *,
         api_keys: Mapping[str, str] | Iterable[str] | None = None,
+        keys: Callable[[], KeyTable] | None = None,
         max_body_bytes: int = 8 << 20,
         request_timeout_s: float = 600.0,
         models_timeout_s: float = 10.0,
@@ -119,10 +131,12 @@ class OpenAIServer:
         self.router_address = router_address
         self.host = host
         self._port = port
-        if api_keys is None or isinstance(api_keys, Mapping):
-            self._api_keys = dict(api_keys) if api_keys is not None else None
-        else:
-            self._api_keys = {k: translate.tenant_of_key(k) for k in api_keys}
+        if api_keys is not None:
+            if keys is not None:
+                raise ValueError("OpenAIServer takes api_keys or keys, not both")
+            table = static_table(api_keys)
+            keys = lambda: table  # noqa: E731
+        self._keys = keys
         self._max_body_bytes = max_body_bytes
         self._timeout_s = request_timeout_s
         self._models_timeout_s = models_timeout_s
@@ -140,7 +154,9 @@ class OpenAIServer:
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def app(self) -> web.Application:
-        middlewares = [self._cors_middleware, self._errors_middleware]
+        middlewares: list[Middleware] = [self._cors_middleware, self._errors_middleware]
+        if self._keys is not None:  # inside the errors one: its own answers are error JSON
+            middlewares.append(api_key_middleware(self._keys, _refusal))
         if self._metrics is not None:  # outermost: it sees the status the errors one set
             middlewares.insert(0, self._metrics_middleware)
         app = web.Application(client_max_size=self._max_body_bytes, middlewares=middlewares)
@@ -153,7 +169,6 @@ class OpenAIServer:
         anthropic_http.AnthropicEndpoints(
             lambda: self.backend,
             self._read_json,
-            api_keys=self._api_keys,
             timeout_s=self._timeout_s,
             models_timeout_s=self._models_timeout_s,
         ).add_routes(app)  # POST /v1/messages, /v1/messages/count_tokens
@@ -306,7 +321,6 @@ class OpenAIServer:
 
     async def _models(self, request: web.Request) -> web.Response:
         try:
-            translate.extensions_from_headers(request.headers, self._api_keys)
             resp = await self.backend.list_models(self._models_timeout_s)
         except errors.KvmeshError as exc:
             return error_response(exc)
@@ -315,7 +329,6 @@ class OpenAIServer:
     async def _model(self, request: web.Request) -> web.Response:
         name = request.match_info["model"]
         try:
-            translate.extensions_from_headers(request.headers, self._api_keys)
             resp = await self.backend.list_models(self._models_timeout_s)
             found = next((m for m in resp.models if m.name == name), None)
             if found is None:
@@ -358,7 +371,7 @@ class OpenAIServer:
     ) -> web.StreamResponse:
         rid = prefix + uuid.uuid4().hex
         try:
-            ext = translate.extensions_from_headers(request.headers, self._api_keys)
+            ext = translate.extensions_from_headers(request.headers, identity_of(request))
             body = await self._read_json(request)
             parsed = parse(body, ext, rid, self._default_max_tokens)
             if not parsed.model:  # answered with the served name, as vLLM does

@@ -11,7 +11,6 @@ object (non-streaming), reading tool calls out of the text when the request gave
 
 from __future__ import annotations
 
-import hashlib
 import json
 import uuid
 from collections.abc import Callable, Mapping
@@ -23,9 +22,10 @@ from kvmesh.errors import InvalidArgument, KvmeshError
 from kvmesh.sampling import structured_output_pb
 from kvmesh.v1 import common_pb2, router_pb2
 
+from ..core.auth import Claims, Identity, tenant_of_key
 from ..core.forced_tools import ForcedChoice, ForcedKind
 from . import forcedcalls, toolcalls
-from .errors import BadRequest, Unauthorized
+from .errors import BadRequest
 from .logprobs import NO_LOGPROBS, LogprobOptions, LogprobsOut, echo_prefix
 from .logprobs import parse_chat as parse_chat_logprobs
 from .logprobs import parse_completion as parse_completion_logprobs
@@ -87,37 +87,18 @@ class ParsedRequest:
 
 
 # ---- headers ---------------------------------------------------------------------------------
-def tenant_of_key(key: str) -> str:
-    """A stable tenant name for an API key that names no tenant: never the secret itself."""
-    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:12]
-
-
 def api_key_of(headers: Mapping[str, str]) -> str:
+    """``Authorization: Bearer <key>``, else ``x-api-key`` (Anthropic-style clients), else
+    ``api-key`` (Azure-style clients)."""
     auth = headers.get("authorization", "")
     scheme, _, key = auth.partition(" ")
-    if scheme.lower() == "bearer":
+    if scheme.lower() == "bearer" and key.strip():
         return key.strip()
-    return headers.get("api-key", "").strip()  # Azure-style clients
+    return (headers.get("x-api-key", "") or headers.get("api-key", "")).strip()
 
 
-def extensions_from_headers(
-    headers: Mapping[str, str], api_keys: Mapping[str, str] | None = None
-) -> Extensions:
-    """``headers`` with lower-case names (aiohttp's CIMultiDict is case-insensitive anyway).
-    With ``api_keys`` (key -> tenant) the key must be one of them and names the tenant (the
-    tenant header is then ignored: a key cannot claim another tenant's share). Without, the
-    tenant header wins, else the hashed key."""
-    key = api_key_of(headers)
-    if api_keys is not None:
-        if not key:
-            raise Unauthorized(
-                "no API key; send it as 'Authorization: Bearer <key>' (OpenAI clients: api_key=)"
-            )
-        if key not in api_keys:
-            raise Unauthorized("the API key is not valid for this server")
-        tenant = api_keys[key]
-    else:
-        tenant = headers.get(TENANT_HEADER, "").strip() or (tenant_of_key(key) if key else "")
+def priority_of(headers: Mapping[str, str]) -> int:
+    """The ``x-kvmesh-priority`` header (0 when absent); ``BadRequest`` when not an int32."""
     raw_priority = headers.get(PRIORITY_HEADER, "").strip()
     try:
         priority = int(raw_priority) if raw_priority else 0
@@ -127,9 +108,32 @@ def extensions_from_headers(
         ) from None
     if not -(2**31) <= priority < 2**31:
         raise BadRequest(f"header {PRIORITY_HEADER} is out of the int32 range", PRIORITY_HEADER)
-    return Extensions(
-        session_id=headers.get(SESSION_HEADER, "").strip(), tenant=tenant, priority=priority
+    return priority
+
+
+def claims_of(headers: Mapping[str, str]) -> Claims:
+    """What the headers ask beside the key (checked by ``core.auth.authorize``)."""
+    return Claims(
+        tenant=headers.get(TENANT_HEADER, "").strip(),
+        priority=priority_of(headers),
+        tenant_source=f"header {TENANT_HEADER}",
+        priority_source=f"header {PRIORITY_HEADER}",
     )
+
+
+def extensions_from_headers(
+    headers: Mapping[str, str], identity: Identity | None = None
+) -> Extensions:
+    """``headers`` with lower-case names (aiohttp's CIMultiDict is case-insensitive anyway).
+    ``identity``: the caller as its API key names it (``http.auth``, keys configured): its
+    tenant and priority. Without (an open router) the tenant header wins, else the hashed key,
+    and the priority header is taken as sent."""
+    session_id = headers.get(SESSION_HEADER, "").strip()
+    if identity is not None:
+        return Extensions(session_id, identity.tenant, identity.priority)
+    key = api_key_of(headers)
+    tenant = headers.get(TENANT_HEADER, "").strip() or (tenant_of_key(key) if key else "")
+    return Extensions(session_id=session_id, tenant=tenant, priority=priority_of(headers))
 
 
 # ---- typed field readers ---------------------------------------------------------------------
