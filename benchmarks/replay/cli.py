@@ -37,6 +37,7 @@ ORACLES = ("oracle-prefix", "oracle-cost")
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Adds ``bench`` with its subcommands: ``replay`` (here), ``tiers``, ``disagg``, ``serve``."""
+    from benchmarks.chaos import cli as chaos_cli
     from benchmarks.disagg import cli as disagg_cli
     from benchmarks.serve import cli as serve_cli
     from benchmarks.serve import streams as streams_cli
@@ -109,6 +110,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     disagg_cli.register(sub)
     serve_cli.add_parser(sub)
     streams_cli.add_parser(sub)
+    chaos_cli.add_parser(sub)
 
 
 def _requests(a: argparse.Namespace) -> Iterable:  # type: ignore[type-arg]
