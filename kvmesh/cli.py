@@ -373,7 +373,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
     )
 
     async def run() -> int:
-        async with RouterClient(a.router, max_attempts=max(a.max_attempts, 1)) as client:
+        async with RouterClient(a.router, max_attempts=a.max_attempts) as client:
             try:
                 c = await client.complete(
                     req,
@@ -408,9 +408,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--max-attempts",
         type=int,
-        default=3,
+        default=None,
         help="routers tried per request, the first included: a stream that breaks is retried "
-        "or resumed on the next (default %(default)s)",
+        "or resumed on the next (default 3 with several routers or a dns:/// name, else 1)",
     )
     p.add_argument("--model", default="", help="served model name (default: the only one served)")
     p.add_argument(

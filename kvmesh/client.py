@@ -180,6 +180,17 @@ class Stream:
         return self.call.cancel() if self.call is not None else False
 
 
+DEFAULT_ATTEMPTS = 3
+
+
+def default_attempts(targets: Sequence[str]) -> int:
+    """Generate attempts per request when not told: one router address, plain, has no other
+    router to fail over to (its own errors reach the caller as they are)."""
+    if len(targets) > 1 or targets[0].startswith("dns:"):
+        return DEFAULT_ATTEMPTS
+    return 1
+
+
 class RouterClient:
     """The router's API over one channel per address (``router_targets``), with failover."""
 
@@ -187,12 +198,14 @@ class RouterClient:
         self,
         address: str | Sequence[str],
         *,
-        max_attempts: int = 3,
+        max_attempts: int | None = None,
         service_config: str = SERVICE_CONFIG,
     ) -> None:
         self.targets = router_targets(address)
         self.address = self.targets[0]
-        self.max_attempts = max_attempts  # Generate attempts per request, over all routers
+        # Generate attempts per request, over all routers; None: DEFAULT_ATTEMPTS when there
+        # is another router to go to (several targets, or a DNS name's addresses), else 1.
+        self.max_attempts = max_attempts or default_attempts(self.targets)
         options = [("grpc.service_config", service_config), ("grpc.enable_retries", 1)]
         self._channels = [grpc.aio.insecure_channel(t, options=options) for t in self.targets]
         for ch in self._channels[1:]:

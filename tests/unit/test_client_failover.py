@@ -7,7 +7,14 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from kvmesh.client import Move, make_request, next_move, resumable, router_targets
+from kvmesh.client import (
+    Move,
+    default_attempts,
+    make_request,
+    next_move,
+    resumable,
+    router_targets,
+)
 from kvmesh.v1 import router_pb2
 
 U = grpc.StatusCode.UNAVAILABLE
@@ -69,3 +76,9 @@ def test_router_targets(given: str | list[str], targets: list[str]) -> None:
 def test_no_router_address_is_an_error() -> None:
     with pytest.raises(ValueError, match="no router address"):
         router_targets(" , ")
+
+
+def test_one_plain_router_address_has_nothing_to_fail_over_to() -> None:
+    assert default_attempts(["a:1"]) == 1  # its own errors reach the caller as they are
+    assert default_attempts(["a:1", "b:2"]) == 3
+    assert default_attempts(["dns:///routers:50051"]) == 3
