@@ -373,7 +373,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
     )
 
     async def run() -> int:
-        async with RouterClient(a.router) as client:
+        async with RouterClient(a.router, max_attempts=a.max_attempts) as client:
             try:
                 c = await client.complete(
                     req,
@@ -399,7 +399,18 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("prompt", help="the prompt text (or token ids with --token-ids)")
     p.add_argument(
-        "--router", default=DEFAULT_ROUTER, help="router address host:port (default %(default)s)"
+        "--router",
+        default=DEFAULT_ROUTER,
+        help="router address host:port, several comma-separated (a:1,b:2), or dns:///NAME:PORT "
+        "for every address of a DNS name; a router failing mid-request hands the request to the "
+        "next (docs/failover.md) (default %(default)s)",
+    )
+    p.add_argument(
+        "--max-attempts",
+        type=int,
+        default=None,
+        help="routers tried per request, the first included: a stream that breaks is retried "
+        "or resumed on the next (default 3 with several routers or a dns:/// name, else 1)",
     )
     p.add_argument("--model", default="", help="served model name (default: the only one served)")
     p.add_argument(

@@ -1,4 +1,5 @@
-"""A request resumed after its worker failed mid-stream (docs/failover.md): what its next
+"""A request resumed after its worker failed mid-stream, or resumed by the client through
+this router after its router failed (``GenerateRequest.resume``; docs/failover.md): what its next
 attempt sends, and how that attempt's messages continue the stream the client has. Whether to
 resume is ``core/lifecycle.py``'s decision, stop strings across the seam ``core/seam.py``'s;
 this converts between them and the messages. Nothing here runs for a request that was never
@@ -32,17 +33,33 @@ class Replay:
     token_ids: list[int] = field(default_factory=list)  # ... their ids
     text: str = ""  # ... their text
     recomputed: int = 0  # tokens resumed attempts computed again (as far as reported)
-    ttft_s: float = 0.0  # the first attempt's time to first token
+    ttft_s: float = 0.0  # the first attempt's time to first token (0: another router's)
     seam: Seam | None = None  # stop strings across the last seam; None: none asked
+    client_resumes: int = 0  # of these resumes, the client's (through another router)
+
+    @classmethod
+    def from_client(cls, prompt_tokens: int, resume: router_pb2.Resume) -> Replay:
+        """A request the client resumes after its router failed mid-stream
+        (``GenerateRequest.resume``): the output so far is what the client has, and this is
+        one more resume."""
+        resumes = resume.resumes + 1
+        return cls(
+            prompt_tokens,
+            resumes=resumes,
+            tokens=len(resume.token_ids),
+            token_ids=list(resume.token_ids),
+            text=resume.text,
+            client_resumes=resumes,
+        )
 
     def record(self, sent: Sequence[router_pb2.GenerateResponse], resumes: int) -> list[int]:
-        """Takes in what the client got from the attempt that failed (one message per chunk);
-        returns its token ids."""
+        """Takes in what the client got from the attempt that failed (one message per chunk),
+        the request's ``resumes``-th resume by this router; returns its token ids."""
         ids = [t for out in sent for t in out.token_ids]
         self.token_ids.extend(ids)
         self.text += "".join(out.text for out in sent)
         self.tokens += len(ids)
-        self.resumes = resumes
+        self.resumes = self.client_resumes + resumes
         return ids
 
     def watch_seam(self, stops: tuple[str, ...], pending: str) -> None:

@@ -189,8 +189,13 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 not_resumable = "a structured output's grammar state cannot be replayed"
             else:
                 not_resumable = ""
+            resume = request.resume  # the client's, after its router failed mid-stream
+            validation.check_resume(
+                resume.token_ids, resume.text, sampling.max_tokens, model.vocab_size, not_resumable
+            )
+            replay = Replay.from_client(len(ids), resume) if resume.token_ids else None
             chunks = self._proxy(
-                route, model, sampling_pb, time_remaining_s, arrived, not_resumable
+                route, model, sampling_pb, time_remaining_s, arrived, not_resumable, replay
             )
             async with contextlib.aclosing(chunks):
                 async for chunk in chunks:
@@ -273,16 +278,24 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         time_remaining_s: float | None,
         arrived: float,
         not_resumable: str = "",
+        client_resume: Replay | None = None,
     ) -> AsyncGenerator[router_pb2.GenerateResponse, None]:
         """The request's worker attempts, until one sends the final message. Each attempt that
         ends without it goes to the lifecycle core (``core/lifecycle.py``), whose step this
         carries out: pick another worker, resend without the hand-off, resume the stream
-        elsewhere, or fail."""
+        elsewhere, or fail. ``client_resume``: what the client has of the answer (it resumes
+        the request through this router); the first attempt goes on from there."""
         deadline = arrived + (
             time_remaining_s if time_remaining_s is not None else self._config.default_timeout_s
         )
         progress = Progress(route.request_id, not_resumable=not_resumable)
-        replay = Replay(route.prompt_tokens)
+        replay = client_resume or Replay(route.prompt_tokens)
+        if client_resume is not None:  # as a resume after a worker failed, without the failure
+            resumed = await self._replayed(route, model, sampling, replay.token_ids, replay, "")
+            if resumed is None:  # the client has every token: only the final message was lost
+                yield _final_after_lost_end(route, _Ended(), replay)
+                return
+            route, sampling = resumed
         overlap = Overlap()
         handoff: worker_pb2.KvSource | None = None  # set once a prefill worker computed the KV
         try:
@@ -562,6 +575,20 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         index finds who holds the blocks), the failed worker excluded. None when every
         max_tokens token was sent (only the final message was lost: nothing to generate)."""
         ids = replay.record(ended.sent, step.progress.resumes)
+        failed = ended.attempt.worker_id if ended.attempt else ""
+        return await self._replayed(route, model, sampling, ids, replay, failed)
+
+    async def _replayed(
+        self,
+        route: RouteRequest,
+        model: ModelSummary,
+        sampling: common_pb2.SamplingParams,
+        ids: list[int],
+        replay: Replay,
+        failed_worker_id: str,
+    ) -> tuple[RouteRequest, common_pb2.SamplingParams] | None:
+        """``_resume`` after the tokens ``ids`` were taken in (``replay``); also a client's
+        resume through this router (``failed_worker_id`` empty)."""
         resumed = resumed_sampling(sampling, len(ids))
         if resumed is None:  # every token was sent, not the final message: nothing to resume
             return None
@@ -574,7 +601,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         trace.get_current_span().add_event(
             "resume",
             {
-                "failed_worker_id": ended.attempt.worker_id if ended.attempt else "",
+                "failed_worker_id": failed_worker_id,
                 "resume": replay.resumes,
                 "replayed_tokens": replay.tokens,
                 "max_tokens_left": resumed.max_tokens,

@@ -22,3 +22,9 @@ def test_an_uninterrupted_request_says_nothing_of_resumes() -> None:
 def test_a_resumed_request_says_how_often_and_what_it_cost() -> None:
     line = usage_line(done(resumes=1, resume_recomputed_tokens=37))
     assert line.endswith("worker=w2 finish=length resumed=1 recomputed=37")
+
+
+def test_a_request_that_failed_over_to_another_router_says_so() -> None:
+    c = done(resumes=1)
+    c.failovers = 1
+    assert usage_line(c).endswith("resumed=1 recomputed=0 router_failovers=1")

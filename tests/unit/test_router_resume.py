@@ -68,3 +68,16 @@ def test_a_stop_string_across_the_seam_is_the_final_message() -> None:
         "w2",
     )
     assert (f.usage.prompt_tokens, f.usage.completion_tokens, f.usage.resumes) == (50, 3, 1)
+
+
+def test_a_client_resume_is_one_more_resume_over_the_tokens_it_has() -> None:
+    replay = Replay.from_client(50, router_pb2.Resume(token_ids=[1, 2, 3], text="abc", resumes=1))
+    assert (replay.tokens, replay.token_ids, replay.text, replay.resumes) == (
+        3,
+        [1, 2, 3],
+        "abc",
+        2,
+    )
+    # ... and a worker failing after it is resumed by the router on top of the client's
+    replay.record([chunk([4], "d")], resumes=1)
+    assert (replay.tokens, replay.resumes) == (4, 3)

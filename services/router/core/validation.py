@@ -37,3 +37,37 @@ def check_chat(messages: Sequence[ChatMessage]) -> None:
 def check_text(text: str) -> None:
     if not text:
         raise InvalidArgument("text is empty; send a non-empty prompt", "text")
+
+
+def check_resume(
+    token_ids: Sequence[int], text: str, max_tokens: int, vocab_size: int, not_resumable: str
+) -> None:
+    """A client's resume (``GenerateRequest.resume``: the tokens it has of the answer) against
+    the request: resumable, within its max_tokens, inside the vocabulary."""
+    if not token_ids:
+        if text:
+            raise InvalidArgument(
+                "resume.text is set but resume.token_ids is empty; send the token ids received "
+                "(or no resume at all)",
+                "resume.token_ids",
+            )
+        return
+    if not_resumable:
+        raise InvalidArgument(
+            f"this request cannot be resumed ({not_resumable}); send it again without resume",
+            "resume",
+        )
+    if len(token_ids) > max_tokens:
+        raise InvalidArgument(
+            f"resume.token_ids has {len(token_ids)} tokens but sampling.max_tokens is "
+            f"{max_tokens}: a resumed request goes on within its original max_tokens; send the "
+            "request as first sent, with only the tokens it streamed",
+            "resume.token_ids",
+        )
+    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidArgument(
+            f"resume.token_ids has token id {bad}, outside the model's vocabulary "
+            f"[0, {vocab_size})",
+            "resume.token_ids",
+        )
