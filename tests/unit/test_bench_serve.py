@@ -104,11 +104,17 @@ def test_streams_table_says_what_the_router_added():
             "target": target, "completed": 3000, "failed": 0, "peak_concurrent": 3000,
             "ttft_p50_ms": ttft50, "ttft_p99_ms": ttft99, "itl_p50_ms": itl50,
             "itl_p99_ms": itl99, "tokens_per_s": 900.0, "tokens": 24000, "router_cpu_s": cpu_s,
+            "per_worker_min": 360 if target == "router" else 375,
+            "per_worker_max": 390 if target == "router" else 375,
         }  # fmt: skip
 
-    a = argparse.Namespace(streams=3000, workers=8, prompt_tokens=64, max_tokens=8)
+    a = argparse.Namespace(streams=3000, workers=8, prompt_tokens=64, max_tokens=8, policy="")
     table = format_table(
         [row("direct", 100, 200, 10, 20, 0.0), row("router", 103, 209, 11, 22, 2.4)], a
     )
-    assert "| router | 3000 | 0 | 3000 | 103.0 / 209.0 | 11.0 / 22.0 | 900 | 100 | 0.80 |" in table
+    assert (
+        "| router | 3000 | 0 | 3000 | 103.0 / 209.0 | 11.0 / 22.0 | 900 | 100 | 0.80 | 360 / 390 |"
+        in table
+    )
+    assert "router policy (default)" in table
     assert "TTFT p50 +3.0 ms, p99 +9.0 ms; ITL p50 +1.0 ms, p99 +2.0 ms" in table
