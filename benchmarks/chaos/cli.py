@@ -23,9 +23,10 @@ from typing import Any
 
 import numpy as np
 
-from kvmesh.launcher import Mesh, MeshSpec
+from kvmesh.etcd_server import free_port
+from kvmesh.launcher import Mesh, MeshSpec, stop_child
 
-from .faults import SCENARIOS, Timing
+from .faults import SCENARIOS, Fleet, Timing
 from .sessions import FAILED_BEFORE_FIRST, FAILED_MID, HUNG, OK, LoadResult, LoadSpec, run_load
 
 
@@ -41,6 +42,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--scenarios", default="all", help=f"comma-separated, or all: {', '.join(SCENARIOS)}"
     )
     p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--routers", type=int, default=2, help="routers (the router scenarios need 2)")
     p.add_argument("--sessions", type=int, default=4, help="concurrent sessions per API")
     p.add_argument("--turns", type=int, default=6, help="turns before a session starts over")
     p.add_argument("--max-tokens", type=int, default=48)
@@ -121,7 +123,7 @@ def format_table(rows: list[Row]) -> str:
     )
 
 
-async def _run(mesh: Mesh, a: argparse.Namespace, names: list[str]) -> list[Row]:
+async def _run(fleet: Fleet, a: argparse.Namespace, names: list[str]) -> list[Row]:
     spec = LoadSpec(
         sessions=a.sessions, turns=a.turns, max_tokens=a.max_tokens, model=served_name(a.model)
     )
@@ -136,9 +138,9 @@ async def _run(mesh: Mesh, a: argparse.Namespace, names: list[str]) -> list[Row]
                 return asyncio.create_task(
                     asyncio.sleep(timing.warmup_s + timing.settle_s + 2 * timing.pause_s)
                 )
-            return asyncio.create_task(fault(mesh, timing))
+            return asyncio.create_task(fault(fleet, timing))
 
-        return await run_load(mesh.router_address, mesh.http_base_url, spec, until, apis)
+        return await run_load(fleet.grpc_addresses, fleet.http_base_urls, spec, until, apis)
 
     baseline = await load("none")
     rows = [summarize("none", baseline, baseline, api) for api in apis]
@@ -168,12 +170,19 @@ def cmd_chaos(a: argparse.Namespace) -> int:
         kv_cache_bytes=64 << 20,
         kvmanager_cpu_bytes=256 << 20,
         log_dir=out_dir / "mesh",
+        router_port=free_port(),  # fixed: a restarted router comes back where clients look
+        router_http_port=free_port(),
     )
     with Mesh(spec) as mesh:
-        rows = asyncio.run(_run(mesh, a, names))
+        fleet = Fleet.start(mesh, a.routers)
+        try:
+            rows = asyncio.run(_run(fleet, a, names))
+        finally:
+            for child in fleet.routers[1:]:
+                stop_child(child, grace_s=10.0)
     print(
         f"{a.sessions} sessions per API, {a.turns} turns each, {a.max_tokens} tokens a turn, "
-        f"{a.workers} workers\n"
+        f"{a.workers} workers, {a.routers} routers\n"
     )
     print(format_table(rows), end="")
     (out_dir / "summary.json").write_text(json.dumps([asdict(r) for r in rows], indent=1))

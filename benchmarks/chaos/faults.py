@@ -1,4 +1,6 @@
-"""The faults of ``kvmesh bench chaos``, one scenario at a time, on a running ``Mesh``.
+"""The faults of ``kvmesh bench chaos``, one scenario at a time, on a running ``Fleet`` (a
+``Mesh`` and a second router beside its own, both on fixed ports so a restarted router comes
+back where its clients look for it).
 
 Each scenario is a coroutine that waits ``warmup_s`` (the sessions get going), does its damage,
 puts the mesh back the way it found it where it can (a killed worker or etcd is started again),
@@ -16,7 +18,8 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-from kvmesh.launcher import Child, Mesh
+from kvmesh.etcd_server import free_port
+from kvmesh.launcher import Child, Mesh, stop_child
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,6 +27,52 @@ class Timing:
     warmup_s: float = 4.0  # load before the fault
     settle_s: float = 6.0  # load after the mesh is whole again
     pause_s: float = 10.0  # how long a SIGSTOPped process stays stopped (etcd: 20 s)
+
+
+@dataclass
+class Fleet:
+    mesh: Mesh
+    routers: list[Child]  # mesh.router first
+    ports: list[tuple[int, int]]  # each router's (gRPC, HTTP) port
+
+    @classmethod
+    def start(cls, mesh: Mesh, routers: int) -> Fleet:
+        """``mesh`` must have been started with fixed router ports (``router_port`` and
+        ``router_http_port`` in its spec), so that a restarted router is where it was."""
+        assert mesh.router is not None
+        fleet = cls(mesh, [mesh.router], [(mesh.spec.router_port, mesh.spec.router_http_port)])
+        for i in range(1, routers):
+            fleet.ports.append((free_port(), free_port()))
+            fleet.routers.append(fleet._start_router(i))
+        return fleet
+
+    def _start_router(self, i: int) -> Child:
+        grpc_port, http_port = self.ports[i]
+        child = self.mesh.start_router(
+            "router" if i == 0 else f"router-{i}",
+            ["--port", str(grpc_port), "--http-port", str(http_port)],
+        )
+        self.mesh.wait_ready(child, 60.0)
+        if i == 0:
+            self.mesh.router = child
+        return child
+
+    def restart_router(self, i: int, kill: bool = False) -> None:
+        old = self.routers[i]
+        if kill:
+            _signal_group(old, signal.SIGKILL)
+            old.proc.wait(30)
+        else:
+            stop_child(old, grace_s=15.0)
+        self.routers[i] = self._start_router(i)
+
+    @property
+    def grpc_addresses(self) -> str:
+        return ",".join(f"127.0.0.1:{g}" for g, _ in self.ports)
+
+    @property
+    def http_base_urls(self) -> list[str]:
+        return [f"http://127.0.0.1:{h}/v1" for _, h in self.ports]
 
 
 def _signal_group(child: Child, sig: signal.Signals) -> None:
@@ -36,12 +85,13 @@ async def _kill_and_wait(child: Child) -> None:
     await asyncio.to_thread(child.proc.wait, 30)
 
 
-async def none(mesh: Mesh, t: Timing) -> None:
+async def none(fleet: Fleet, t: Timing) -> None:
     await asyncio.sleep(t.warmup_s + t.settle_s)
 
 
-async def kill_worker(mesh: Mesh, t: Timing) -> None:
+async def kill_worker(fleet: Fleet, t: Timing) -> None:
     """SIGKILL one worker (and its engine core) mid-stream, then start a new one in its place."""
+    mesh = fleet.mesh
     await asyncio.sleep(t.warmup_s)
     await _kill_and_wait(mesh.workers[0])
     await asyncio.sleep(2.0)
@@ -49,8 +99,9 @@ async def kill_worker(mesh: Mesh, t: Timing) -> None:
     await asyncio.sleep(t.settle_s)
 
 
-async def rolling_restart_workers(mesh: Mesh, t: Timing) -> None:
+async def rolling_restart_workers(fleet: Fleet, t: Timing) -> None:
     """SIGTERM each worker in turn (it drains), a fresh one under the same id before the next."""
+    mesh = fleet.mesh
     await asyncio.sleep(t.warmup_s)
     for i in range(len(mesh.workers)):
         await asyncio.to_thread(mesh.restart_worker, i)
@@ -58,8 +109,9 @@ async def rolling_restart_workers(mesh: Mesh, t: Timing) -> None:
     await asyncio.sleep(t.settle_s)
 
 
-async def stop_kvmanager(mesh: Mesh, t: Timing) -> None:
+async def stop_kvmanager(fleet: Fleet, t: Timing) -> None:
     """SIGSTOP the node's kvmanager (a hung daemon: connections open, nothing answered)."""
+    mesh = fleet.mesh
     assert mesh.kvmanager is not None, "this scenario needs the kvmanager"
     await asyncio.sleep(t.warmup_s)
     _signal_group(mesh.kvmanager, signal.SIGSTOP)
@@ -70,16 +122,18 @@ async def stop_kvmanager(mesh: Mesh, t: Timing) -> None:
     await asyncio.sleep(t.settle_s)
 
 
-async def kill_kvmanager(mesh: Mesh, t: Timing) -> None:
+async def kill_kvmanager(fleet: Fleet, t: Timing) -> None:
     """SIGKILL the node's kvmanager; it stays down (the workers recompute what it held)."""
+    mesh = fleet.mesh
     assert mesh.kvmanager is not None, "this scenario needs the kvmanager"
     await asyncio.sleep(t.warmup_s)
     await _kill_and_wait(mesh.kvmanager)
     await asyncio.sleep(t.settle_s + t.pause_s)
 
 
-async def stop_etcd(mesh: Mesh, t: Timing) -> None:
+async def stop_etcd(fleet: Fleet, t: Timing) -> None:
     """SIGSTOP etcd for twice the pause (leases cannot be renewed meanwhile), then SIGCONT."""
+    mesh = fleet.mesh
     pid = mesh.etcd.pid if mesh.etcd is not None else None
     assert pid is not None, "this scenario needs the mesh's own etcd"
     await asyncio.sleep(t.warmup_s)
@@ -91,9 +145,9 @@ async def stop_etcd(mesh: Mesh, t: Timing) -> None:
     await asyncio.sleep(t.settle_s)
 
 
-async def kill_etcd(mesh: Mesh, t: Timing) -> None:
+async def kill_etcd(fleet: Fleet, t: Timing) -> None:
     """SIGKILL etcd, start it again on the same ports and data a pause later."""
-    etcd = mesh.etcd
+    etcd = fleet.mesh.etcd
     assert etcd is not None, "this scenario needs the mesh's own etcd"
     await asyncio.sleep(t.warmup_s)
     await asyncio.to_thread(etcd.kill)
@@ -102,7 +156,28 @@ async def kill_etcd(mesh: Mesh, t: Timing) -> None:
     await asyncio.sleep(t.settle_s)
 
 
-Scenario = Callable[[Mesh, Timing], Coroutine[Any, Any, None]]
+async def kill_router(fleet: Fleet, t: Timing) -> None:
+    """SIGKILL the first of two routers under load; a new one on its ports a pause later."""
+    assert len(fleet.routers) > 1, "this scenario needs two routers (--routers 2)"
+    await asyncio.sleep(t.warmup_s)
+    await _kill_and_wait(fleet.routers[0])
+    await asyncio.sleep(t.pause_s)
+    await asyncio.to_thread(fleet.restart_router, 0)
+    await asyncio.sleep(t.settle_s)
+
+
+async def rolling_restart_routers(fleet: Fleet, t: Timing) -> None:
+    """SIGTERM each router in turn (it drains its streams), a new one on its ports before the
+    next."""
+    assert len(fleet.routers) > 1, "this scenario needs two routers (--routers 2)"
+    await asyncio.sleep(t.warmup_s)
+    for i in range(len(fleet.routers)):
+        await asyncio.to_thread(fleet.restart_router, i)
+        await asyncio.sleep(1.0)
+    await asyncio.sleep(t.settle_s)
+
+
+Scenario = Callable[[Fleet, Timing], Coroutine[Any, Any, None]]
 
 # In the order ``--scenarios all`` runs them: the kvmanager's death last (it stays down).
 SCENARIOS: dict[str, Scenario] = {
@@ -111,5 +186,7 @@ SCENARIOS: dict[str, Scenario] = {
     "stop-kvmanager": stop_kvmanager,
     "stop-etcd": stop_etcd,
     "kill-etcd": kill_etcd,
+    "kill-router": kill_router,
+    "rolling-restart-routers": rolling_restart_routers,
     "kill-kvmanager": kill_kvmanager,
 }

@@ -114,7 +114,7 @@ async def _grpc_session(
 
 async def _http_session(
     http: aiohttp.ClientSession,
-    base_url: str,
+    base_urls: list[str],
     spec: LoadSpec,
     s: int,
     stop: asyncio.Event,
@@ -141,13 +141,19 @@ async def _http_session(
             text: list[str] = []
             resumes = 0
             outcome, error = OK, ""
+            # Behind a load balancer (a Kubernetes Service) a connection refused by a dead
+            # router goes to a live one; the OpenAI SDK retries such errors itself. Modelled
+            # as: a connection that could not be made tries the next router once.
+            url = base_urls[s % len(base_urls)]
             try:
                 async with asyncio.timeout(spec.request_timeout_s):
-                    async with http.post(
-                        f"{base_url}/completions",
-                        json=body,
-                        headers={"x-kvmesh-session-id": f"http-{s}-{gen}"},
-                    ) as resp:
+                    headers = {"x-kvmesh-session-id": f"http-{s}-{gen}"}
+                    try:
+                        resp = await http.post(f"{url}/completions", json=body, headers=headers)
+                    except aiohttp.ClientConnectorError:
+                        url = base_urls[(s + 1) % len(base_urls)]
+                        resp = await http.post(f"{url}/completions", json=body, headers=headers)
+                    async with resp:
                         if resp.status != 200:
                             outcome = FAILED_BEFORE_FIRST
                             error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
@@ -188,17 +194,19 @@ async def _http_session(
 
 
 async def run_load(
-    grpc_address: str,
-    http_base_url: str,
+    grpc_addresses: str,
+    http_base_urls: list[str],
     spec: LoadSpec,
     until: Callable[[], asyncio.Future[object] | asyncio.Task[object]],
     apis: tuple[str, ...] = ("grpc", "http"),
 ) -> LoadResult:
     """Runs the sessions until ``until()`` (started once the sessions are) completes, then lets
-    every turn in flight finish. The no-fault run passes a timer; a scenario, its fault."""
+    every turn in flight finish. The no-fault run passes a timer; a scenario, its fault.
+    ``grpc_addresses``: the routers, comma-separated (the client fails over between them,
+    kvmesh/client.py); ``http_base_urls``: session i talks to router i mod n."""
     out = LoadResult()
     stop = asyncio.Event()
-    async with RouterClient(grpc_address) as client, aiohttp.ClientSession() as http:
+    async with RouterClient(grpc_addresses) as client, aiohttp.ClientSession() as http:
         tasks = []
         if "grpc" in apis:
             tasks += [
@@ -207,7 +215,7 @@ async def run_load(
             ]
         if "http" in apis:
             tasks += [
-                asyncio.create_task(_http_session(http, http_base_url, spec, s, stop, out))
+                asyncio.create_task(_http_session(http, http_base_urls, spec, s, stop, out))
                 for s in range(spec.sessions)
             ]
         try:

@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 
 from benchmarks.chaos.cli import summarize
-from benchmarks.chaos.faults import SCENARIOS, Timing
+from benchmarks.chaos.faults import SCENARIOS, Fleet, Timing
 from benchmarks.chaos.sessions import LoadResult, LoadSpec, run_load
-from kvmesh.launcher import Mesh, MeshSpec
+from kvmesh.etcd_server import free_port
+from kvmesh.launcher import Mesh, MeshSpec, stop_child
 
 pytestmark = pytest.mark.e2e
 
@@ -23,7 +24,7 @@ TIMING = Timing(warmup_s=2.0, settle_s=3.0, pause_s=4.0)
 
 
 @pytest.fixture(scope="module")
-def mesh(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+def fleet(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     spec = MeshSpec(
         model_path=tiny_model,
         served_model_name="tiny",
@@ -32,32 +33,53 @@ def mesh(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         kv_cache_bytes=64 << 20,
         kvmanager_cpu_bytes=256 << 20,
         log_dir=tmp_path_factory.mktemp("chaos"),
+        router_port=free_port(),
+        router_http_port=free_port(),
     )
     with Mesh(spec) as m:
-        yield m
+        f = Fleet.start(m, routers=2)
+        try:
+            yield f
+        finally:
+            for child in f.routers[1:]:
+                stop_child(child, grace_s=10.0)
 
 
-def load(mesh: Mesh, scenario: str) -> LoadResult:
+def load(fleet: Fleet, scenario: str) -> LoadResult:
     fault = SCENARIOS.get(scenario)
 
     def until() -> asyncio.Task[None]:
         if fault is None:
             return asyncio.create_task(asyncio.sleep(8.0))
-        return asyncio.create_task(fault(mesh, TIMING))
+        return asyncio.create_task(fault(fleet, TIMING))
 
-    return asyncio.run(run_load(mesh.router_address, mesh.http_base_url, SPEC, until))
+    return asyncio.run(run_load(fleet.grpc_addresses, fleet.http_base_urls, SPEC, until))
 
 
 @pytest.fixture(scope="module")
-def baseline(mesh: Mesh) -> LoadResult:
-    return load(mesh, "none")
+def baseline(fleet: Fleet) -> LoadResult:
+    return load(fleet, "none")
 
 
 @pytest.mark.parametrize("scenario", ["kill-worker", "stop-kvmanager", "stop-etcd"])
-def test_no_turn_lost(mesh: Mesh, baseline: LoadResult, scenario: str) -> None:
-    run = load(mesh, scenario)
+def test_no_turn_lost(fleet: Fleet, baseline: LoadResult, scenario: str) -> None:
+    run = load(fleet, scenario)
     for api in ("grpc", "http"):
         row = summarize(scenario, run, baseline, api)
         assert row.sent > 0, row
         assert (row.failed_before_first, row.failed_mid, row.hung) == (0, 0, 0), row
         assert row.compared > 0 and row.identical == row.compared, row
+
+
+def test_router_killed(fleet: Fleet, baseline: LoadResult) -> None:
+    """One of two routers SIGKILLed: gRPC clients fail over (and resume) through the other
+    with nothing lost; over HTTP only the streams cut on the dead router fail, each with an
+    error a client can retry, and every turn that finished is the no-fault run's."""
+    run = load(fleet, "kill-router")
+    grpc_row = summarize("kill-router", run, baseline, "grpc")
+    assert (grpc_row.failed_before_first, grpc_row.failed_mid, grpc_row.hung) == (0, 0, 0)
+    assert grpc_row.identical == grpc_row.compared > 0, grpc_row
+    http = summarize("kill-router", run, baseline, "http")
+    assert http.failed_before_first == 0 and http.hung == 0, http  # new turns reach B
+    assert http.failed_mid <= SPEC.sessions // 2 + 1, http  # at most the streams A had
+    assert http.identical == http.compared > 0, http
