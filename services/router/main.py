@@ -11,12 +11,13 @@ import sys
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 from kvmesh import __version__
 from kvmesh.discovery.etcd import PrefixWatcher
 from kvmesh.discovery.keys import RouterRecord, kvmanagers_prefix, router_key, workers_prefix
 from kvmesh.metrics import MetricsServer
-from kvmesh.service import Bind, ServiceHost, run, signal_event
+from kvmesh.service import Bind, ServiceHost, run, signal_event, start_or_stop
 from kvmesh.settings import add_config_flags, load_config
 from kvmesh.telemetry import setup_logging, setup_tracing
 from kvmesh.v1 import router_pb2, router_pb2_grpc
@@ -110,6 +111,7 @@ async def start_router(config: RouterConfig) -> RunningRouter:
             config.max_request_bytes,
         ),
         config.drain_grace_s,
+        config.etcd_retry_max_s,
     )
     router_pb2_grpc.add_RouterServicer_to_server(servicer, host.server)
     host.on_draining.append(lambda: setattr(servicer, "draining", True))
@@ -142,30 +144,13 @@ async def start_router(config: RouterConfig) -> RunningRouter:
         on_delete=tier_sync.on_delete,
     )
     http = None
-    async with host.starting():
+    async with host.starting():  # health NOT_SERVING, new requests refused, until the end
+        servicer.not_ready = f"waiting for etcd at {', '.join(config.etcd_endpoints)}"
         host.callback(executor.shutdown, False, cancel_futures=True)
         host.callback(pool.close)
         host.callback(kv_sync.close)
         host.callback(tier_sync.close)
         port = await host.start_server()
-        await watcher.start()
-        host.callback(watcher.close)
-        await kvmanager_watcher.start()
-        host.callback(kvmanager_watcher.close)
-        # Tokenizers of the models already served load before we report SERVING, so the first
-        # request's time to first token is not spent importing transformers.
-        if starting:
-            await asyncio.wait([asyncio.wrap_future(f) for f in starting], timeout=60.0)
-        ready.set()
-        starting.clear()
-        router_id = config.router_id or f"{socket.gethostname()}-{port}"
-        record = RouterRecord(router_id=router_id, address=host.address, version=__version__)
-        await host.register(
-            config.etcd_endpoints,
-            router_key(config.cluster, router_id),
-            record.to_json(),
-            config.etcd_ttl_s,
-        )
         host.serve_metrics(metrics.registry, config.metrics_host, config.metrics_port)
 
         def refresh() -> None:
@@ -175,10 +160,46 @@ async def start_router(config: RouterConfig) -> RunningRouter:
                 metrics.etcd.refresh(*etcd)
 
         host.refresh_every(config.metrics_refresh_s, refresh)
-        if config.http_port >= 0:
+        if config.http_port >= 0:  # up early: its /health says why the router is not ready
             http = _front_door(config, servicer, workers, metrics)
             await http.start()
             host.callback(http.close)
+        await host.until_etcd(watcher.start)
+        host.callback(watcher.close)
+        await host.until_etcd(kvmanager_watcher.start)
+        host.callback(kvmanager_watcher.close)
+        known = [v.record.worker_id for v in workers.all()]  # later ones do not hold this up
+        servicer.not_ready = f"syncing the KV index with {len(known)} worker(s)"
+        # Tokenizers of the models already served load meanwhile, so the first request's time
+        # to first token is not spent importing transformers.
+        synced = asyncio.ensure_future(kv_sync.wait_live(known, config.ready_timeout_s))
+        loading: list[asyncio.Future[Any]] = [asyncio.wrap_future(f) for f in starting]
+        try:
+            await asyncio.wait([synced, *loading], timeout=60.0)
+            behind = await synced
+        finally:  # a stop while waiting
+            synced.cancel()
+        ready.set()
+        starting.clear()
+        if behind:
+            log.warning(
+                "KV index not synced with %d of %d worker(s) after --ready-timeout-s %g (%s): "
+                "serving anyway; their cached blocks count once their KV event streams are live",
+                len(behind),
+                len(known),
+                config.ready_timeout_s,
+                ", ".join(behind),
+            )
+        router_id = config.router_id or f"{socket.gethostname()}-{port}"
+        record = RouterRecord(router_id=router_id, address=host.address, version=__version__)
+        servicer.not_ready = "registering in etcd"
+        await host.register(
+            config.etcd_endpoints,
+            router_key(config.cluster, router_id),
+            record.to_json(),
+            config.etcd_ttl_s,
+        )
+        servicer.not_ready = ""
     log.info("router %s serving on %s with %d workers known", router_id, host.address, len(workers))
     return RunningRouter(
         address=host.address,
@@ -214,7 +235,7 @@ def _front_door(
         reuse_port=config.reuse_port,
         cors=config.cors,
         metrics_registry=metrics.registry,  # the metrics port's registry, on the HTTP port
-        ready=lambda: not servicer.draining,
+        unready=lambda: "the router is shutting down" if servicer.draining else servicer.not_ready,
         vllm_versions=lambda: (
             v.record.vllm_version for v in workers.all() if v.serving and v.record.vllm_version
         ),
@@ -232,11 +253,15 @@ def parse_args(argv: list[str] | None, environ: Mapping[str, str] | None = None)
 
 
 async def serve(config: RouterConfig) -> None:
-    router = await start_router(config)
+    stop = signal_event()  # a signal while waiting for etcd or the index: stop there
+    router = await start_or_stop(start_router(config), stop)
+    if router is None:
+        log.info("router stopped before it was ready")
+        return
     metrics = f" metrics={router.metrics_server.url}" if router.metrics_server else ""
     http = f" http={router.http.base_url}" if router.http is not None else ""
     print(f"{READY_LINE} address={router.address}{metrics}{http}", flush=True)
-    await signal_event().wait()
+    await stop.wait()
     log.info("router stopping: draining %d in-flight requests", router.servicer.in_flight)
     await router.stop()
 
