@@ -8,6 +8,7 @@ import logging
 import os
 import socket
 import sys
+import time
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -72,6 +73,7 @@ class RunningRouter:
 
 async def start_router(config: RouterConfig) -> RunningRouter:
     """Starts a router on this loop; a step that fails undoes the ones before it."""
+    began = time.monotonic()
     workers = WorkerSet(config.cluster)
     pool = WorkerPool(workers, load_interval_s=config.load_interval_s)
     executor = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tokenize")
@@ -173,6 +175,13 @@ async def start_router(config: RouterConfig) -> RunningRouter:
         # Tokenizers of the models already served load meanwhile, so the first request's time
         # to first token is not spent importing transformers.
         synced = asyncio.ensure_future(kv_sync.wait_live(known, config.ready_timeout_s))
+        synced_s = 0.0  # seconds after start when the KV index was synced (or gave up)
+
+        def synced_at(_: object) -> None:
+            nonlocal synced_s
+            synced_s = time.monotonic() - began
+
+        synced.add_done_callback(synced_at)
         loading: list[asyncio.Future[Any]] = [asyncio.wrap_future(f) for f in starting]
         try:
             await asyncio.wait([synced, *loading], timeout=60.0)
@@ -200,7 +209,17 @@ async def start_router(config: RouterConfig) -> RunningRouter:
             config.etcd_ttl_s,
         )
         servicer.not_ready = ""
-    log.info("router %s serving on %s with %d workers known", router_id, host.address, len(workers))
+    log.info(
+        "router %s serving on %s with %d workers known (ready %.2f s after start; the KV index "
+        "of %d worker(s)%s synced %.2f s after start; the rest: tokenizers, registration)",
+        router_id,
+        host.address,
+        len(workers),
+        time.monotonic() - began,
+        len(known) - len(behind),
+        f" ({len(behind)} not)" if behind else "",
+        synced_s,
+    )
     return RunningRouter(
         address=host.address,
         servicer=servicer,
