@@ -16,6 +16,7 @@ import signal
 import socket
 import sys
 import time
+import urllib.request
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -23,6 +24,7 @@ import aiohttp
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvmesh.client import RouterClient, make_request
 from kvmesh.discovery.etcd import Registrar
@@ -343,6 +345,10 @@ async def test_restarted_router_process_is_ready_within_seconds_with_the_same_in
                     done = await client.complete(make_request(prompt(i), max_tokens=1), 30)
                     assert done.usage is not None
                     holder[i] = done.usage.worker_id
+            await eventually(
+                lambda: first.index.block_count == N_WORKERS * PROMPTS_PER_WORKER * 8, 10, "index"
+            )
+            blocks_before = first.index.block_count
         finally:
             await first.stop()
         assert len(set(holder.values())) > 1, holder  # the prompts spread over the workers
@@ -350,7 +356,8 @@ async def test_restarted_router_process_is_ready_within_seconds_with_the_same_in
         port = free_port()
         argv = [
             "-m", "services.router.main", "--cluster", cluster, "--etcd", ",".join(endpoints),
-            "--port", str(port), "--http-port", "-1", "--metrics-port", "-1",
+            "--port", str(port), "--http-port", "-1", "--metrics-port", "0",
+            "--metrics-refresh-s", "0.1",
             "--drain-grace-s", "1", "--router-id", "restarted",
         ]  # fmt: skip
         started = time.monotonic()
@@ -372,6 +379,31 @@ async def test_restarted_router_process_is_ready_within_seconds_with_the_same_in
                 f"{synced_s:.2f} s after it; the rest Python imports)"
             )
         assert f"the KV index of {N_WORKERS} worker(s) synced" in line, line
+        assert proc.stdout is not None
+        ready = (await asyncio.wait_for(proc.stdout.readline(), 10)).decode()
+        metrics_url = dict(p.split("=", 1) for p in ready.split()[1:])["metrics"]
+
+        def index_blocks() -> float:
+            with urllib.request.urlopen(metrics_url, timeout=5) as resp:
+                text = resp.read().decode()
+            return next(
+                s.value
+                for f in text_string_to_metric_families(text)
+                for s in f.samples
+                if s.name == "kvmesh_router_kv_index_blocks"
+            )
+
+        blocks_after = 0.0
+
+        async def same_index() -> bool:
+            nonlocal blocks_after
+            blocks_after = await asyncio.to_thread(index_blocks)
+            return blocks_after == blocks_before
+
+        deadline = time.monotonic() + 10
+        while not await same_index():  # the gauge lags the index by up to a refresh
+            assert time.monotonic() < deadline, (blocks_after, blocks_before)
+            await asyncio.sleep(0.1)
         assert ready_s < 30
         # Its first request for each cached prompt goes to the worker holding it.
         async with RouterClient(address) as client:
