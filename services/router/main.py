@@ -254,11 +254,18 @@ def _front_door(
         reuse_port=config.reuse_port,
         cors=config.cors,
         metrics_registry=metrics.registry,  # the metrics port's registry, on the HTTP port
-        unready=lambda: "the router is shutting down" if servicer.draining else servicer.not_ready,
+        unready=lambda: _unready(servicer),
         vllm_versions=lambda: (
             v.record.vllm_version for v in workers.all() if v.serving and v.record.vllm_version
         ),
     )
+
+
+def _unready(servicer: RouterServicer) -> str:
+    """Why the router cannot take requests now ("": it can), for the HTTP /health."""
+    if servicer.draining:
+        return "the router is shutting down"
+    return f"the router is starting: {servicer.not_ready}" if servicer.not_ready else ""
 
 
 def parse_args(argv: list[str] | None, environ: Mapping[str, str] | None = None) -> RouterConfig:
