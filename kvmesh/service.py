@@ -17,14 +17,20 @@ Usage (see services/*/main.py)::
 
     host = ServiceHost("kvmesh.v1.Worker", bind=..., drain_grace_s=...)
     add_WorkerServicer_to_server(servicer, host.server)
-    async with host.starting():        # on an exception: everything started is undone
+    async with host.starting():        # health NOT_SERVING; on an exception: all undone
         await host.start_server()
         host.callback(store.close)      # ... closed by stop(), after the server
-        await host.register(endpoints, key, record_json, ttl_s)
+        await host.until_etcd(watcher.start)                     # retried until etcd answers
+        await host.register(endpoints, key, record_json, ttl_s)  # likewise
         host.serve_metrics(registry, metrics_host, metrics_port)
         host.refresh_every(metrics_refresh_s, refresh)
-    ...
+    ...                                 # health SERVING
     await host.stop()
+
+A service started while etcd is unreachable serves health NOT_SERVING from its gRPC port and
+logs one WARNING per attempt, with a bounded back-off, until etcd answers; a stop signal
+meanwhile (``start_or_stop``) cancels the start, which undoes what it started. ``run()``
+stops, before the loop closes, any server a failed or interrupted start left behind.
 """
 
 from __future__ import annotations
@@ -33,15 +39,17 @@ import asyncio
 import contextlib
 import logging
 import signal
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvmesh.discovery.etcd import Registrar
+from kvmesh.discovery.client import Backoff
+from kvmesh.discovery.etcd import EtcdUnavailable, Registrar
 from kvmesh.discovery.hosts import advertised_host
 from kvmesh.errors import KvmeshError
 from kvmesh.grpc_errors import ErrorStatus
@@ -49,6 +57,13 @@ from kvmesh.metrics import MetricsServer, serve_metrics
 from kvmesh.telemetry import server_interceptors
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+ETCD_RETRY_FIRST_S = 0.5  # the first wait after etcd did not answer a start-up step, seconds
+
+# Every host whose server may still need stopping: ``run()`` stops them before the loop closes.
+_hosts: weakref.WeakSet[ServiceHost] = weakref.WeakSet()
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,13 +86,17 @@ class ServiceHost:
         service_names: Sequence[str],
         bind: Bind,
         drain_grace_s: float,
+        etcd_retry_max_s: float = 5.0,
         interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     ) -> None:
         """``interceptors`` run inside ``ErrorStatus`` (what they raise is mapped by its table),
         e.g. the router's API keys (``services/router/auth.py``)."""
+        if not etcd_retry_max_s > 0:
+            raise ValueError(f"etcd_retry_max_s must be > 0 seconds, got {etcd_retry_max_s}")
         self.service_names = tuple(service_names)
         self.bind = bind
         self.drain_grace_s = drain_grace_s
+        self.etcd_retry_max_s = etcd_retry_max_s  # longest wait between start-up attempts
         self.server = grpc.aio.server(
             interceptors=[*server_interceptors(), ErrorStatus(), *interceptors],
             options=[
@@ -99,6 +118,8 @@ class ServiceHost:
         self._stack = contextlib.AsyncExitStack()
         self._stopped = False
         self._revoked = False
+        self._server_stopped = False
+        _hosts.add(self)
 
     @property
     def address(self) -> str:
@@ -108,9 +129,13 @@ class ServiceHost:
     # ---- start-up --------------------------------------------------------------------------
     @contextlib.asynccontextmanager
     async def starting(self) -> AsyncIterator[ServiceHost]:
-        """The start-up steps run inside; on any exception (cancellation included) what started
-        is undone, in reverse, before it propagates. On success health turns SERVING."""
+        """The start-up steps run inside, health NOT_SERVING meanwhile (grpc's health servicer
+        starts with the server's overall status SERVING); on any exception (cancellation
+        included) what started is undone, in reverse, before it propagates. On success health
+        turns SERVING."""
         try:
+            for name in ("", *self.service_names):
+                await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
             yield self
             for name in ("", *self.service_names):
                 await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -149,10 +174,29 @@ class ServiceHost:
         """Enters an async context manager, exited on stop like ``callback``."""
         return await self._stack.enter_async_context(cm)
 
+    async def until_etcd(self, step: Callable[[], Awaitable[T]]) -> T:
+        """Runs a start-up step that needs etcd (a watcher's first listing, the registration)
+        until it succeeds: each ``EtcdUnavailable`` (the step tried for its op timeout) is one
+        WARNING line and a wait growing to ``etcd_retry_max_s``. Health stays NOT_SERVING
+        meanwhile; a stop signal cancels the wait (``start_or_stop``)."""
+        backoff = Backoff(min(ETCD_RETRY_FIRST_S, self.etcd_retry_max_s), self.etcd_retry_max_s)
+        while True:
+            try:
+                return await step()
+            except EtcdUnavailable as exc:
+                delay_s = backoff.next()
+                log.warning(
+                    "%s: retrying in %.1f s; health stays NOT_SERVING until registered",
+                    exc,
+                    delay_s,
+                )
+                await asyncio.sleep(delay_s)
+
     async def register(self, endpoints: Sequence[str], key: str, value: str, ttl_s: float) -> None:
-        """Puts ``key = value`` in etcd under a lease kept alive until ``stop()``."""
+        """Puts ``key = value`` in etcd under a lease kept alive until ``stop()``; retried
+        until etcd answers (``until_etcd``)."""
         registrar = Registrar(list(endpoints), key, value, ttl_s=ttl_s)
-        await registrar.start()
+        await self.until_etcd(registrar.start)
         self.registrar = registrar
 
     def serve_metrics(self, registry: Any, host: str, port: int) -> MetricsServer | None:
@@ -180,27 +224,39 @@ class ServiceHost:
         if self._stopped:
             return
         self._stopped = True
-        await self.health.enter_graceful_shutdown()
-        for draining in self.on_draining:
-            draining()
-        registrar = self.registrar
-        if registrar is not None and self.draining_record is not None:
-            try:
-                await registrar.update(self.draining_record())
-            except Exception as exc:  # etcd down: the lease still expires; keep draining
-                log.warning("could not mark %s draining in etcd: %s", registrar.key, exc)
-        if self.drain is not None:
-            await self.drain()
-        await self._revoke()
-        for hook in self.before_server_stop:
-            result = hook()
-            if result is not None:
-                await result
-        grace = self.drain_grace_s
-        await asyncio.gather(
-            self.server.stop(grace=grace), *(close(grace) for close in self.in_grace)
-        )
-        await self._stack.aclose()
+        try:
+            await self.health.enter_graceful_shutdown()
+            for draining in self.on_draining:
+                draining()
+            registrar = self.registrar
+            if registrar is not None and self.draining_record is not None:
+                try:
+                    await registrar.update(self.draining_record())
+                except Exception as exc:  # etcd down: the lease still expires; keep draining
+                    log.warning("could not mark %s draining in etcd: %s", registrar.key, exc)
+            if self.drain is not None:
+                await self.drain()
+            await self._revoke()
+            for hook in self.before_server_stop:
+                result = hook()
+                if result is not None:
+                    await result
+            grace = self.drain_grace_s
+            self._server_stopped = True
+            await asyncio.gather(
+                self.server.stop(grace=grace), *(close(grace) for close in self.in_grace)
+            )
+        finally:  # a hook that failed (or a cancelled stop) still stops the server and the rest
+            await self._stop_server()
+            await self._stack.aclose()
+
+    async def _stop_server(self) -> None:
+        """Stops the server now if nothing did yet: a grpc.aio server left to the garbage
+        collector shuts down from a finalizer, after the loop may be closed ("Event loop is
+        closed")."""
+        if not self._server_stopped:
+            self._server_stopped = True
+            await self.server.stop(grace=None)
 
     async def _revoke(self) -> None:
         registrar = self.registrar
@@ -216,9 +272,7 @@ class ServiceHost:
         """A failed start-up: nothing drains (nothing was SERVING); everything started stops."""
         self._stopped = True
         await self._revoke()
-        # Stopped even when it never started: a grpc.aio server left to the garbage collector
-        # shuts down from a finalizer, after the loop may be closed ("Event loop is closed").
-        await self.server.stop(grace=None)
+        await self._stop_server()  # even when it never started (see _stop_server)
         await self._stack.aclose()
 
 
@@ -246,13 +300,51 @@ def signal_event() -> asyncio.Event:
     return stop
 
 
-def run(serve: Coroutine[Any, Any, None], service: str) -> int:
-    """``asyncio.run(serve)``: 0; a failure the operator fixes (a domain error such as etcd
-    unreachable, or the OS's: a port in use) is one error line and exit status 2 (start-up
-    undid what it started, so there is no trace and nothing left running)."""
+async def start_or_stop(start: Awaitable[T], stop: asyncio.Event) -> T | None:
+    """Awaits ``start`` unless ``stop`` is set first (a signal while the service waits for etcd
+    or its engine): then the start is cancelled (its ``starting()`` undoes what it started)
+    and None is returned."""
+    starting = asyncio.ensure_future(start)
+    stopping = asyncio.ensure_future(stop.wait())
     try:
-        asyncio.run(serve)
+        await asyncio.wait([starting, stopping], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopping.cancel()
+        if not starting.done():  # stopped first, or this call was cancelled
+            starting.cancel()
+            await asyncio.gather(starting, return_exceptions=True)
+    if starting.cancelled():
+        return None
+    return starting.result()
+
+
+async def _stop_leftover_servers() -> None:
+    for host in list(_hosts):
+        try:
+            await host._stop_server()
+        except Exception as exc:  # stopping what a failed start left must not hide its error
+            log.debug("stopping a leftover gRPC server: %s", exc)
+
+
+async def _main(serve: Coroutine[Any, Any, None]) -> None:
+    try:
+        await serve
+    finally:
+        await _stop_leftover_servers()
+
+
+def run(serve: Coroutine[Any, Any, None], service: str) -> int:
+    """``asyncio.run(serve)``: 0; a failure the operator fixes (a domain error such as a bad
+    setting, or the OS's: a port in use) is one error line and exit status 2 (start-up undid
+    what it started, so there is no trace and nothing left running); an interrupt before the
+    signal handlers are in place is one line and 130. Any gRPC server still up is stopped
+    before the loop closes."""
+    try:
+        asyncio.run(_main(serve))
     except (KvmeshError, OSError) as exc:
         log.error("%s failed: %s", service, exc)
         return 2
+    except KeyboardInterrupt:
+        log.warning("%s interrupted while starting", service)
+        return 130
     return 0

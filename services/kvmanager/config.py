@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvmesh.discovery.endpoints import check_etcd_settings
 from kvmesh.settings import setting
 from kvmesh.telemetry import Exporter
 
@@ -33,6 +34,11 @@ class KvManagerConfig:
         flag="etcd",
     )
     etcd_ttl_s: float = setting(10.0, "lease TTL of the kvmanager's etcd record, seconds")
+    etcd_retry_max_s: float = setting(
+        5.0,
+        "longest wait between attempts to reach etcd while starting (retried until it answers; "
+        "health NOT_SERVING meanwhile), seconds",
+    )
     store: StoreConfig = setting(
         factory=StoreConfig, doc="tier budgets, the disk directory, the write policy", prefix=""
     )
@@ -60,3 +66,6 @@ class KvManagerConfig:
         "", "OTLP collector, host:port or http(s)://host:port, with --trace-exporter otlp"
     )
     log_level: str = setting("INFO", "logging level: DEBUG, INFO, WARNING, ERROR")
+
+    def __post_init__(self) -> None:
+        check_etcd_settings(self.etcd_endpoints, self.etcd_retry_max_s)

@@ -25,7 +25,7 @@ from kvmesh.discovery.keys import KvManagerRecord, check_name, kvmanager_key
 from kvmesh.kv.events import Tier
 from kvmesh.kv_wire import TIER_PB
 from kvmesh.metrics import MetricsServer
-from kvmesh.service import Bind, ServiceHost, run, signal_event
+from kvmesh.service import Bind, ServiceHost, run, signal_event, start_or_stop
 from kvmesh.settings import add_config_flags, load_config
 from kvmesh.telemetry import client_interceptors, setup_logging, setup_tracing
 from kvmesh.v1 import kvmanager_pb2, kvmanager_pb2_grpc
@@ -112,7 +112,7 @@ async def start_kvmanager(
         config.max_message_bytes,
         config.max_message_bytes,
     )
-    host = ServiceHost((SERVICE_NAME,), bind, config.drain_grace_s)
+    host = ServiceHost((SERVICE_NAME,), bind, config.drain_grace_s, config.etcd_retry_max_s)
     data_plane: DataPlaneServer | None = None
     data_plane_address = ""
     metrics = KvManagerMetrics()
@@ -168,7 +168,7 @@ async def start_kvmanager(
                 record.to_json(),
                 config.etcd_ttl_s,
             )
-        await directory.start()
+        await host.until_etcd(directory.start)
 
         def refresh() -> None:
             metrics.refresh(store, peers)
@@ -248,9 +248,13 @@ def parse_args(argv: list[str] | None, environ: Mapping[str, str] | None = None)
 
 
 async def serve(config: KvManagerConfig) -> None:
-    running = await start_kvmanager(config)
+    stop = signal_event()  # a signal while it waits for etcd stops it there
+    running = await start_or_stop(start_kvmanager(config), stop)
+    if running is None:
+        log.info("kvmanager stopped before it was registered")
+        return
     print(running.ready_line(), flush=True)
-    await signal_event().wait()
+    await stop.wait()
     log.info("signal received: stopping kvmanager %s", running.kvmanager_id)
     await running.stop()
 

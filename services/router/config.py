@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvmesh.discovery.endpoints import check_etcd_settings
 from kvmesh.errors import InvalidArgument
 from kvmesh.settings import parse_pair, setting
 from kvmesh.telemetry import Exporter
@@ -29,6 +30,16 @@ class RouterConfig:
         ("127.0.0.1:2379",), "etcd endpoints, host:port,...", flag="etcd"
     )
     etcd_ttl_s: float = setting(10.0, "lease TTL of the router's own etcd record, seconds")
+    etcd_retry_max_s: float = setting(
+        5.0,
+        "longest wait between attempts to reach etcd while starting (retried until it answers; "
+        "health NOT_SERVING meanwhile), seconds",
+    )
+    ready_timeout_s: float = setting(
+        10.0,
+        "at start, the longest wait for the KV event streams of the workers etcd lists to be "
+        "synced before serving anyway (those not synced are logged), seconds",
+    )
     policy: str = setting(
         "precise-sticky",
         "scheduler profile: a built-in name (services/router/core/scheduler/profiles/*.yaml)"
@@ -146,6 +157,9 @@ class RouterConfig:
     log_level: str = setting("INFO", "logging level: DEBUG, INFO, WARNING, ERROR")
 
     def __post_init__(self) -> None:
+        check_etcd_settings(self.etcd_endpoints, self.etcd_retry_max_s)
+        if not self.ready_timeout_s >= 0:
+            raise InvalidArgument(f"--ready-timeout-s is {self.ready_timeout_s}; use >= 0 seconds")
         if self.peer_hint_min_blocks < 1:
             raise InvalidArgument(
                 f"--peer-hint-min-blocks is {self.peer_hint_min_blocks}; use 1 or more"

@@ -5,7 +5,9 @@ with ``(epoch, last seq + 1)`` after a lost stream (the worker replays the misse
 still buffers them, else starts with a snapshot), and asks for a snapshot (empty epoch) whenever
 ``on_batch`` says the index cannot apply what came (a gap, a new epoch) or a batch does not follow
 the previous one. ``KvEventSync`` owns one subscriber per worker and follows the worker set like
-``WorkerPool`` does (``apply(change)``). The kvmanagers' tier event streams
+``WorkerPool`` does (``apply(change)``); ``wait_live`` is the router's readiness: it returns
+once the given workers' streams are live (the index exact for them) or a timeout passes. The
+kvmanagers' tier event streams
 (``KvManager.WatchKvEvents`` of one layout) speak the same protocol and use the same subscriber
 with another ``watch`` (``tiersync.py``).
 
@@ -26,9 +28,10 @@ Streams are long-lived and have no deadline; a worker that disappears is removed
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -289,12 +292,20 @@ class KvEventSync:
         self._subscribers: ConnectionMap[WorkerId, KvEventSubscriber[WorkerId]] = ConnectionMap(
             KvEventSubscriber.close
         )
+        self._changed = asyncio.Event()  # a stream went live or a worker left: wakes wait_live
+
+    def _live(self, wid: WorkerId) -> None:
+        self._changed.set()
+        if self._on_live is not None:
+            self._on_live(wid)
 
     def apply(self, change: Change) -> None:
         """Opens streams for new workers (or moved ones), closes them for gone ones (on the
         loop)."""
         for wid in change.removed:
             self._subscribers.drop(wid)
+        if change.removed:
+            self._changed.set()
         for rec in (*change.added, *change.updated):
             if self._subscribers.address(rec.worker_id) == rec.address:
                 continue
@@ -303,7 +314,7 @@ class KvEventSync:
                 rec.address,
                 self._on_batch,
                 self._on_lost,
-                self._on_live,
+                self._live,
                 self._backoff_s,
                 self._max_message_bytes,
             )
@@ -312,6 +323,30 @@ class KvEventSync:
 
     def stats(self) -> dict[WorkerId, KvStreamStats]:
         return {wid: sub.stats for wid, sub in self._subscribers.items()}
+
+    def not_live(self, worker_ids: Iterable[WorkerId]) -> list[WorkerId]:
+        """Those of ``worker_ids`` still followed whose stream is not live (sorted)."""
+        return sorted(
+            wid
+            for wid in worker_ids
+            if (sub := self._subscribers.get(wid)) is not None and not sub.stats.live
+        )
+
+    async def wait_live(self, worker_ids: Iterable[WorkerId], timeout_s: float) -> list[WorkerId]:
+        """Waits until the stream of each of ``worker_ids`` is live (its snapshot applied, or
+        resumed with nothing missed: the index is exact for it) or the worker is gone, at most
+        ``timeout_s``; returns the workers still not live then (sorted; empty: all synced)."""
+        wanted = tuple(worker_ids)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            waiting = self.not_live(wanted)
+            remaining = deadline - loop.time()
+            if not waiting or remaining <= 0:
+                return waiting
+            self._changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), remaining)
 
     async def close(self) -> None:
         await self._subscribers.close()

@@ -9,15 +9,17 @@ import os
 import signal
 import socket
 import sys
+import time
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 from kvmesh import __version__
 from kvmesh.discovery.etcd import PrefixWatcher
 from kvmesh.discovery.keys import RouterRecord, kvmanagers_prefix, router_key, workers_prefix
 from kvmesh.metrics import MetricsServer
-from kvmesh.service import Bind, ServiceHost, run, signal_event
+from kvmesh.service import Bind, ServiceHost, run, signal_event, start_or_stop
 from kvmesh.settings import add_config_flags, load_config
 from kvmesh.telemetry import setup_logging, setup_tracing
 from kvmesh.v1 import router_pb2, router_pb2_grpc
@@ -81,6 +83,7 @@ class RunningRouter:
 
 async def start_router(config: RouterConfig) -> RunningRouter:
     """Starts a router on this loop; a step that fails undoes the ones before it."""
+    began = time.monotonic()
     workers = WorkerSet(config.cluster)
     pool = WorkerPool(workers, load_interval_s=config.load_interval_s)
     executor = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tokenize")
@@ -122,6 +125,7 @@ async def start_router(config: RouterConfig) -> RunningRouter:
             config.max_request_bytes,
         ),
         config.drain_grace_s,
+        config.etcd_retry_max_s,
         interceptors=[ApiKeys(keys)] if keys is not None else (),
     )
     router_pb2_grpc.add_RouterServicer_to_server(servicer, host.server)
@@ -155,7 +159,8 @@ async def start_router(config: RouterConfig) -> RunningRouter:
         on_delete=tier_sync.on_delete,
     )
     http = None
-    async with host.starting():
+    async with host.starting():  # health NOT_SERVING, new requests refused, until the end
+        servicer.not_ready = f"waiting for etcd at {', '.join(config.etcd_endpoints)}"
         if key_file is not None:
             host.callback(key_file.close)
         host.callback(executor.shutdown, False, cancel_futures=True)
@@ -163,24 +168,6 @@ async def start_router(config: RouterConfig) -> RunningRouter:
         host.callback(kv_sync.close)
         host.callback(tier_sync.close)
         port = await host.start_server()
-        await watcher.start()
-        host.callback(watcher.close)
-        await kvmanager_watcher.start()
-        host.callback(kvmanager_watcher.close)
-        # Tokenizers of the models already served load before we report SERVING, so the first
-        # request's time to first token is not spent importing transformers.
-        if starting:
-            await asyncio.wait([asyncio.wrap_future(f) for f in starting], timeout=60.0)
-        ready.set()
-        starting.clear()
-        router_id = config.router_id or f"{socket.gethostname()}-{port}"
-        record = RouterRecord(router_id=router_id, address=host.address, version=__version__)
-        await host.register(
-            config.etcd_endpoints,
-            router_key(config.cluster, router_id),
-            record.to_json(),
-            config.etcd_ttl_s,
-        )
         host.serve_metrics(metrics.registry, config.metrics_host, config.metrics_port)
 
         def refresh() -> None:
@@ -190,11 +177,64 @@ async def start_router(config: RouterConfig) -> RunningRouter:
                 metrics.etcd.refresh(*etcd)
 
         host.refresh_every(config.metrics_refresh_s, refresh)
-        if config.http_port >= 0:
+        if config.http_port >= 0:  # up early: its /health says why the router is not ready
             http = _front_door(config, servicer, workers, metrics, keys)
             await http.start()
             host.callback(http.close)
-    log.info("router %s serving on %s with %d workers known", router_id, host.address, len(workers))
+        await host.until_etcd(watcher.start)
+        host.callback(watcher.close)
+        await host.until_etcd(kvmanager_watcher.start)
+        host.callback(kvmanager_watcher.close)
+        known = [v.record.worker_id for v in workers.all()]  # later ones do not hold this up
+        servicer.not_ready = f"syncing the KV index with {len(known)} worker(s)"
+        # Tokenizers of the models already served load meanwhile, so the first request's time
+        # to first token is not spent importing transformers.
+        synced = asyncio.ensure_future(kv_sync.wait_live(known, config.ready_timeout_s))
+        synced_s = 0.0  # seconds after start when the KV index was synced (or gave up)
+
+        def synced_at(_: object) -> None:
+            nonlocal synced_s
+            synced_s = time.monotonic() - began
+
+        synced.add_done_callback(synced_at)
+        loading: list[asyncio.Future[Any]] = [asyncio.wrap_future(f) for f in starting]
+        try:
+            await asyncio.wait([synced, *loading], timeout=60.0)
+            behind = await synced
+        finally:  # a stop while waiting
+            synced.cancel()
+        ready.set()
+        starting.clear()
+        if behind:
+            log.warning(
+                "KV index not synced with %d of %d worker(s) after --ready-timeout-s %g (%s): "
+                "serving anyway; their cached blocks count once their KV event streams are live",
+                len(behind),
+                len(known),
+                config.ready_timeout_s,
+                ", ".join(behind),
+            )
+        router_id = config.router_id or f"{socket.gethostname()}-{port}"
+        record = RouterRecord(router_id=router_id, address=host.address, version=__version__)
+        servicer.not_ready = "registering in etcd"
+        await host.register(
+            config.etcd_endpoints,
+            router_key(config.cluster, router_id),
+            record.to_json(),
+            config.etcd_ttl_s,
+        )
+        servicer.not_ready = ""
+    log.info(
+        "router %s serving on %s with %d workers known (ready %.2f s after start; the KV index "
+        "of %d worker(s)%s synced %.2f s after start; the rest: tokenizers, registration)",
+        router_id,
+        host.address,
+        len(workers),
+        time.monotonic() - began,
+        len(known) - len(behind),
+        f" ({len(behind)} not)" if behind else "",
+        synced_s,
+    )
     return RunningRouter(
         address=host.address,
         servicer=servicer,
@@ -246,11 +286,18 @@ def _front_door(
         reuse_port=config.reuse_port,
         cors=config.cors,
         metrics_registry=metrics.registry,  # the metrics port's registry, on the HTTP port
-        ready=lambda: not servicer.draining,
+        unready=lambda: _unready(servicer),
         vllm_versions=lambda: (
             v.record.vllm_version for v in workers.all() if v.serving and v.record.vllm_version
         ),
     )
+
+
+def _unready(servicer: RouterServicer) -> str:
+    """Why the router cannot take requests now ("": it can), for the HTTP /health."""
+    if servicer.draining:
+        return "the router is shutting down"
+    return f"the router is starting: {servicer.not_ready}" if servicer.not_ready else ""
 
 
 def parse_args(argv: list[str] | None, environ: Mapping[str, str] | None = None) -> RouterConfig:
@@ -264,12 +311,16 @@ def parse_args(argv: list[str] | None, environ: Mapping[str, str] | None = None)
 
 
 async def serve(config: RouterConfig) -> None:
-    router = await start_router(config)
+    stop = signal_event()  # a signal while waiting for etcd or the index: stop there
+    router = await start_or_stop(start_router(config), stop)
+    if router is None:
+        log.info("router stopped before it was ready")
+        return
     metrics = f" metrics={router.metrics_server.url}" if router.metrics_server else ""
     http = f" http={router.http.base_url}" if router.http is not None else ""
     print(f"{READY_LINE} address={router.address}{metrics}{http}", flush=True)
     asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, router.reload_keys)
-    await signal_event().wait()
+    await stop.wait()
     log.info("router stopping: draining %d in-flight requests", router.servicer.in_flight)
     await router.stop()
 

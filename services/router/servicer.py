@@ -111,6 +111,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self.metrics.in_flight.set_function(lambda: len(self._active))
         self._active: dict[str, _Active] = {}
         self.draining = False
+        self.not_ready = ""  # while starting: why new requests are refused ("": ready)
 
     # ---- Generate -------------------------------------------------------------------------
     def Generate(
@@ -149,6 +150,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 )
             if self.draining:
                 raise errors.Unavailable("router is shutting down; retry on another router")
+            if self.not_ready:
+                raise errors.Unavailable(
+                    f"router is starting ({self.not_ready}); retry shortly or on another router"
+                )
             model = self._resolve_model(request.model)
             model_name = model.name
             request_span.set_attribute("model", model_name)

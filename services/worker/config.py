@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvmesh.cpus import parse_cpu_list
+from kvmesh.discovery.endpoints import check_etcd_settings
 from kvmesh.discovery.keys import Role
 from kvmesh.settings import setting
 from kvmesh.telemetry import Exporter
@@ -125,6 +126,11 @@ class WorkerConfig:
         (), "etcd endpoints, host:port,...; empty: do not register (standalone)", flag="etcd"
     )
     etcd_ttl_s: float = setting(10.0, "lease TTL of the worker's etcd record, seconds")
+    etcd_retry_max_s: float = setting(
+        5.0,
+        "longest wait between attempts to reach etcd while starting (retried until it answers; "
+        "health NOT_SERVING meanwhile), seconds",
+    )
     role: Role = setting(Role.BOTH, "prefill, decode or both")
     node: str = setting("", "node (host) name in the etcd record; empty: this host's name")
     # Published as WorkerRecord.kv_layout: routers count that kvmanager's blocks as its lower
@@ -168,3 +174,6 @@ class WorkerConfig:
         "", "OTLP collector, host:port or http(s)://host:port, with --trace-exporter otlp"
     )
     log_level: str = setting("INFO", "logging level: DEBUG, INFO, WARNING, ERROR")
+
+    def __post_init__(self) -> None:
+        check_etcd_settings(self.etcd_endpoints, self.etcd_retry_max_s)

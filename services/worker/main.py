@@ -97,7 +97,7 @@ def simulated_engine(config: WorkerConfig):  # type: ignore[no-untyped-def]
 
 
 async def serve(config: WorkerConfig) -> None:
-    from kvmesh.service import signal_event
+    from kvmesh.service import signal_event, start_or_stop
 
     from .server import start_worker
     from .traced import TracedEngine
@@ -109,11 +109,15 @@ async def serve(config: WorkerConfig) -> None:
         from .engine import VllmEngine  # imports vLLM (seconds): only when it is the engine
 
         engine = await VllmEngine.start(config.engine)
-    try:
-        worker = await start_worker(config, TracedEngine(engine))
+    try:  # a signal while it waits for etcd stops it there
+        worker = await start_or_stop(start_worker(config, TracedEngine(engine)), stop)
     except BaseException:
         await engine.close()
         raise
+    if worker is None:
+        log.info("worker stopped before it was registered")
+        await engine.close()
+        return
     print(worker.ready_line(), flush=True)
     await stop.wait()
     log.info("signal received: stopping worker %s", worker.worker_id)

@@ -1,5 +1,5 @@
 """The service host (kvmesh/service.py) on real gRPC, etcd and sockets: a start-up that fails
-half-way leaves nothing running or listening, in-process and in a real process (no "Event loop
+or is cancelled half-way (waiting for etcd) leaves nothing running or listening, in-process and in a real process (no "Event loop
 is closed" at exit); the error interceptor sends domain errors with their code and anything
 else as INTERNAL naming a request id, for unary, generator and coroutine stream handlers."""
 
@@ -15,6 +15,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvmesh import errors
 from kvmesh.grpc_errors import FIELD_KEY
@@ -23,6 +24,7 @@ from services.kvmanager.config import KvManagerConfig, PeerConfig
 from services.kvmanager.main import start_kvmanager
 from services.router.config import RouterConfig
 from services.router.main import start_router
+from tests.support import eventually
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -67,17 +69,29 @@ async def test_kvmanager_metrics_port_in_use_undoes_the_started_server_and_data_
     assert other_tasks() <= before
 
 
-async def test_kvmanager_etcd_unreachable_after_the_server_started_leaves_nothing():
+async def test_kvmanager_waiting_for_etcd_is_not_serving_and_a_cancel_leaves_nothing(caplog):
     grpc_port, data_port, metrics_port = free_port(), free_port(), free_port()
     before = other_tasks()
     config = KvManagerConfig(
         port=grpc_port,
         etcd_endpoints=(f"127.0.0.1:{free_port()}",),  # nobody listens there
+        etcd_retry_max_s=0.5,
         peer=PeerConfig(data_plane_port=data_port),
         metrics_port=metrics_port,
     )
-    with pytest.raises(errors.Unavailable):
-        await start_kvmanager(config)
+    starting = asyncio.create_task(start_kvmanager(config))
+    await eventually(
+        lambda: any("retrying in" in r.getMessage() for r in caplog.records), 30, "retry line"
+    )
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+        reply = await health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=""), timeout=5
+        )
+    assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert not starting.done()  # it waits for etcd; it does not give up
+    starting.cancel()  # what a signal does (kvmesh.service.start_or_stop)
+    with pytest.raises(asyncio.CancelledError):
+        await starting
     for port in (grpc_port, data_port, metrics_port):
         assert not listening(port), port
     assert other_tasks() <= before

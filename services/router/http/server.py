@@ -103,7 +103,7 @@ class OpenAIServer:
     Beside the API, as vLLM's server: ``cors`` (``cors.CorsPolicy``; default: no origin
     allowed, no CORS headers), ``GET /metrics`` serving ``metrics_registry`` (the router's own
     registry, the one its metrics port serves; absent: 404), ``GET /health`` (200 while the
-    router can serve: ``ready()`` and at least one serving worker; else 503) and
+    router can serve: ``unready()`` says nothing and a worker serves; else 503 saying why) and
     ``GET /version`` (kvmesh's version and the vLLM versions ``vllm_versions()`` names)."""
 
     def __init__(
@@ -123,7 +123,7 @@ class OpenAIServer:
         reuse_port: bool = False,
         cors: CorsPolicy | None = None,
         metrics_registry: CollectorRegistry | None = None,
-        ready: Callable[[], bool] | None = None,
+        unready: Callable[[], str] | None = None,
         vllm_versions: Callable[[], Iterable[str]] | None = None,
     ) -> None:
         if backend is None and not router_address:
@@ -147,7 +147,7 @@ class OpenAIServer:
         self._reuse_port = reuse_port  # several router processes share the port
         self._cors = cors or CorsPolicy()
         self._registry = metrics_registry
-        self._ready = ready
+        self._unready = unready  # why the router cannot take requests now ("": it can)
         self._vllm_versions = vllm_versions
         self._runner: web.AppRunner | None = None
         self._created = int(time.time())
@@ -289,11 +289,12 @@ class OpenAIServer:
 
     # ---- endpoints ----------------------------------------------------------------------------
     async def _health(self, request: web.Request) -> web.Response:
-        """200 while this router can serve a request: not draining and at least one serving
-        worker (vLLM's /health: 200 while its engine can serve, 503 once it cannot). A
-        readiness probe, not a liveness one: a router without workers is alive."""
-        if self._ready is not None and not self._ready():
-            return error_response(errors.Unavailable("the router is shutting down"))
+        """200 while this router can serve a request: started (etcd and the KV index synced),
+        not draining and at least one serving worker (vLLM's /health: 200 while its engine can
+        serve, 503 once it cannot). A readiness probe, not a liveness one: a router without
+        workers is alive."""
+        if self._unready is not None and (reason := self._unready()):
+            return error_response(errors.Unavailable(reason))
         try:
             resp = await self.backend.list_models(self._models_timeout_s)
         except errors.KvmeshError as exc:
