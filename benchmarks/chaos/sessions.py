@@ -112,6 +112,29 @@ async def _grpc_session(
         gen += 1
 
 
+async def _post(
+    http: aiohttp.ClientSession, base_urls: list[str], s: int, body: object, session: str
+) -> aiohttp.ClientResponse:
+    """Session ``s``'s router, or, as a client behind a load balancer (a Kubernetes Service)
+    sees it: a connection refused by a dead router, or a 503 from one that is starting or
+    draining, is retried once on the next router (the OpenAI SDK retries both itself; the
+    Service sends the retry to a live, ready router)."""
+    headers = {"x-kvmesh-session-id": session}
+    for attempt in range(2):
+        url = base_urls[(s + attempt) % len(base_urls)]
+        try:
+            resp = await http.post(f"{url}/completions", json=body, headers=headers)
+        except aiohttp.ClientConnectorError:
+            if attempt:
+                raise
+            continue
+        if resp.status == 503 and not attempt:
+            resp.release()
+            continue
+        return resp
+    raise AssertionError("unreachable")
+
+
 async def _http_session(
     http: aiohttp.ClientSession,
     base_urls: list[str],
@@ -141,18 +164,9 @@ async def _http_session(
             text: list[str] = []
             resumes = 0
             outcome, error = OK, ""
-            # Behind a load balancer (a Kubernetes Service) a connection refused by a dead
-            # router goes to a live one; the OpenAI SDK retries such errors itself. Modelled
-            # as: a connection that could not be made tries the next router once.
-            url = base_urls[s % len(base_urls)]
             try:
                 async with asyncio.timeout(spec.request_timeout_s):
-                    headers = {"x-kvmesh-session-id": f"http-{s}-{gen}"}
-                    try:
-                        resp = await http.post(f"{url}/completions", json=body, headers=headers)
-                    except aiohttp.ClientConnectorError:
-                        url = base_urls[(s + 1) % len(base_urls)]
-                        resp = await http.post(f"{url}/completions", json=body, headers=headers)
+                    resp = await _post(http, base_urls, s, body, f"http-{s}-{gen}")
                     async with resp:
                         if resp.status != 200:
                             outcome = FAILED_BEFORE_FIRST

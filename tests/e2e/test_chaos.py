@@ -80,6 +80,8 @@ def test_router_killed(fleet: Fleet, baseline: LoadResult) -> None:
     assert (grpc_row.failed_before_first, grpc_row.failed_mid, grpc_row.hung) == (0, 0, 0)
     assert grpc_row.identical == grpc_row.compared > 0, grpc_row
     http = summarize("kill-router", run, baseline, "http")
-    assert http.failed_before_first == 0 and http.hung == 0, http  # new turns reach B
-    assert http.failed_mid <= SPEC.sessions // 2 + 1, http  # at most the streams A had
+    # at most the one stream each HTTP session on A had open (sessions alternate A, B); the
+    # turns after it, and every turn while A restarts, reach B
+    assert http.failed_before_first + http.failed_mid <= (SPEC.sessions + 1) // 2, http
+    assert http.hung == 0, http
     assert http.identical == http.compared > 0, http
