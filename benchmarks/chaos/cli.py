@@ -26,8 +26,17 @@ import numpy as np
 from kvmesh.etcd_server import free_port
 from kvmesh.launcher import Mesh, MeshSpec, stop_child
 
-from .faults import SCENARIOS, Fleet, Timing
-from .sessions import FAILED_BEFORE_FIRST, FAILED_MID, HUNG, OK, LoadResult, LoadSpec, run_load
+from .faults import PD_SCENARIOS, SCENARIOS, Fleet, Timing
+from .sessions import (
+    FAILED_BEFORE_FIRST,
+    FAILED_MID,
+    HUNG,
+    OK,
+    LoadResult,
+    LoadSpec,
+    TurnResult,
+    run_load,
+)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -43,6 +52,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--routers", type=int, default=2, help="routers (the router scenarios need 2)")
+    p.add_argument(
+        "--disagg",
+        action="store_true",
+        help="a P/D mesh (1 prefill + 2 decode workers, prompts disaggregated); scenarios: "
+        + ", ".join(PD_SCENARIOS),
+    )
     p.add_argument("--sessions", type=int, default=4, help="concurrent sessions per API")
     p.add_argument("--turns", type=int, default=6, help="turns before a session starts over")
     p.add_argument("--max-tokens", type=int, default=48)
@@ -68,11 +83,19 @@ class Row:
     baseline_p99_ms: float
     identical: int
     compared: int
+    # resumed turns (gRPC): prompt tokens prefilled again, as a share of their prompts
+    recomputed_share: float = 0.0
     errors: tuple[str, ...] = ()
 
 
 def served_name(model: str) -> str:
     return Path(model).name
+
+
+def _share(turns: list[TurnResult]) -> float:
+    resumed = [t for t in turns if t.resumes > 0 and t.prompt_tokens > 0]
+    prompt = sum(t.prompt_tokens for t in resumed)
+    return sum(t.recomputed_tokens for t in resumed) / prompt if prompt else 0.0
 
 
 def _p99_ms(values: list[float]) -> float:
@@ -101,6 +124,7 @@ def summarize(scenario: str, run: LoadResult, baseline: LoadResult, api: str) ->
         baseline_p99_ms=_p99_ms([t.latency_s for t in base.values()]),
         identical=sum(t.output == base[t.key].output for t in compared),
         compared=len(compared),
+        recomputed_share=_share(turns),
         errors=tuple(sorted({t.error for t in turns if t.error}))[:3],
     )
 
@@ -108,14 +132,15 @@ def summarize(scenario: str, run: LoadResult, baseline: LoadResult, api: str) ->
 def format_table(rows: list[Row]) -> str:
     lines = [
         "| scenario | api | sent | ok | failed before 1st token | failed mid-stream | resumed | "
-        "hung | p99 ms (no fault) | greedy outputs identical |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "hung | p99 ms (no fault) | greedy outputs identical | resumed: prompt recomputed |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r.scenario} | {r.api} | {r.sent} | {r.ok} | {r.failed_before_first} "
             f"| {r.failed_mid} | {r.resumed} | {r.hung} | {r.p99_ms:.0f} ({r.baseline_p99_ms:.0f}) "
-            f"| {r.identical} / {r.compared} |"
+            f"| {r.identical} / {r.compared} "
+            f"| {f'{100 * r.recomputed_share:.1f}%' if r.resumed and r.api == 'grpc' else '-'} |"
         )
     errors = [f"- {r.scenario} {r.api}: {e}" for r in rows for e in r.errors]
     return (
@@ -124,6 +149,7 @@ def format_table(rows: list[Row]) -> str:
 
 
 async def _run(fleet: Fleet, a: argparse.Namespace, names: list[str]) -> list[Row]:
+    scenarios = PD_SCENARIOS if a.disagg else SCENARIOS
     spec = LoadSpec(
         sessions=a.sessions, turns=a.turns, max_tokens=a.max_tokens, model=served_name(a.model)
     )
@@ -131,7 +157,7 @@ async def _run(fleet: Fleet, a: argparse.Namespace, names: list[str]) -> list[Ro
     apis = tuple(a.apis.split(","))
 
     async def load(scenario: str) -> LoadResult:
-        fault = SCENARIOS.get(scenario)
+        fault = scenarios.get(scenario)
 
         def until() -> asyncio.Task[Any]:
             if fault is None:  # the no-fault run: as long as the longest scenario's load
@@ -156,16 +182,21 @@ async def _run(fleet: Fleet, a: argparse.Namespace, names: list[str]) -> list[Ro
 def cmd_chaos(a: argparse.Namespace) -> int:
     from kvmesh.models import resolve_model
 
-    names = list(SCENARIOS) if a.scenarios == "all" else a.scenarios.split(",")
-    unknown = [n for n in names if n not in SCENARIOS]
+    scenarios = PD_SCENARIOS if a.disagg else SCENARIOS
+    names = list(scenarios) if a.scenarios == "all" else a.scenarios.split(",")
+    unknown = [n for n in names if n not in scenarios]
     if unknown:
-        raise SystemExit(f"unknown scenario(s) {unknown}; choose from {', '.join(SCENARIOS)}")
+        raise SystemExit(f"unknown scenario(s) {unknown}; choose from {', '.join(scenarios)}")
     out_dir = a.out_dir or Path(tempfile.mkdtemp(prefix="kvmesh-bench-chaos-"))
     out_dir.mkdir(parents=True, exist_ok=True)
     spec = MeshSpec(
         model_path=resolve_model(a.model),
         served_model_name=served_name(a.model),
-        workers=a.workers,
+        workers=0 if a.disagg else a.workers,
+        prefill_workers=1 if a.disagg else 0,
+        decode_workers=2 if a.disagg else 0,
+        # prompts from 256 tokens on (every first turn) are prefilled on the prefill worker
+        router_args=("--disagg-threshold-tokens", "200") if a.disagg else (),
         max_model_len=4096,
         kv_cache_bytes=64 << 20,
         kvmanager_cpu_bytes=256 << 20,
@@ -182,7 +213,7 @@ def cmd_chaos(a: argparse.Namespace) -> int:
                 stop_child(child, grace_s=10.0)
     print(
         f"{a.sessions} sessions per API, {a.turns} turns each, {a.max_tokens} tokens a turn, "
-        f"{a.workers} workers, {a.routers} routers\n"
+        f"{'1 prefill + 2 decode' if a.disagg else a.workers} workers, {a.routers} routers\n"
     )
     print(format_table(rows), end="")
     (out_dir / "summary.json").write_text(json.dumps([asdict(r) for r in rows], indent=1))

@@ -177,6 +177,19 @@ async def rolling_restart_routers(fleet: Fleet, t: Timing) -> None:
     await asyncio.sleep(t.settle_s)
 
 
+async def kill_decode_worker(fleet: Fleet, t: Timing) -> None:
+    """P/D (``--disagg``): SIGKILL a decode worker while requests are handed off to it and
+    streamed from it, then start a new one in its place."""
+    mesh = fleet.mesh
+    decode = [i for i, w in enumerate(mesh.workers) if w.name.startswith("decode-")]
+    assert decode, "this scenario needs decode workers (--disagg)"
+    await asyncio.sleep(t.warmup_s)
+    await _kill_and_wait(mesh.workers[decode[0]])
+    await asyncio.sleep(2.0)
+    await asyncio.to_thread(mesh.restart_worker, decode[0])
+    await asyncio.sleep(t.settle_s)
+
+
 Scenario = Callable[[Fleet, Timing], Coroutine[Any, Any, None]]
 
 # In the order ``--scenarios all`` runs them: the kvmanager's death last (it stays down).
@@ -189,4 +202,9 @@ SCENARIOS: dict[str, Scenario] = {
     "kill-router": kill_router,
     "rolling-restart-routers": rolling_restart_routers,
     "kill-kvmanager": kill_kvmanager,
+}
+# With --disagg (one prefill worker, two decode workers): what ``--scenarios all`` runs there.
+PD_SCENARIOS: dict[str, Scenario] = {
+    "kill-decode-worker": kill_decode_worker,
+    "kill-worker": kill_worker,  # the first worker: the prefill one
 }

@@ -47,6 +47,8 @@ class TurnResult:
     output: str  # token ids (gRPC, as text) or text (HTTP): compared across runs
     resumes: int = 0
     error: str = ""
+    prompt_tokens: int = 0  # from the final usage (gRPC)
+    recomputed_tokens: int = 0  # prompt tokens the resumed attempts prefilled again (gRPC)
 
 
 @dataclass(slots=True)
@@ -84,13 +86,15 @@ async def _grpc_session(
             )
             start = time.monotonic()
             got: list[int] = []
-            resumes = 0
+            resumes = prompt_tokens = recomputed = 0
             try:
                 async with asyncio.timeout(spec.request_timeout_s):
                     async for chunk in client.stream(req, timeout_s=spec.request_timeout_s + 5):
                         got.extend(chunk.token_ids)
                         if chunk.HasField("finished"):
-                            resumes = chunk.finished.usage.resumes
+                            u = chunk.finished.usage
+                            resumes, prompt_tokens = u.resumes, u.prompt_tokens
+                            recomputed = u.resume_recomputed_tokens
                 outcome, error = OK, ""
             except TimeoutError:
                 outcome, error = HUNG, "no answer in time"
@@ -99,7 +103,14 @@ async def _grpc_session(
                 error = f"{exc.code().name}: {exc.details()}"
             out.turns.append(
                 TurnResult(
-                    key, outcome, time.monotonic() - start, ",".join(map(str, got)), resumes, error
+                    key,
+                    outcome,
+                    time.monotonic() - start,
+                    ",".join(map(str, got)),
+                    resumes,
+                    error,
+                    prompt_tokens,
+                    recomputed,
                 )
             )
             if outcome != OK:

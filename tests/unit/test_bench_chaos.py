@@ -24,7 +24,7 @@ def test_summarize_counts_and_compares_turn_by_turn():
     )
     run = LoadResult(
         [
-            turn("grpc", 0, 0, resumes=1),  # resumed, same output
+            turn("grpc", 0, 0, resumes=1, prompt_tokens=400, recomputed_tokens=20),  # same output
             turn("grpc", 0, 1, out="4"),  # differs from the no-fault run's
             turn("grpc", 1, 0, FAILED_MID, error="UNAVAILABLE: gone"),
             turn("grpc", 2, 0, FAILED_BEFORE_FIRST, error="UNAVAILABLE: gone"),
@@ -35,11 +35,12 @@ def test_summarize_counts_and_compares_turn_by_turn():
     )
     row = summarize("kill-worker", run, baseline, "grpc")
     assert (row.sent, row.ok, row.failed_mid, row.failed_before_first, row.hung) == (6, 3, 1, 1, 1)
-    assert row.resumed == 1
+    assert row.resumed == 1 and row.recomputed_share == 0.05
     assert (row.identical, row.compared) == (1, 2)
     assert row.errors == ("UNAVAILABLE: gone",)
     http = summarize("kill-worker", run, baseline, "http")
     assert (http.sent, http.ok, http.identical, http.compared) == (1, 1, 1, 1)
     table = format_table([row, http])
     assert "| kill-worker | grpc | 6 | 3 | 1 | 1 | 1 | 1 |" in table
+    assert "| 1 / 2 | 5.0% |" in table
     assert "kill-worker grpc: UNAVAILABLE: gone" in table
