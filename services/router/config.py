@@ -111,6 +111,12 @@ class RouterConfig:
         False, "bind the HTTP port with SO_REUSEPORT (set for --processes children)", hidden=True
     )
     load_interval_s: float = setting(0.25, "WatchLoad push interval asked of workers, seconds")
+    unregistered_linger_s: float = setting(
+        30.0,
+        "how long a worker whose etcd record vanished stays routable while its load stream is "
+        "live (etcd unreachable past its lease, then back), waiting for it to register again, "
+        "seconds; 0: drop it with its record",
+    )
     worker_call_timeout_s: float = setting(
         5.0, "deadline of unary calls to workers (Abort), seconds"
     )
@@ -176,5 +182,9 @@ class RouterConfig:
             )
         if self.api_keys_reload_s < 0:
             raise InvalidArgument(f"--api-keys-reload-s is {self.api_keys_reload_s}; use >= 0")
+        if not self.unregistered_linger_s >= 0:
+            raise InvalidArgument(
+                f"--unregistered-linger-s is {self.unregistered_linger_s}; use >= 0 seconds"
+            )
         if self.max_resumes < 0:
             raise InvalidArgument(f"--max-resumes is {self.max_resumes}; use 0 or more")

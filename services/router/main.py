@@ -84,7 +84,7 @@ class RunningRouter:
 async def start_router(config: RouterConfig) -> RunningRouter:
     """Starts a router on this loop; a step that fails undoes the ones before it."""
     began = time.monotonic()
-    workers = WorkerSet(config.cluster)
+    workers = WorkerSet(config.cluster, linger_s=config.unregistered_linger_s)
     pool = WorkerPool(workers, load_interval_s=config.load_interval_s)
     executor = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tokenize")
     tokenizers = Tokenizers(executor, config.tokenizer_overrides)
@@ -177,6 +177,7 @@ async def start_router(config: RouterConfig) -> RunningRouter:
                 metrics.etcd.refresh(*etcd)
 
         host.refresh_every(config.metrics_refresh_s, refresh)
+        host.refresh_every(1.0, lambda: on_change(workers.expire_unregistered()))
         if config.http_port >= 0:  # up early: its /health says why the router is not ready
             http = _front_door(config, servicer, workers, metrics, keys)
             await http.start()

@@ -71,6 +71,7 @@ class WorkerPool:
                     self._workers.set_load(worker_id, load_from_pb(msg))
             except grpc.aio.AioRpcError as exc:
                 log.debug("load stream of %s ended: %s", worker_id, exc.code())
+            self._workers.load_stream_ended(worker_id)
             await asyncio.sleep(_BACKOFF_S[min(attempt, len(_BACKOFF_S) - 1)])
             attempt += 1
 

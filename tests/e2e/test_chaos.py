@@ -1,7 +1,8 @@
 """The fast scenarios of ``kvmesh bench chaos`` as tests (benchmarks/chaos): multi-turn greedy
 sessions over gRPC and the OpenAI HTTP front door keep going through a SIGKILLed worker, a
-SIGSTOPped kvmanager and a SIGSTOPped etcd with no failed or hung turn, and every turn's
-output equals the no-fault run's for the same turn."""
+SIGSTOPped kvmanager and a SIGSTOPped etcd (longer than the workers' leases: they vanish from
+etcd while alive, and the routers keep them until they register again) with no failed or hung
+turn, and every turn's output equals the no-fault run's for the same turn."""
 
 from __future__ import annotations
 
@@ -33,6 +34,8 @@ def fleet(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         kv_cache_bytes=64 << 20,
         kvmanager_cpu_bytes=256 << 20,
         log_dir=tmp_path_factory.mktemp("chaos"),
+        # shorter than the etcd stop (2 x pause): the workers' leases expire while it is stopped
+        worker_args=("--etcd-ttl-s", "3"),
         router_port=free_port(),
         router_http_port=free_port(),
     )

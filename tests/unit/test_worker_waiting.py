@@ -91,3 +91,63 @@ def test_a_burst_on_a_hot_prefix_spills_at_capacity():
             index.holder[req.block_hashes[0]] = d.worker_id
     assert max(placed.values()) <= 11, placed
     assert sorted(placed.values())[0] >= 9, placed
+
+
+# ---- a worker that left etcd while alive (an etcd outage that outlived its lease) ------------
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+KEY = "/kvmesh/c/workers/both/w1"
+
+
+def one_worker(linger_s: float, clock: Clock) -> WorkerSet:
+    ws = WorkerSet("c", linger_s=linger_s, clock=clock)
+    rec = WorkerRecord(worker_id=WorkerId("w1"), address="a:1", model="m", model_path="/m")
+    ws.apply_put(KEY, rec.to_json())
+    return ws
+
+
+def test_a_live_worker_outlives_its_record_until_it_registers_again():
+    clock = Clock()
+    ws = one_worker(30.0, clock)
+    ws.set_load(WorkerId("w1"), LoadSnapshot())  # its load stream answers
+    assert ws.apply_delete(KEY).removed == ()  # the lease expired; the worker did not
+    assert [v.record.worker_id for v in ws.candidates("m")] == ["w1"]  # still routed to
+    clock.now += 5
+    assert ws.expire_unregistered().removed == ()
+    rec = WorkerRecord(worker_id=WorkerId("w1"), address="a:1", model="m", model_path="/m")
+    ws.apply_put(KEY, rec.to_json())  # registered again
+    clock.now += 60
+    assert ws.expire_unregistered().removed == ()
+    view = ws.get(WorkerId("w1"))
+    assert view is not None and view.unregistered_at is None
+
+
+def test_a_lingering_worker_goes_when_its_stream_ends_or_its_time_runs_out():
+    clock = Clock()
+    ws = one_worker(30.0, clock)
+    ws.set_load(WorkerId("w1"), LoadSnapshot())
+    ws.apply_delete(KEY)
+    clock.now += 30
+    assert ws.expire_unregistered().removed == ("w1",)
+    ws = one_worker(30.0, clock)
+    ws.set_load(WorkerId("w1"), LoadSnapshot())
+    ws.apply_snapshot({})  # a resync that no longer lists it: the same
+    assert len(ws) == 1
+    ws.load_stream_ended(WorkerId("w1"))
+    assert ws.expire_unregistered().removed == ("w1",)
+
+
+@pytest.mark.parametrize("linger_s", [0.0, 30.0])
+def test_a_dead_or_unlingering_worker_goes_with_its_record(linger_s):
+    clock = Clock()
+    ws = one_worker(linger_s, clock)
+    if linger_s:  # lingering on, but its load stream broke (SIGKILL): gone at once
+        ws.set_load(WorkerId("w1"), LoadSnapshot())
+        ws.load_stream_ended(WorkerId("w1"))
+    assert ws.apply_delete(KEY).removed == ("w1",)

@@ -8,7 +8,8 @@ breaking the watch.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
 from kvmesh.discovery.keys import WorkerId, WorkerRecord, WorkerState, parse_worker_key
@@ -26,6 +27,10 @@ class WorkerView:
     router_in_flight: int = 0
     # Requests this router sent the worker since its last load report (which cannot count them).
     sent_since_report: int = 0
+    # Its load stream is open and has answered: the worker is alive, whatever etcd says.
+    load_live: bool = False
+    # When its etcd record vanished while its load stream was live (None: registered).
+    unregistered_at: float | None = None
 
     @property
     def serving(self) -> bool:
@@ -76,14 +81,21 @@ class Change:
 
 
 class WorkerSet:
-    def __init__(self, cluster: str) -> None:
+    def __init__(
+        self, cluster: str, linger_s: float = 0.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        """``linger_s``: how long a worker whose etcd record vanished stays while its load
+        stream is live (etcd unreachable long enough for its lease to expire, then back: the
+        worker registers again within seconds). 0: gone with its record."""
         self._cluster = cluster
         self._workers: dict[WorkerId, WorkerView] = {}
+        self._linger_s = linger_s
+        self._clock = clock
 
     # ---- discovery side -------------------------------------------------------------------
     def apply_snapshot(self, items: dict[str, str]) -> Change:
         records = {r.worker_id: r for r in (self._parse(k, v) for k, v in items.items()) if r}
-        removed = tuple(w for w in self._workers if w not in records)
+        removed = tuple(w for w in self._workers if w not in records and not self._linger(w))
         for wid in removed:
             del self._workers[wid]
         added: list[WorkerRecord] = []
@@ -103,10 +115,38 @@ class WorkerSet:
 
     def apply_delete(self, key: str) -> Change:
         parsed = parse_worker_key(self._cluster, key)
-        if parsed is None or parsed[1] not in self._workers:
+        if parsed is None or parsed[1] not in self._workers or self._linger(parsed[1]):
             return Change()
         del self._workers[parsed[1]]
         return Change(removed=(parsed[1],))
+
+    def _linger(self, worker_id: WorkerId) -> bool:
+        """Keeps a serving worker whose record vanished while its load stream is live."""
+        view = self._workers[worker_id]
+        if self._linger_s <= 0 or not view.serving or not view.load_live:
+            return False
+        if view.unregistered_at is None:
+            view.unregistered_at = self._clock()
+            log.warning(
+                "worker %s left etcd but its load stream is live: kept for up to %g s for it "
+                "to register again (an etcd outage outlived its lease?)",
+                worker_id,
+                self._linger_s,
+            )
+        return True
+
+    def expire_unregistered(self) -> Change:
+        """Drops the lingering workers whose load stream ended or whose linger ran out."""
+        now = self._clock()
+        gone = tuple(
+            wid
+            for wid, v in self._workers.items()
+            if v.unregistered_at is not None
+            and (not v.load_live or now - v.unregistered_at >= self._linger_s)
+        )
+        for wid in gone:
+            del self._workers[wid]
+        return Change(removed=gone) if gone else Change()
 
     def _upsert(self, rec: WorkerRecord) -> None:
         view = self._workers.get(rec.worker_id)
@@ -114,6 +154,7 @@ class WorkerSet:
             self._workers[rec.worker_id] = WorkerView(record=rec)
         else:
             view.record = rec
+            view.unregistered_at = None  # registered again
 
     def _parse(self, key: str, value: str) -> WorkerRecord | None:
         parsed = parse_worker_key(self._cluster, key)
@@ -135,6 +176,12 @@ class WorkerSet:
         if view is not None:
             view.load = load
             view.sent_since_report = 0
+            view.load_live = True
+
+    def load_stream_ended(self, worker_id: WorkerId) -> None:
+        view = self._workers.get(worker_id)
+        if view is not None:
+            view.load_live = False
 
     def started(self, worker_id: WorkerId) -> None:
         view = self._workers.get(worker_id)
