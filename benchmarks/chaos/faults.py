@@ -91,11 +91,15 @@ async def none(fleet: Fleet, t: Timing) -> None:
 
 async def kill_worker(fleet: Fleet, t: Timing) -> None:
     """SIGKILL one worker (and its engine core) mid-stream, then start a new one in its place."""
+    await _kill_and_replace_worker(fleet, 0, t)
+
+
+async def _kill_and_replace_worker(fleet: Fleet, i: int, t: Timing) -> None:
     mesh = fleet.mesh
     await asyncio.sleep(t.warmup_s)
-    await _kill_and_wait(mesh.workers[0])
+    await _kill_and_wait(mesh.workers[i])
     await asyncio.sleep(2.0)
-    await asyncio.to_thread(mesh.restart_worker, 0)
+    await asyncio.to_thread(mesh.restart_worker, i)
     await asyncio.sleep(t.settle_s)
 
 
@@ -180,14 +184,9 @@ async def rolling_restart_routers(fleet: Fleet, t: Timing) -> None:
 async def kill_decode_worker(fleet: Fleet, t: Timing) -> None:
     """P/D (``--disagg``): SIGKILL a decode worker while requests are handed off to it and
     streamed from it, then start a new one in its place."""
-    mesh = fleet.mesh
-    decode = [i for i, w in enumerate(mesh.workers) if w.name.startswith("decode-")]
+    decode = [i for i, w in enumerate(fleet.mesh.workers) if w.name.startswith("decode-")]
     assert decode, "this scenario needs decode workers (--disagg)"
-    await asyncio.sleep(t.warmup_s)
-    await _kill_and_wait(mesh.workers[decode[0]])
-    await asyncio.sleep(2.0)
-    await asyncio.to_thread(mesh.restart_worker, decode[0])
-    await asyncio.sleep(t.settle_s)
+    await _kill_and_replace_worker(fleet, decode[0], t)
 
 
 Scenario = Callable[[Fleet, Timing], Coroutine[Any, Any, None]]
