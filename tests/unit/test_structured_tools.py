@@ -23,7 +23,7 @@ from services.router.core.forced_tools import (
 from services.router.http import forcedcalls, parsing, rendering
 from services.router.http.extensions import Extensions
 from services.router.http.toolcalls import Call, Text
-from services.router.servicer import forced_choice, tool_defs
+from services.router.prepare import forced_choice, tool_defs
 
 CITY = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"]}
 TOOLS = [ToolDef("weather", CITY), ToolDef("clock")]
