@@ -1,7 +1,7 @@
 """One decode attempt's worker stream, watched: the first-token timeout and, while an
 overlapped hand-off's prefill runs, that prefill. What ends an attempt early is an exception
-naming its ``core.lifecycle.Outcome``; the servicer turns it into an ``Attempt`` and asks the
-core what comes next. Per message this adds nothing once the first one is here.
+naming its ``core.lifecycle.Outcome``; ``attempt.py`` turns it into an ``Attempt`` and ``proxy.py`` asks
+the core what comes next. Per message this adds nothing once the first one is here.
 """
 
 from __future__ import annotations

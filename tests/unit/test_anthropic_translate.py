@@ -16,7 +16,7 @@ from services.router.core.forced_tools import ForcedKind
 from services.router.http import anthropic
 from services.router.http.anthropic_stream import EventStream, MessageCollector
 from services.router.http.errors import BadRequest, Unauthorized
-from services.router.http.translate import Extensions
+from services.router.http.extensions import Extensions
 
 EXT = Extensions()
 HI = [{"role": "user", "content": "hi"}]

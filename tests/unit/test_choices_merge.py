@@ -12,21 +12,21 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from kvmesh.v1 import common_pb2, router_pb2
-from services.router.http import translate
+from services.router.http import parsing
 from services.router.http.choices import Choices, SubRequest, count, merge_usage, plan
 from services.router.http.errors import BadRequest
-from services.router.http.translate import Extensions
+from services.router.http.extensions import Extensions
 
 EXT = Extensions()
 USER = [{"role": "user", "content": "hi"}]
 
 
-def chat(**body: Any) -> translate.ParsedRequest:
-    return translate.parse_chat({"model": "tiny", "messages": USER, **body}, EXT, "chatcmpl-x", 64)
+def chat(**body: Any) -> parsing.ParsedRequest:
+    return parsing.parse_chat({"model": "tiny", "messages": USER, **body}, EXT, "chatcmpl-x", 64)
 
 
-def completion(**body: Any) -> translate.ParsedRequest:
-    return translate.parse_completion({"model": "tiny", **body}, EXT, "cmpl-x", 64)
+def completion(**body: Any) -> parsing.ParsedRequest:
+    return parsing.parse_completion({"model": "tiny", **body}, EXT, "cmpl-x", 64)
 
 
 # ---- plan ------------------------------------------------------------------------------------
@@ -85,8 +85,8 @@ def test_batch_shapes(prompt: Any, prompts: int):
 
 
 def test_with_model_names_every_prompt():
-    parsed = translate.with_model(
-        translate.parse_completion({"prompt": ["a", "b"]}, EXT, "cmpl-x", 64), "tiny"
+    parsed = parsing.with_model(
+        parsing.parse_completion({"prompt": ["a", "b"]}, EXT, "cmpl-x", 64), "tiny"
     )
     assert [g.model for g in parsed.batch] == ["tiny", "tiny"]
     assert {s.generate.model for s in plan(parsed)} == {"tiny"}

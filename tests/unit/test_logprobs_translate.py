@@ -10,18 +10,19 @@ import pytest
 
 from kvmesh import errors
 from kvmesh.v1 import common_pb2, router_pb2
-from services.router.http import translate
+from services.router.http import parsing, rendering
 from services.router.http.errors import BadRequest, error_body
-from services.router.http.translate import Extensions, Kind
+from services.router.http.extensions import Extensions
+from services.router.http.parsing import Kind
 
 EXT = Extensions()
 USER = [{"role": "user", "content": "hi"}]
 
 
-def parse(kind: Kind, **body: Any) -> translate.ParsedRequest:
+def parse(kind: Kind, **body: Any) -> parsing.ParsedRequest:
     if kind is Kind.CHAT:
-        return translate.parse_chat({"messages": USER, **body}, EXT, "rid", 16)
-    return translate.parse_completion({"prompt": "x", **body}, EXT, "rid", 16)
+        return parsing.parse_chat({"messages": USER, **body}, EXT, "rid", 16)
+    return parsing.parse_completion({"prompt": "x", **body}, EXT, "rid", 16)
 
 
 def fields(s: common_pb2.SamplingParams) -> tuple[int | None, int | None]:
@@ -157,7 +158,7 @@ def test_worker_bounds_name_the_openai_param(
     kind: Kind, body: dict[str, Any], field: str, param: str
 ):
     """The worker bounds them by its engine's max_logprobs; its error names the field."""
-    exc = translate.router_error(errors.InvalidArgument("too many", field), parse(kind, **body))
+    exc = parsing.router_error(errors.InvalidArgument("too many", field), parse(kind, **body))
     assert isinstance(exc, BadRequest) and exc.param == param
 
 
@@ -199,8 +200,8 @@ def stream_of(
     return [*msgs, last]
 
 
-def run(request: translate.ParsedRequest, msgs: list[router_pb2.GenerateResponse]):
-    tr = translate.ResponseTranslator(request, created=1)
+def run(request: parsing.ParsedRequest, msgs: list[router_pb2.GenerateResponse]):
+    tr = rendering.ResponseTranslator(request, created=1)
     payloads = [p for m in msgs for p in tr.feed(m)]
     return payloads, tr.response()
 

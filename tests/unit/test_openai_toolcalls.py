@@ -15,9 +15,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvmesh.v1 import common_pb2, router_pb2
-from services.router.http import OpenAIServer, translate
+from services.router.http import OpenAIServer, parsing, rendering
+from services.router.http.parsing import Kind
 from services.router.http.toolcalls import Call, StreamParser, Text, parse, parse_call
-from services.router.http.translate import Kind
 
 from .test_openai_server import FakeRouter
 
@@ -180,11 +180,11 @@ def ids() -> Any:
     return lambda: f"call_{next(n)}"
 
 
-def translator(stream: bool, tools: bool = True) -> translate.ResponseTranslator:
-    request = translate.ParsedRequest(
+def translator(stream: bool, tools: bool = True) -> rendering.ResponseTranslator:
+    request = parsing.ParsedRequest(
         Kind.CHAT, "rid", "tiny", stream, False, router_pb2.GenerateRequest(), tools
     )
-    return translate.ResponseTranslator(request, created=1, call_id=ids())
+    return rendering.ResponseTranslator(request, created=1, call_id=ids())
 
 
 @pytest.mark.parametrize(

@@ -12,8 +12,8 @@ from google.protobuf import json_format
 from kvmesh import errors
 from kvmesh.grpc_errors import ERROR_OF
 from kvmesh.v1 import common_pb2, router_pb2
-from services.router.core.auth import Identity
-from services.router.http import translate
+from services.router.core.auth import Identity, tenant_of_key
+from services.router.http import extensions, parsing, rendering
 from services.router.http.errors import (
     BadRequest,
     PayloadTooLarge,
@@ -21,7 +21,8 @@ from services.router.http.errors import (
     error_body,
     http_status_for,
 )
-from services.router.http.translate import Extensions, Kind
+from services.router.http.extensions import Extensions
+from services.router.http.parsing import Kind
 
 EXT = Extensions()
 USER = [{"role": "user", "content": "hi"}]
@@ -221,7 +222,7 @@ CHAT_OK = [
 
 @pytest.mark.parametrize(("body", "want"), CHAT_OK)
 def test_chat_request(body: dict[str, Any], want: dict[str, Any]):
-    parsed = translate.parse_chat(body, EXT, "rid", 64)
+    parsed = parsing.parse_chat(body, EXT, "rid", 64)
     assert parsed.kind is Kind.CHAT and parsed.id == "rid"
     assert as_dict(parsed.generate) == want
     assert parsed.parse_tool_calls is bool(body.get("tools") or body.get("functions"))
@@ -243,7 +244,7 @@ TOOL = {"type": "function", "function": {"name": "f"}}
     ],
 )
 def test_tool_calls_are_parsed_only_with_tools_offered(extra: dict[str, Any], parse_calls: bool):
-    parsed = translate.parse_chat({"messages": USER, **extra}, EXT, "rid", 64)
+    parsed = parsing.parse_chat({"messages": USER, **extra}, EXT, "rid", 64)
     assert parsed.parse_tool_calls is parse_calls
     if extra.get("tool_choice") == "none" and "tools" in extra:  # the router drops them
         assert parsed.generate.chat.tool_choice.mode == router_pb2.TOOL_CHOICE_MODE_NONE
@@ -258,7 +259,7 @@ def test_extensions_travel_and_stream_flags():
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    p = translate.parse_chat(body, ext, "rid", 8)
+    p = parsing.parse_chat(body, ext, "rid", 8)
     assert (p.stream, p.include_usage, p.model) == (True, True, "m")
     g = p.generate
     assert (g.session_id, g.tenant, g.priority) == ("s1", "t1", -3)
@@ -274,7 +275,7 @@ COMPLETION_OK = [
 
 @pytest.mark.parametrize(("body", "want"), COMPLETION_OK)
 def test_completion_request(body: dict[str, Any], want: dict[str, Any]):
-    p = translate.parse_completion({"model": "tiny", "max_tokens": 3, **body}, EXT, "rid", 64)
+    p = parsing.parse_completion({"model": "tiny", "max_tokens": 3, **body}, EXT, "rid", 64)
     got = as_dict(p.generate)
     assert p.kind is Kind.COMPLETION
     assert {k: v for k, v in got.items() if k in ("text", "token_ids")} == want
@@ -504,7 +505,7 @@ BAD = [
 
 @pytest.mark.parametrize(("kind", "body", "param", "says"), BAD)
 def test_bad_request(kind: Kind, body: object, param: str | None, says: str):
-    parse = translate.parse_chat if kind is Kind.CHAT else translate.parse_completion
+    parse = parsing.parse_chat if kind is Kind.CHAT else parsing.parse_completion
     with pytest.raises(BadRequest) as err:
         parse(body, EXT, "rid", 64)
     assert err.value.param == param
@@ -526,7 +527,7 @@ HEADERS = [
     pytest.param(
         {"authorization": "Bearer sk-1"},
         None,
-        Extensions(tenant=translate.tenant_of_key("sk-1")),
+        Extensions(tenant=tenant_of_key("sk-1")),
         id="open-server-key-names-tenant",
     ),
     pytest.param(
@@ -538,7 +539,7 @@ HEADERS = [
     pytest.param(
         {"x-api-key": "sk-1"},
         None,
-        Extensions(tenant=translate.tenant_of_key("sk-1")),
+        Extensions(tenant=tenant_of_key("sk-1")),
         id="anthropic-style-key",
     ),
     pytest.param(
@@ -552,8 +553,8 @@ HEADERS = [
 
 @pytest.mark.parametrize(("headers", "identity", "want"), HEADERS)
 def test_headers(headers: dict[str, str], identity: Identity | None, want: Extensions):
-    assert translate.extensions_from_headers(headers, identity) == want
-    assert translate.tenant_of_key("sk-1") != "sk-1"  # never the secret itself
+    assert extensions.extensions_from_headers(headers, identity) == want
+    assert tenant_of_key("sk-1") != "sk-1"  # never the secret itself
 
 
 @pytest.mark.parametrize(
@@ -565,7 +566,7 @@ def test_headers(headers: dict[str, str], identity: Identity | None, want: Exten
 )
 def test_header_errors(headers: dict[str, str], exc: type[Exception]):
     with pytest.raises(exc):
-        translate.extensions_from_headers(headers)
+        extensions.extensions_from_headers(headers)
 
 
 # ---- responses -------------------------------------------------------------------------------
@@ -590,7 +591,7 @@ def chunks(*texts: str, reason: int = common_pb2.FINISH_REASON_STOP, stop: str =
 
 
 def parsed(kind: Kind, stream: bool = True, include_usage: bool = False):
-    return translate.ParsedRequest(
+    return parsing.ParsedRequest(
         kind, "rid", "tiny", stream, include_usage, router_pb2.GenerateRequest()
     )
 
@@ -614,7 +615,7 @@ KVMESH = {
 
 
 def test_chat_stream_chunks():
-    tr = translate.ResponseTranslator(parsed(Kind.CHAT, include_usage=True), created=100)
+    tr = rendering.ResponseTranslator(parsed(Kind.CHAT, include_usage=True), created=100)
     out = [p for m in chunks("Hel", "lo") for p in tr.feed(m)]
     assert [(c["choices"] and c["choices"][0]["delta"], c.get("usage")) for c in out] == [
         ({"role": "assistant", "content": ""}, None),
@@ -629,7 +630,7 @@ def test_chat_stream_chunks():
 
 
 def test_completion_stream_chunks_without_usage():
-    tr = translate.ResponseTranslator(parsed(Kind.COMPLETION), created=100)
+    tr = rendering.ResponseTranslator(parsed(Kind.COMPLETION), created=100)
     out = [p for m in chunks("a", "", reason=common_pb2.FINISH_REASON_LENGTH) for p in tr.feed(m)]
     assert [c["choices"][0]["text"] for c in out] == ["a", ""]  # empty text: no chunk
     assert out[-1]["choices"][0]["finish_reason"] == "length"
@@ -647,7 +648,7 @@ def test_completion_stream_chunks_without_usage():
     ],
 )
 def test_full_response(kind: Kind, reason: int, stop: str, want_finish: str):
-    tr = translate.ResponseTranslator(parsed(kind, stream=False), created=100)
+    tr = rendering.ResponseTranslator(parsed(kind, stream=False), created=100)
     for m in chunks("Hel", "lo", reason=reason, stop=stop):
         tr.feed(m)
     body = tr.response()
@@ -656,7 +657,7 @@ def test_full_response(kind: Kind, reason: int, stop: str, want_finish: str):
     assert text == "Hello"
     assert (choice["finish_reason"], choice["stop_reason"]) == (want_finish, stop or None)
     assert body["object"] == kind.value and body["usage"] == USAGE and body["kvmesh"] == KVMESH
-    assert translate.response_headers("rid", tr.usage) == {
+    assert rendering.response_headers("rid", tr.usage) == {
         "x-request-id": "rid",
         "x-kvmesh-worker": "w1",
         "x-kvmesh-cached-tokens": "4",
@@ -695,18 +696,18 @@ def test_full_response(kind: Kind, reason: int, stop: str, want_finish: str):
     ],
 )
 def test_cached_tokens_by_tier(usage: common_pb2.Usage, by_tier: dict[str, int], header: str):
-    assert translate.kvmesh_json("r", usage)["cached_tokens_by_tier"] == by_tier
-    assert translate.usage_json(usage)["prompt_tokens_details"] == {
+    assert rendering.kvmesh_json("r", usage)["cached_tokens_by_tier"] == by_tier
+    assert rendering.usage_json(usage)["prompt_tokens_details"] == {
         "cached_tokens": usage.cached_prompt_tokens
     }
-    assert translate.response_headers("r", usage)["x-kvmesh-cached-tokens-by-tier"] == header
+    assert rendering.response_headers("r", usage)["x-kvmesh-cached-tokens-by-tier"] == header
 
 
 def test_models_json():
     resp = router_pb2.ListModelsResponse(
         models=[router_pb2.ModelInfo(name="tiny", max_model_len=2048, block_size=32, workers=2)]
     )
-    assert translate.models_json(resp, 5) == {
+    assert rendering.models_json(resp, 5) == {
         "object": "list",
         "data": [
             {
@@ -762,8 +763,8 @@ def test_local_errors_to_http(exc: Exception, status: int):
 
 
 # ---- router errors naming a field ------------------------------------------------------------
-def request_of(kind: Kind, **body: Any) -> translate.ParsedRequest:
-    parse = translate.parse_chat if kind is Kind.CHAT else translate.parse_completion
+def request_of(kind: Kind, **body: Any) -> parsing.ParsedRequest:
+    parse = parsing.parse_chat if kind is Kind.CHAT else parsing.parse_completion
     base = {"messages": USER} if kind is Kind.CHAT else {"prompt": "x"}
     return parse({**base, **body}, EXT, "rid", 64)
 
@@ -795,7 +796,7 @@ def request_of(kind: Kind, **body: Any) -> translate.ParsedRequest:
 def test_router_errors_name_the_param(
     kind: Kind, body: dict[str, Any], field: str | None, param: str | None
 ):
-    exc = translate.router_error(
+    exc = parsing.router_error(
         errors.InvalidArgument("out of range", field), request_of(kind, **body)
     )
     status, shape = error_body(exc)
@@ -808,10 +809,10 @@ def test_router_errors_name_the_param(
 
 def test_other_router_errors_pass_unchanged():
     exc = errors.NotFound("model 'x' is not served")
-    assert translate.router_error(exc, request_of(Kind.CHAT)) is exc
+    assert parsing.router_error(exc, request_of(Kind.CHAT)) is exc
 
 
 def test_with_model_names_the_request_and_the_answer():
-    p = translate.with_model(request_of(Kind.COMPLETION), "tiny")
+    p = parsing.with_model(request_of(Kind.COMPLETION), "tiny")
     assert (p.model, p.generate.model) == ("tiny", "tiny")
-    assert translate.with_model(p, "") is p
+    assert parsing.with_model(p, "") is p

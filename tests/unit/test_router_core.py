@@ -7,7 +7,7 @@ import random
 import pytest
 
 from kvmesh.discovery.keys import Role, WorkerId, WorkerRecord, WorkerState, worker_key
-from kvmesh.errors import InvalidArgument, Unavailable
+from kvmesh.errors import InvalidArgument, NotFound, Unavailable
 from services.router.core import validation
 from services.router.core.routing import make_policy
 from services.router.core.types import ChatMessage, LoadSnapshot, RouteRequest
@@ -93,6 +93,28 @@ class TestWorkerSet:
         assert set(models) == {"tiny", "other"}
         assert models["tiny"].workers == 2
         assert models["tiny"].max_model_len == 2048
+
+    @pytest.mark.parametrize(
+        ("served", "name", "want"),
+        [
+            pytest.param(["tiny"], "", "tiny", id="the-only-model-unnamed"),
+            pytest.param(["tiny", "other"], "other", "other", id="named"),
+            pytest.param([], "tiny", Unavailable, id="nothing-served"),
+            pytest.param(["tiny", "other"], "", InvalidArgument, id="several-unnamed"),
+            pytest.param(["tiny"], "big", NotFound, id="not-served"),
+        ],
+    )
+    def test_model_resolves_the_requests_model(self, served, name, want):
+        ws = WorkerSet(CLUSTER)
+        for i, model in enumerate(served):
+            put(ws, record(f"w{i}", model=model))
+        if isinstance(want, str):
+            assert ws.model(name).name == want
+        else:
+            with pytest.raises(want) as info:
+                ws.model(name)
+            if want is InvalidArgument:
+                assert info.value.field == "model"
 
     def test_in_flight_never_negative(self):
         ws = WorkerSet(CLUSTER)

@@ -1,5 +1,5 @@
 """Penalties, logit_bias and min_tokens: the shared checks (kvmesh.sampling), the proto round
-trip, the OpenAI fields (translate) and the vLLM parameters the worker builds from them."""
+trip, the OpenAI fields (http/params.py) and the vLLM parameters the worker builds from them."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import pytest
 from kvmesh.errors import InvalidArgument
 from kvmesh.sampling import Sampling, check_sampling, sampling_from_pb
 from kvmesh.v1 import common_pb2
-from services.router.http import translate
+from services.router.http import parsing
 from services.router.http.errors import BadRequest
-from services.router.http.translate import Extensions
+from services.router.http.extensions import Extensions
 
 EXT = Extensions()
 USER = [{"role": "user", "content": "hi"}]
@@ -107,9 +107,9 @@ def test_openai_fields_reach_the_request(kind: str):
         "max_tokens": 9,
     }
     if kind == "chat":
-        parsed = translate.parse_chat({**body, "messages": USER}, EXT, "rid", 64)
+        parsed = parsing.parse_chat({**body, "messages": USER}, EXT, "rid", 64)
     else:
-        parsed = translate.parse_completion({**body, "prompt": "x"}, EXT, "rid", 64)
+        parsed = parsing.parse_completion({**body, "prompt": "x"}, EXT, "rid", 64)
     s = parsed.generate.sampling
     assert s.presence_penalty == 1.0 and s.frequency_penalty == -0.5
     assert s.repetition_penalty == pytest.approx(1.1)
@@ -132,7 +132,7 @@ def test_openai_fields_reach_the_request(kind: str):
 )
 def test_openai_bad_types(extra: dict[str, Any], param: str, says: str):
     with pytest.raises(BadRequest, match=says) as err:
-        translate.parse_chat({"messages": USER, **extra}, EXT, "rid", 64)
+        parsing.parse_chat({"messages": USER, **extra}, EXT, "rid", 64)
     assert err.value.param == param
 
 
@@ -140,10 +140,10 @@ def test_openai_bad_types(extra: dict[str, Any], param: str, says: str):
     "field", ["presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias"]
 )
 def test_router_field_maps_to_the_openai_param(field: str):
-    parsed = translate.parse_chat({"messages": USER}, EXT, "rid", 64)
-    exc = translate.router_error(InvalidArgument("bad", f"sampling.{field}"), parsed)
+    parsed = parsing.parse_chat({"messages": USER}, EXT, "rid", 64)
+    exc = parsing.router_error(InvalidArgument("bad", f"sampling.{field}"), parsed)
     assert isinstance(exc, BadRequest) and exc.param == field
-    exc = translate.router_error(InvalidArgument("bad", "sampling.min_tokens"), parsed)
+    exc = parsing.router_error(InvalidArgument("bad", "sampling.min_tokens"), parsed)
     assert isinstance(exc, BadRequest) and exc.param == "min_tokens"
 
 

@@ -20,10 +20,11 @@ from kvmesh.sampling import (
     structured_output_pb,
 )
 from kvmesh.v1 import common_pb2
-from services.router.http import translate
+from services.router.http import parsing
 from services.router.http.errors import BadRequest
+from services.router.http.extensions import Extensions
+from services.router.http.parsing import Kind
 from services.router.http.structured import structured_output
-from services.router.http.translate import Extensions, Kind
 from services.worker.core import GenerateRequest
 from services.worker.sim.engine import SimulatedEngine
 
@@ -236,7 +237,7 @@ def test_chat_request_carries_the_structured_output():
         "response_format": {"type": "json_object"},
         "tools": [{"type": "function", "function": {"name": "f"}}],
     }
-    parsed = translate.parse_chat(body, Extensions(), "rid", 64)
+    parsed = parsing.parse_chat(body, Extensions(), "rid", 64)
     assert parsed.generate.sampling.structured_output.json_object
     # The output is JSON content: no hermes <tool_call> blocks are read out of it.
     assert not parsed.parse_tool_calls and parsed.forced is None
@@ -244,7 +245,7 @@ def test_chat_request_carries_the_structured_output():
 
 def test_completion_request_carries_the_structured_output():
     body = {"prompt": "x", "structured_outputs": {"choice": ["a", "b"]}}
-    parsed = translate.parse_completion(body, Extensions(), "rid", 64)
+    parsed = parsing.parse_completion(body, Extensions(), "rid", 64)
     assert list(parsed.generate.sampling.structured_output.choice.choices) == ["a", "b"]
     assert parsed.structured_param == "structured_outputs"
 
@@ -269,8 +270,8 @@ def test_completion_request_carries_the_structured_output():
     ],
 )
 def test_router_errors_name_the_openai_param(body: dict[str, Any], field: str, param: str):
-    request = translate.parse_chat({"messages": USER, **body}, Extensions(), "rid", 64)
-    exc = translate.router_error(errors.InvalidArgument("no", field), request)
+    request = parsing.parse_chat({"messages": USER, **body}, Extensions(), "rid", 64)
+    exc = parsing.router_error(errors.InvalidArgument("no", field), request)
     assert isinstance(exc, BadRequest) and exc.param == param
     assert request.kind is Kind.CHAT
 

@@ -20,10 +20,10 @@ from services.router.core.forced_tools import (
     forced_output,
     forced_schema,
 )
-from services.router.http import forcedcalls, translate
+from services.router.http import forcedcalls, parsing, rendering
+from services.router.http.extensions import Extensions
 from services.router.http.toolcalls import Call, Text
-from services.router.http.translate import Extensions
-from services.router.servicer import forced_choice, tool_defs
+from services.router.prepare import forced_choice, tool_defs
 
 CITY = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"]}
 TOOLS = [ToolDef("weather", CITY), ToolDef("clock")]
@@ -221,15 +221,15 @@ def chunks(*texts: str, reason: int = common_pb2.FINISH_REASON_STOP) -> list[Any
     return [*msgs, last]
 
 
-def translator(tool_choice: Any, stream: bool, **body: Any) -> translate.ResponseTranslator:
-    parsed = translate.parse_chat(
+def translator(tool_choice: Any, stream: bool, **body: Any) -> rendering.ResponseTranslator:
+    parsed = parsing.parse_chat(
         {**BODY, "tool_choice": tool_choice, "stream": stream, **body}, Extensions(), "rid", 64
     )
     ids = iter(range(100))
-    return translate.ResponseTranslator(parsed, created=1, call_id=lambda: f"call_{next(ids)}")
+    return rendering.ResponseTranslator(parsed, created=1, call_id=lambda: f"call_{next(ids)}")
 
 
-def deltas(tr: translate.ResponseTranslator, msgs: list[Any]) -> list[Any]:
+def deltas(tr: rendering.ResponseTranslator, msgs: list[Any]) -> list[Any]:
     return [c["choices"][0] for m in msgs for c in tr.feed(m) if c["choices"]]
 
 

@@ -1,7 +1,7 @@
 """The life of one request across its worker attempts: after each attempt that ended without
-the final message, what comes next. Pure: no grpc, asyncio or I/O; the servicer
-(``services/router/servicer.py``) turns a worker call's end into an ``Attempt``, asks
-``next_step`` and carries the ``Step`` out (picks again, resends, raises the error, counts).
+the final message, what comes next. Pure: no grpc, asyncio or I/O; the router
+(``services/router/attempt.py``) turns a worker call's end into an ``Attempt``, and
+``services/router/proxy.py`` asks ``next_step`` and carries the ``Step`` out (picks again, resends, raises the error, counts).
 
 One request, one ``Progress`` (which workers were tried, why the last one was given up); one
 ``Step`` per ended attempt, never per token:
@@ -45,7 +45,7 @@ class Outcome(StrEnum):
 
 
 class Action(StrEnum):
-    """What the servicer does next."""
+    """What the router does next."""
 
     RETRY_ELSEWHERE = "retry-elsewhere"  # pick another worker (not tried yet) and call it
     RESEND_WITHOUT_HANDOFF = "resend-without-handoff"  # pick again, aggregated: no kv_source

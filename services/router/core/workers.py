@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
+from kvmesh import errors
 from kvmesh.discovery.keys import WorkerId, WorkerRecord, WorkerState, parse_worker_key
 
 from .types import LoadSnapshot
@@ -237,3 +238,26 @@ class WorkerSet:
                 )
             )
         return out
+
+    def model(self, name: str) -> ModelSummary:
+        """The served model a request names; an empty name: the only one served. Unavailable
+        when nothing is served, InvalidArgument when several are and none is named, NotFound
+        when the name is not served."""
+        models = self.models()
+        if not models:
+            raise errors.Unavailable(
+                "no worker is registered and serving; start one (kvmesh up / kvmesh worker)"
+            )
+        if not name:
+            if len(models) == 1:
+                return models[0]
+            raise errors.InvalidArgument(
+                f"several models are served ({', '.join(m.name for m in models)}); set model",
+                "model",
+            )
+        for m in models:
+            if m.name == name:
+                return m
+        raise errors.NotFound(
+            f"model {name!r} is not served; served models: {', '.join(m.name for m in models)}"
+        )

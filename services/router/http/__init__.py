@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP front door of the router (docs/openai.md).
 
-``translate`` (OpenAI JSON <-> kvmesh.v1 messages) and ``errors`` (domain errors -> HTTP) are
-pure; ``backend`` reaches the router (gRPC today), ``server`` is the aiohttp edge."""
+``parsing`` (OpenAI request JSON -> kvmesh.v1 requests, with ``params`` for the shared fields and
+``extensions`` for the kvmesh headers), ``rendering`` (kvmesh.v1 answers -> OpenAI JSON and SSE
+chunks) and ``errors`` (domain errors -> HTTP) are pure; ``backend`` reaches the router (gRPC or
+in-process), ``server`` is the aiohttp edge."""
 
 from .backend import GrpcRouterBackend, RouterBackend
 from .server import OpenAIServer

@@ -4,13 +4,13 @@ event loop, no clock.
 A Messages request is rewritten as the OpenAI chat request it means (``system`` as the first
 message, ``tool_use`` blocks as an assistant's ``tool_calls``, each ``tool_result`` block as a
 ``tool`` message, ``tools`` as functions, ``tool_choice`` as OpenAI's) and handed to
-``translate.parse_chat``: the messages, tools and forced tool choices then travel, render through
+``parsing.parse_chat``: the messages, tools and forced tool choices then travel, render through
 the chat template and are checked exactly as on the OpenAI path. Only what the OpenAI path has no
 word for is set here (``stop_sequences``, beyond OpenAI's 4, and the session of
 ``metadata.user_id``). ``cache_control`` markers are accepted anywhere and ignored (kvmesh
 caches every full block anyway; they become retention hints later).
 
-The answer side: ``message_json`` turns the OpenAI answer the ``translate.ResponseTranslator``
+The answer side: ``message_json`` turns the OpenAI answer the ``rendering.ResponseTranslator``
 built into an Anthropic message (``anthropic_stream`` does the same for the event stream), and
 ``usage_json`` splits the prompt tokens the Anthropic way (docs/anthropic.md#usage)."""
 
@@ -26,7 +26,7 @@ from kvmesh import errors
 from kvmesh.v1 import common_pb2
 
 from ..core.auth import Identity
-from . import translate
+from . import extensions, parsing, rendering
 from .errors import BadRequest, http_status_for
 
 DEFAULT_COUNT_MAX_TOKENS = 1  # count_tokens has no max_tokens; the prompt is all that counts
@@ -48,7 +48,7 @@ class MessagesRequest:
     """A parsed Messages request: the OpenAI-path request it became, and what only the
     Anthropic answer needs."""
 
-    chat: translate.ParsedRequest  # its id (msg_...) is the kvmesh request_id
+    chat: parsing.ParsedRequest  # its id (msg_...) is the kvmesh request_id
     stop_sequences: tuple[str, ...] = ()
 
     @property
@@ -76,11 +76,11 @@ def new_tool_use_id() -> str:
 # ---- headers ---------------------------------------------------------------------------------
 def extensions_from_headers(
     headers: Mapping[str, str], identity: Identity | None = None
-) -> translate.Extensions:
-    """``translate.extensions_from_headers``: Anthropic's ``x-api-key`` is one of the headers
+) -> extensions.Extensions:
+    """``extensions.extensions_from_headers``: Anthropic's ``x-api-key`` is one of the headers
     it reads the key from. ``anthropic-version`` and ``anthropic-beta`` are accepted and
     ignored."""
-    return translate.extensions_from_headers(headers, identity)
+    return extensions.extensions_from_headers(headers, identity)
 
 
 # ---- typed readers ---------------------------------------------------------------------------
@@ -306,7 +306,7 @@ def _output_format(value: object) -> dict[str, Any] | None:
     return {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
 
 
-def _session(body: Mapping[str, Any], ext: translate.Extensions) -> translate.Extensions:
+def _session(body: Mapping[str, Any], ext: extensions.Extensions) -> extensions.Extensions:
     """``metadata.user_id`` is the session (agent CLIs send one per conversation) unless the
     ``x-kvmesh-session-id`` header names one."""
     metadata = body.get("metadata")
@@ -348,7 +348,7 @@ def _chat_body(body: Mapping[str, Any], max_tokens: int) -> dict[str, Any]:
     return chat
 
 
-def parse_messages(body: object, ext: translate.Extensions, request_id: str) -> MessagesRequest:
+def parse_messages(body: object, ext: extensions.Extensions, request_id: str) -> MessagesRequest:
     """``POST /v1/messages``'s body (decoded JSON) -> the request. ``max_tokens`` is required,
     as Anthropic's API has it."""
     if not isinstance(body, dict):
@@ -359,7 +359,7 @@ def parse_messages(body: object, ext: translate.Extensions, request_id: str) -> 
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
         raise BadRequest("max_tokens: must be an integer", "max_tokens")
     stops = _stop_sequences(body.get("stop_sequences"))
-    chat = translate.parse_chat(
+    chat = parsing.parse_chat(
         _chat_body(body, max_tokens), _session(body, ext), request_id, max_tokens
     )
     chat.generate.sampling.stop.extend(stops)  # the router checks them (at most 16)
@@ -367,14 +367,14 @@ def parse_messages(body: object, ext: translate.Extensions, request_id: str) -> 
 
 
 def parse_count_tokens(
-    body: object, ext: translate.Extensions, request_id: str
-) -> translate.ParsedRequest:
+    body: object, ext: extensions.Extensions, request_id: str
+) -> parsing.ParsedRequest:
     """``POST /v1/messages/count_tokens``'s body: the prompt a Messages request with it would
     have (system, messages, tools; no max_tokens)."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     chat = _chat_body({**body, "stream": False}, DEFAULT_COUNT_MAX_TOKENS)
-    return translate.parse_chat(chat, ext, request_id, DEFAULT_COUNT_MAX_TOKENS)
+    return parsing.parse_chat(chat, ext, request_id, DEFAULT_COUNT_MAX_TOKENS)
 
 
 # ---- answers ---------------------------------------------------------------------------------
@@ -470,7 +470,7 @@ def message_json(
         "stop_reason": reason,
         "stop_sequence": sequence,
         "usage": usage_json(usage, block_size),
-        "kvmesh": translate.kvmesh_json(request.id, usage),
+        "kvmesh": rendering.kvmesh_json(request.id, usage),
     }
 
 

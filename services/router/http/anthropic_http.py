@@ -16,7 +16,7 @@ from aiohttp import web
 
 from kvmesh import errors
 
-from . import anthropic, translate
+from . import anthropic, parsing, rendering
 from .anthropic_stream import EventStream, MessageCollector, sse_event
 from .auth import identity_of
 from .backend import RouterBackend, count_tokens
@@ -67,12 +67,12 @@ class AnthropicEndpoints:
         app.router.add_post(MESSAGES_PATH, self.messages)
         app.router.add_post(COUNT_TOKENS_PATH, self.count_tokens)
 
-    async def _model(self, chat: translate.ParsedRequest) -> tuple[translate.ParsedRequest, int]:
+    async def _model(self, chat: parsing.ParsedRequest) -> tuple[parsing.ParsedRequest, int]:
         """``chat`` for the model served when it names none and one is served, and that
         model's block size (0: not served; the router then answers not found)."""
         models = (await self._backend().list_models(self._models_timeout_s)).models
         if not chat.model and len(models) == 1:
-            chat = translate.with_model(chat, models[0].name)
+            chat = parsing.with_model(chat, models[0].name)
         return chat, next((m.block_size for m in models if m.name == chat.model), 0)
 
     async def count_tokens(self, request: web.Request) -> web.Response:
@@ -106,7 +106,7 @@ class AnthropicEndpoints:
                 # their own HTTP status, streaming or not.
                 first = await anext(stream)
             except errors.KvmeshError as exc:
-                return error_response(translate.router_error(exc, parsed.chat), rid)
+                return error_response(parsing.router_error(exc, parsed.chat), rid)
             except StopAsyncIteration:
                 return error_response(
                     errors.Unavailable("the router ended the stream without an answer"), rid
@@ -131,7 +131,7 @@ class AnthropicEndpoints:
             return error_response(exc, rid)
         except StopAsyncIteration:
             return error_response(errors.Unavailable("the router ended the stream early"), rid)
-        headers = translate.response_headers(rid, out.usage)
+        headers = rendering.response_headers(rid, out.usage)
         headers["request-id"] = rid
         return web.Response(body=_encode(body), content_type="application/json", headers=headers)
 

@@ -1,7 +1,7 @@
 """The router's answer stream as Anthropic Messages: the event sequence (streaming) or one
 message (not). Pure.
 
-Both feed the router's messages to the OpenAI front door's ``translate.ResponseTranslator``,
+Both feed the router's messages to the OpenAI front door's ``rendering.ResponseTranslator``,
 which reads tool calls out of the text (hermes blocks, or the JSON a forced tool choice
 constrained it to), and turn what it makes into Anthropic's shapes: its text deltas become a
 text block's ``text_delta``s, each tool call a ``tool_use`` block whose arguments go out as
@@ -20,15 +20,15 @@ from typing import Any
 
 from kvmesh.v1 import router_pb2
 
-from . import translate
+from . import rendering
 from .anthropic import MessagesRequest, aborted, message_json, new_tool_use_id, stop_reason
 from .anthropic import usage_json as anthropic_usage
 
 Event = tuple[str, dict[str, Any]]  # (event type, data)
 
 
-def _translator(request: MessagesRequest) -> translate.ResponseTranslator:
-    return translate.ResponseTranslator(request.chat, 0, call_id=new_tool_use_id)
+def _translator(request: MessagesRequest) -> rendering.ResponseTranslator:
+    return rendering.ResponseTranslator(request.chat, 0, call_id=new_tool_use_id)
 
 
 @dataclass(slots=True)
@@ -38,7 +38,7 @@ class MessageCollector:
 
     request: MessagesRequest
     block_size: int = 0
-    _out: translate.ResponseTranslator = field(init=False)
+    _out: rendering.ResponseTranslator = field(init=False)
 
     def __post_init__(self) -> None:
         self._out = _translator(self.request)
@@ -75,7 +75,7 @@ class EventStream:
 
     request: MessagesRequest
     block_size: int = 0
-    _out: translate.ResponseTranslator = field(init=False)
+    _out: rendering.ResponseTranslator = field(init=False)
     _index: int = -1  # the open content block's index; -1 before the first
     _open: str | None = None  # "text" or "tool_use" while a block is open
     _calls: list[list[str]] = field(default_factory=list)  # each tool call's argument pieces
@@ -179,7 +179,7 @@ class EventStream:
             "type": "message_delta",
             "delta": {"stop_reason": reason, "stop_sequence": sequence},
             "usage": anthropic_usage(usage, self.block_size),
-            "kvmesh": translate.kvmesh_json(self.request.id, usage),
+            "kvmesh": rendering.kvmesh_json(self.request.id, usage),
         }
         out.append(("message_delta", delta))
         out.append(("message_stop", {"type": "message_stop"}))

@@ -19,7 +19,7 @@ from aiohttp.typedefs import Middleware
 from kvmesh import errors
 
 from ..core.auth import Identity, KeyTable, authorize
-from .translate import api_key_of, claims_of
+from .extensions import api_key_of, claims_of
 
 log = logging.getLogger(__name__)
 

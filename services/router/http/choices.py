@@ -24,14 +24,8 @@ from typing import Any
 
 from kvmesh.v1 import common_pb2, router_pb2
 
-from .translate import (
-    Kind,
-    ParsedRequest,
-    ResponseTranslator,
-    kvmesh_json,
-    new_call_id,
-    usage_json,
-)
+from .parsing import Kind, ParsedRequest
+from .rendering import ResponseTranslator, kvmesh_json, new_call_id, usage_json
 
 _INT64 = 2**64
 _CHUNK_OBJECT = {Kind.CHAT: "chat.completion.chunk", Kind.COMPLETION: "text_completion"}

@@ -1,5 +1,5 @@
 """The aiohttp edge of the OpenAI front door: routes, body limits, SSE framing, disconnects.
-Translation lives in ``translate``, the router call in ``backend``."""
+Translation lives in ``parsing`` and ``rendering``, the router call in ``backend``."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from prometheus_client.exposition import choose_encoder
 from kvmesh import __version__, errors
 
 from ..core.auth import KeyTable, static_table
-from . import anthropic_http, choices, translate
+from . import anthropic_http, choices, extensions, parsing, rendering
 from .auth import api_key_middleware, identity_of
 from .backend import GrpcRouterBackend, RouterBackend
 from .cors import CorsPolicy
@@ -30,9 +30,9 @@ from .fanout import FanOut
 log = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-Parser = Callable[[object, translate.Extensions, str, int], translate.ParsedRequest]
+Parser = Callable[[object, extensions.Extensions, str, int], parsing.ParsedRequest]
 # One choice's translator and its router stream, or several choices' (choices, fanout).
-Translator = translate.ResponseTranslator | choices.Choices
+Translator = rendering.ResponseTranslator | choices.Choices
 
 CLIENT_CLOSED = 499  # the status code nginx logs for a client that left before the response
 
@@ -325,7 +325,7 @@ class OpenAIServer:
             resp = await self.backend.list_models(self._models_timeout_s)
         except errors.KvmeshError as exc:
             return error_response(exc)
-        return _json_response(200, translate.models_json(resp, self._created))
+        return _json_response(200, rendering.models_json(resp, self._created))
 
     async def _model(self, request: web.Request) -> web.Response:
         name = request.match_info["model"]
@@ -336,7 +336,7 @@ class OpenAIServer:
                 raise errors.NotFound(f"model {name!r} is not served")
         except errors.KvmeshError as exc:
             return error_response(exc)
-        return _json_response(200, translate.model_json(found, self._created))
+        return _json_response(200, rendering.model_json(found, self._created))
 
     async def _only_model(self) -> str:
         """The model served when it is the only one; empty otherwise (the router then says
@@ -345,10 +345,10 @@ class OpenAIServer:
         return models[0].name if len(models) == 1 else ""
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, translate.parse_chat, "chatcmpl-")
+        return await self._generate(request, parsing.parse_chat, "chatcmpl-")
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, translate.parse_completion, "cmpl-")
+        return await self._generate(request, parsing.parse_completion, "cmpl-")
 
     async def _read_json(self, request: web.Request) -> object:
         if request.content_length is not None and request.content_length > self._max_body_bytes:
@@ -372,11 +372,11 @@ class OpenAIServer:
     ) -> web.StreamResponse:
         rid = prefix + uuid.uuid4().hex
         try:
-            ext = translate.extensions_from_headers(request.headers, identity_of(request))
+            ext = extensions.extensions_from_headers(request.headers, identity_of(request))
             body = await self._read_json(request)
             parsed = parse(body, ext, rid, self._default_max_tokens)
             if not parsed.model:  # answered with the served name, as vLLM does
-                parsed = translate.with_model(parsed, await self._only_model())
+                parsed = parsing.with_model(parsed, await self._only_model())
         except errors.KvmeshError as exc:
             return error_response(exc, rid)
         out: Translator
@@ -386,7 +386,7 @@ class OpenAIServer:
             out = choices.Choices(parsed, subs, int(time.time()))
             stream = FanOut(self.backend, subs, self._timeout_s)
         else:
-            out = translate.ResponseTranslator(parsed, int(time.time()))
+            out = rendering.ResponseTranslator(parsed, int(time.time()))
             stream = self.backend.generate(parsed.generate, self._timeout_s)
         async with contextlib.aclosing(stream):
             try:
@@ -394,7 +394,7 @@ class OpenAIServer:
                 # their own HTTP status, streaming or not.
                 first = await anext(stream)
             except errors.KvmeshError as exc:
-                return error_response(translate.router_error(exc, parsed), rid)
+                return error_response(parsing.router_error(exc, parsed), rid)
             except StopAsyncIteration:
                 return error_response(
                     errors.Unavailable("the router ended the stream without an answer"), rid
@@ -420,7 +420,7 @@ class OpenAIServer:
             return error_response(exc, rid)
         except StopAsyncIteration:
             return error_response(errors.Unavailable("the router ended the stream early"), rid)
-        return _json_response(200, out.response(), translate.response_headers(rid, out.usage))
+        return _json_response(200, out.response(), rendering.response_headers(rid, out.usage))
 
     async def _stream(
         self,

@@ -1,0 +1,72 @@
+"""What the kvmesh request headers (session, tenant, priority) and the API key say about an
+OpenAI or Anthropic request. Pure: the handlers pass the headers in (lower-case names)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from ..core.auth import Claims, Identity, tenant_of_key
+from .errors import BadRequest
+
+SESSION_HEADER = "x-kvmesh-session-id"
+TENANT_HEADER = "x-kvmesh-tenant"
+PRIORITY_HEADER = "x-kvmesh-priority"
+
+
+@dataclass(frozen=True, slots=True)
+class Extensions:
+    """What the kvmesh request headers (and the API key) say about a request."""
+
+    session_id: str = ""
+    tenant: str = ""
+    priority: int = 0
+
+
+def api_key_of(headers: Mapping[str, str]) -> str:
+    """``Authorization: Bearer <key>``, else ``x-api-key`` (Anthropic-style clients), else
+    ``api-key`` (Azure-style clients)."""
+    auth = headers.get("authorization", "")
+    scheme, _, key = auth.partition(" ")
+    if scheme.lower() == "bearer" and key.strip():
+        return key.strip()
+    return (headers.get("x-api-key", "") or headers.get("api-key", "")).strip()
+
+
+def priority_of(headers: Mapping[str, str]) -> int:
+    """The ``x-kvmesh-priority`` header (0 when absent); ``BadRequest`` when not an int32."""
+    raw_priority = headers.get(PRIORITY_HEADER, "").strip()
+    try:
+        priority = int(raw_priority) if raw_priority else 0
+    except ValueError:
+        raise BadRequest(
+            f"header {PRIORITY_HEADER} must be an integer (got {raw_priority!r})", PRIORITY_HEADER
+        ) from None
+    if not -(2**31) <= priority < 2**31:
+        raise BadRequest(f"header {PRIORITY_HEADER} is out of the int32 range", PRIORITY_HEADER)
+    return priority
+
+
+def claims_of(headers: Mapping[str, str]) -> Claims:
+    """What the headers ask beside the key (checked by ``core.auth.authorize``)."""
+    return Claims(
+        tenant=headers.get(TENANT_HEADER, "").strip(),
+        priority=priority_of(headers),
+        tenant_source=f"header {TENANT_HEADER}",
+        priority_source=f"header {PRIORITY_HEADER}",
+    )
+
+
+def extensions_from_headers(
+    headers: Mapping[str, str], identity: Identity | None = None
+) -> Extensions:
+    """``headers`` with lower-case names (aiohttp's CIMultiDict is case-insensitive anyway).
+    ``identity``: the caller as its API key names it (``http.auth``, keys configured): its
+    tenant and priority. Without (an open router) the tenant header wins, else the hashed key,
+    and the priority header is taken as sent."""
+    session_id = headers.get(SESSION_HEADER, "").strip()
+    if identity is not None:
+        return Extensions(session_id, identity.tenant, identity.priority)
+    key = api_key_of(headers)
+    tenant = headers.get(TENANT_HEADER, "").strip() or (tenant_of_key(key) if key else "")
+    return Extensions(session_id=session_id, tenant=tenant, priority=priority_of(headers))
