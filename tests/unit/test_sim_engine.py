@@ -215,3 +215,33 @@ async def test_a_resumed_request_continues_the_output(engine):
     replayed = fake_token_ids("rs", 5, 1000)
     deltas = await collect(engine, gen("rs", [*range(100), *replayed], 7))
     assert [t for d in deltas for t in d.token_ids] == fake_token_ids("rs", 7, 1000, start=5)
+
+
+async def test_a_request_counts_as_waiting_only_once_a_step_has_passed_it_over():
+    """As vLLM's load (from its steps' stats): a request that just arrived is not waiting, so
+    the report pushed at its arrival does not say "queued" for a load interval after it ran.
+    One that a step could not admit (max_running 1, another running) is waiting."""
+    now = [0.0]
+    cfg = replace(FAST, worker=replace(FAST.worker, max_running=1))
+    engine = SimulatedEngine(cfg, clock=lambda: now[0])
+    try:
+        at_arrival = []
+        engine.add_load_listener(lambda: at_arrival.append(engine.load()))
+        first = asyncio.ensure_future(collect(engine, gen("a", [1] * 64, 4)))
+        for _ in range(100):
+            if engine.load().running_requests == 1:
+                break
+            await asyncio.sleep(0)
+        assert at_arrival[0].waiting_requests == 0  # pushed at the arrival, before any step
+        assert (engine.load().running_requests, engine.load().waiting_requests) == (1, 0)
+        second = asyncio.ensure_future(collect(engine, gen("b", [2] * 64, 4)))
+        for _ in range(100):
+            if engine.load().waiting_requests == 1:
+                break
+            await asyncio.sleep(0)
+        assert (engine.load().running_requests, engine.load().waiting_requests) == (1, 1)
+        now[0] += 1000.0
+        await asyncio.wait_for(asyncio.gather(first, second), timeout=10.0)
+        assert (engine.load().running_requests, engine.load().waiting_requests) == (0, 0)
+    finally:
+        await engine.close()

@@ -211,6 +211,9 @@ class SimulatedEngine:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._closed = False
+        # Requests submitted since the clock last ran the server's steps: no step has looked at
+        # them yet, so the load does not count them as waiting (see ``load``).
+        self._unstepped = 0
 
     # ---- Engine protocol -------------------------------------------------------------------
     @property
@@ -226,10 +229,14 @@ class SimulatedEngine:
         return request_id in self._streams
 
     def load(self) -> EngineLoad:
+        """As vLLM reports it, from its steps: a request that arrived since the last step is
+        in flight (the servicer counts it) but not yet waiting. Counting it as waiting made the
+        report pushed at each arrival say "queued" for up to a load interval after the request
+        had been admitted, or had even finished (docs/failover.md, active-active)."""
         s = self._worker.load()
         return EngineLoad(
             running_requests=s.running,
-            waiting_requests=s.waiting,
+            waiting_requests=max(0, s.waiting - self._unstepped),
             kv_cache_usage=s.kv_usage,
             prefix_cache_queried_tokens=s.prefix_queried_tokens,
             prefix_cache_hit_tokens=s.prefix_hit_tokens,
@@ -304,7 +311,9 @@ class SimulatedEngine:
             # Catch the simulated server up to now before the arrival; requests that finish in
             # that catch-up must get their results (dropping them left their streams hanging).
             self._deliver(self._worker.advance_to(self._virtual_now()))
+            self._unstepped = 0
             self._worker.submit(stream.request)
+            self._unstepped += 1
             self._changed()
             async for delta in self._deltas(stream, arrived):
                 yield delta
@@ -483,6 +492,7 @@ class SimulatedEngine:
             now = max(self._virtual_now(), due)
             before = worker.next_event_time()
             results = worker.advance_to(now)
+            self._unstepped = 0
             self._deliver(results)
             nxt = worker.next_event_time()
             if results or nxt != before:
