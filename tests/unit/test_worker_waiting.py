@@ -10,7 +10,7 @@ import pytest
 from kvmesh.discovery.keys import WorkerId, WorkerRecord
 from services.router.core.routing import make_policy
 from services.router.core.types import LoadSnapshot
-from services.router.core.workers import WorkerSet, WorkerView, waiting
+from services.router.core.workers import WorkerSet, WorkerView, outstanding, waiting
 from tests.unit.scheduler_fakes import gpu, request, view
 
 
@@ -151,3 +151,14 @@ def test_a_dead_or_unlingering_worker_goes_with_its_record(linger_s):
         ws.set_load(WorkerId("w1"), LoadSnapshot())
         ws.load_stream_ended(WorkerId("w1"))
     assert ws.apply_delete(KEY).removed == ("w1",)
+
+
+def test_outstanding_counts_what_was_sent_since_the_report():
+    """Another router's 5 requests are in the worker's report; this router sent 2 since it:
+    7 outstanding (without the correction both routers would read 5 and pile on)."""
+    v = view("w", in_flight=5, router_in_flight=2)
+    v.sent_since_report = 2
+    assert outstanding(v) == 7
+    v.sent_since_report = 0  # a new report: it counts them now
+    assert outstanding(v) == 5
+    assert outstanding(view("w", in_flight=1, router_in_flight=4)) == 4

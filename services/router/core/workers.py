@@ -40,8 +40,10 @@ class WorkerView:
 
 def outstanding(view: WorkerView) -> int:
     """Requests a worker is busy with: the larger of what this router sent it and what the
-    worker reports (other routers' requests show up only in the worker's report)."""
-    return max(view.router_in_flight, view.load.in_flight_requests)
+    worker reports (other routers' requests show up only in the worker's report) plus what
+    this router sent since that report, which the report cannot count yet."""
+    reported = view.load.in_flight_requests + view.sent_since_report
+    return max(view.router_in_flight, reported)
 
 
 def waiting(view: WorkerView) -> int:
