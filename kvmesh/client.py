@@ -23,15 +23,20 @@ from kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-# gRPC's own retries for the unary calls (ListModels, Abort) and for a Generate stream that
-# got no message yet, on UNAVAILABLE; with a DNS name, round_robin spreads calls over its
-# addresses and a retry goes to another one. Streams after their first message are ours.
+# gRPC's own retries for the unary calls (ListModels, Abort) on UNAVAILABLE; with a DNS name,
+# round_robin spreads calls over its addresses and a retry goes to another one. Generate is
+# not retried by gRPC: a router's own UNAVAILABLE (its workers failed, it is draining) must
+# reach the caller as it is, and a broken stream is this client's to retry or resume
+# (``next_move``) on another router.
 SERVICE_CONFIG = json.dumps(
     {
         "loadBalancingConfig": [{"round_robin": {}}],
         "methodConfig": [
             {
-                "name": [{"service": "kvmesh.v1.Router"}],
+                "name": [
+                    {"service": "kvmesh.v1.Router", "method": "ListModels"},
+                    {"service": "kvmesh.v1.Router", "method": "Abort"},
+                ],
                 "retryPolicy": {
                     "maxAttempts": 3,
                     "initialBackoff": "0.05s",
