@@ -49,6 +49,7 @@ class TurnResult:
     error: str = ""
     prompt_tokens: int = 0  # from the final usage (gRPC)
     recomputed_tokens: int = 0  # prompt tokens the resumed attempts prefilled again (gRPC)
+    router: int = -1  # HTTP: the index of the router the last attempt went to
 
 
 @dataclass(slots=True)
@@ -124,18 +125,26 @@ async def _grpc_session(
 
 
 async def _post(
-    http: aiohttp.ClientSession, base_urls: list[str], s: int, body: object, session: str
+    http: aiohttp.ClientSession,
+    base_urls: list[str],
+    s: int,
+    body: object,
+    session: str,
+    tried: list[int],
 ) -> aiohttp.ClientResponse:
     """Session ``s``'s router, or, as a client behind a load balancer (a Kubernetes Service)
-    sees it: a connection refused by a dead router, or a 503 from one that is starting or
-    draining, is retried once on the next router (the OpenAI SDK retries both itself; the
-    Service sends the retry to a live, ready router)."""
+    sees it: a connection refused by a dead router, one that broke before any response (a
+    pooled keep-alive connection to a router that has since died), or a 503 from one that is
+    starting or draining, is retried once on the next router (the OpenAI SDK retries all three
+    itself; the Service sends the retry to a live, ready router)."""
     headers = {"x-kvmesh-session-id": session}
     for attempt in range(2):
-        url = base_urls[(s + attempt) % len(base_urls)]
+        i = (s + attempt) % len(base_urls)
+        tried.append(i)
+        url = base_urls[i]
         try:
             resp = await http.post(f"{url}/completions", json=body, headers=headers)
-        except aiohttp.ClientConnectorError:
+        except aiohttp.ClientConnectionError:
             if attempt:
                 raise
             continue
@@ -175,9 +184,10 @@ async def _http_session(
             text: list[str] = []
             resumes = 0
             outcome, error = OK, ""
+            tried: list[int] = []
             try:
                 async with asyncio.timeout(spec.request_timeout_s):
-                    resp = await _post(http, base_urls, s, body, f"http-{s}-{gen}")
+                    resp = await _post(http, base_urls, s, body, f"http-{s}-{gen}", tried)
                     async with resp:
                         if resp.status != 200:
                             outcome = FAILED_BEFORE_FIRST
@@ -210,7 +220,15 @@ async def _http_session(
                 error = f"{type(exc).__name__}: {exc}"
             answer = "".join(text)
             out.turns.append(
-                TurnResult(key, outcome, time.monotonic() - start, answer, resumes, error)
+                TurnResult(
+                    key,
+                    outcome,
+                    time.monotonic() - start,
+                    answer,
+                    resumes,
+                    error,
+                    router=tried[-1] if tried else -1,
+                )
             )
             if outcome != OK:
                 break

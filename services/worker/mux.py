@@ -120,7 +120,7 @@ class WorkerStreamServer:
         token = otel_context.attach(trace.set_span_in_context(span, parent))
         failure: BaseException | None = None
         try:
-            req = servicer.admit(request)
+            req = await servicer.admit(request)
             admitted = object()
             servicer.track(rid, admitted)
             try:

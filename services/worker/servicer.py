@@ -34,6 +34,11 @@ from .mux import WorkerStreamServer
 
 log = logging.getLogger(__name__)
 
+# How long a request id still in flight here is waited for before a request reusing it is
+# refused: covers a failed-over client's retry racing the dead router's stream end (ms here).
+DUPLICATE_WAIT_S = 2.0
+_DUPLICATE_POLL_S = 0.05
+
 ROLE_PB = {
     Role.BOTH: common_pb2.WORKER_ROLE_BOTH,
     Role.PREFILL: common_pb2.WORKER_ROLE_PREFILL,
@@ -150,6 +155,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         worker_id: str,
         role: Role = Role.BOTH,
         load_interval_s: float = 0.25,
+        duplicate_wait_s: float = DUPLICATE_WAIT_S,
         kv_events: KvEventHub | None = None,
         max_send_bytes: int = 0,
         metrics: WorkerMetrics | None = None,
@@ -161,6 +167,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._worker_id = worker_id
         self._role = role
         self._load_interval_s = load_interval_s
+        self._duplicate_wait_s = duplicate_wait_s
         self._active: dict[str, object] = {}  # request id -> token of the RPC serving it
         self._changes = _Changes()
         self._idle = asyncio.Event()
@@ -214,7 +221,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         # What it raises (admission, the engine) the host's error interceptor sends with its
         # status (kvmesh.grpc_errors.ErrorStatus): domain errors their code, others INTERNAL.
         rid = request.request_id
-        req = self.admit(request)
+        req = await self.admit(request)
         token = object()
         self.track(rid, token)
         context.add_done_callback(lambda _ctx: self._on_rpc_done(rid, token))
@@ -234,24 +241,47 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         one hop between gRPC and it, per message."""
         return WorkerStreamServer(self).serve(requests)
 
-    def admit(self, request: worker_pb2.WorkerGenerateRequest) -> GenerateRequest:
+    async def admit(self, request: worker_pb2.WorkerGenerateRequest) -> GenerateRequest:
         """The request as a core value, if this worker takes it; else a domain error (counted
-        and logged)."""
+        and logged).
+
+        A request id still in flight here is waited for (up to ``duplicate_wait_s``) before it
+        is refused: a client that failed over to another router resends the same id, and the
+        copy the dead router started is only cancelled here once its stream's end reaches this
+        worker, which can come a moment after the retry."""
         rid = request.request_id
         try:
             if self.draining:
                 raise errors.Unavailable("worker is draining; retry on another worker")
             req = request_from_pb(request)
             validation.check_request(req, self._engine.info)
-            if rid in self._active:
+            if not await self._wait_gone(rid):
                 raise errors.InvalidArgument(
-                    f"request_id {rid!r} is already in flight on this worker; use a unique id"
+                    f"request_id {rid!r} is already in flight on this worker (still after "
+                    f"{self._duplicate_wait_s:g} s); use a unique id per request"
                 )
+            if self.draining:
+                raise errors.Unavailable("worker is draining; retry on another worker")
         except errors.KvmeshError as exc:
             log.info("rejected request_id=%s: %s", rid, exc)
             self.metrics.ended(status_for(exc).name)
             raise
         return req
+
+    async def _wait_gone(self, rid: str) -> bool:
+        """True once ``rid`` is neither tracked nor running in the engine; False if it still is
+        after ``duplicate_wait_s``."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._duplicate_wait_s
+        while rid in self._active or self._engine.is_running(rid):
+            left = deadline - loop.time()
+            if left <= 0:
+                return False
+            seen = self._changes.version
+            # the engine letting an aborted request go moves no version: poll that part
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changes.wait(seen), min(left, _DUPLICATE_POLL_S))
+        return True
 
     async def outputs(
         self, req: GenerateRequest

@@ -269,6 +269,20 @@ async def test_duplicate_request_id_in_flight_is_invalid(h: Harness) -> None:
     await wait_idle(h.stub)
 
 
+async def test_duplicate_request_id_waits_for_the_first_copy_to_go(h: Harness) -> None:
+    """A failed-over client's retry that reaches the worker before the dead router's stream
+    end did is admitted once the first copy is gone, not refused."""
+    first = h.stub.Generate(gen_request("dup-2", prompt_of(20, 8), 900, ignore_eos=True))
+    await first.read()
+    retry = asyncio.create_task(collect(h.stub, gen_request("dup-2", prompt_of(20, 9), 4)))
+    await asyncio.sleep(0.3)
+    assert not retry.done()  # waiting, not refused
+    first.cancel()
+    msgs = await asyncio.wait_for(retry, 10)
+    assert msgs[-1].finished.usage.completion_tokens == 4
+    await wait_idle(h.stub)
+
+
 # ---- validation -----------------------------------------------------------------------------
 BAD_REQUESTS = [
     pytest.param(gen_request("bad", [], 4), "the prompt has no tokens", id="empty-prompt"),
