@@ -237,3 +237,35 @@ async def test_a_router_keeps_new_sessions_off_a_worker_busy_with_the_other_rout
             f"the worker reports them {staleness_s * 1000:.0f} ms after the first was sent; "
             f"B placed {placed}, A's busy worker {busy}"
         )
+
+
+async def test_simultaneous_cold_bursts_on_two_routers_spread_over_the_workers(slow_mesh, capsys):
+    """Both routers get a burst of K cold sessions at the same moment: neither can see the
+    other's sends in the workers' reports yet (they arrive within one report interval), but each
+    counts its own sends since the last report (``outstanding()``), so each spreads its burst
+    and the sum stays even instead of both piling onto the worker whose stale report was lowest."""
+    a, b = slow_mesh
+    k = 12
+    async with RouterClient(a.address) as via_a, RouterClient(b.address) as via_b:
+
+        async def one(client: RouterClient, i: int) -> str:
+            done = await client.complete(
+                make_request(
+                    distinct(9000 + i, 8 * BLOCK),
+                    max_tokens=200,
+                    ignore_eos=True,
+                    session_id=f"burst-{i}",
+                ),
+                timeout_s=60,
+            )
+            assert done.usage is not None
+            return done.usage.worker_id
+
+        placed = await asyncio.gather(
+            *(one(via_a, i) for i in range(k)), *(one(via_b, k + i) for i in range(k))
+        )
+    per_worker = {w: placed.count(w) for w in sorted(set(placed))}
+    with capsys.disabled():
+        print(f"\nactive-active cold bursts: {k} + {k} sessions at once -> {per_worker}")
+    assert len(per_worker) == N_WORKERS, per_worker
+    assert max(per_worker.values()) <= 2 * k // N_WORKERS + 1, per_worker
