@@ -259,6 +259,8 @@ class RouterClient:
         text: list[str] = []
         current = request
         first = self._next
+        sent_s = time.monotonic()
+        ttft_s = 0.0  # the client's, reported to the router it resumes through
         for attempt in range(1, self.max_attempts + 1):
             index = (first + attempt - 1) % len(self._stubs)
             stats.routers.append(self.targets[index])
@@ -269,6 +271,8 @@ class RouterClient:
                 async for chunk in call:
                     if chunk.request_id and not current.request_id:
                         current.request_id = chunk.request_id  # the router made it: keep it
+                    if chunk.token_ids and not ttft_s:
+                        ttft_s = time.monotonic() - sent_s
                     ids.extend(chunk.token_ids)
                     text.append(chunk.text)
                     yield chunk
@@ -294,7 +298,12 @@ class RouterClient:
                         current = router_pb2.GenerateRequest()
                         current.CopyFrom(request)
                     current.resume.CopyFrom(
-                        router_pb2.Resume(token_ids=ids, text="".join(text), resumes=stats.resumed)
+                        router_pb2.Resume(
+                            token_ids=ids,
+                            text="".join(text),
+                            resumes=stats.resumed,
+                            time_to_first_token_s=ttft_s,
+                        )
                     )
                     stats.resumed += 1
             finally:

@@ -33,7 +33,7 @@ class Replay:
     token_ids: list[int] = field(default_factory=list)  # ... their ids
     text: str = ""  # ... their text
     recomputed: int = 0  # tokens resumed attempts computed again (as far as reported)
-    ttft_s: float = 0.0  # the first attempt's time to first token (0: another router's)
+    ttft_s: float = 0.0  # the first attempt's time to first token (a client resume: its own)
     seam: Seam | None = None  # stop strings across the last seam; None: none asked
     client_resumes: int = 0  # of these resumes, the client's (through another router)
 
@@ -49,6 +49,7 @@ class Replay:
             tokens=len(resume.token_ids),
             token_ids=list(resume.token_ids),
             text=resume.text,
+            ttft_s=resume.time_to_first_token_s,
             client_resumes=resumes,
         )
 

@@ -157,7 +157,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 not_resumable = ""
             resume = request.resume  # the client's, after its router failed mid-stream
             validation.check_resume(
-                resume.token_ids, resume.text, sampling.max_tokens, model.vocab_size, not_resumable
+                resume.token_ids,
+                resume.text,
+                sampling.max_tokens,
+                model.vocab_size,
+                not_resumable,
+                resume.time_to_first_token_s,
             )
             replay = Replay.from_client(len(ids), resume) if resume.token_ids else None
             chunks = self._proxy.run(

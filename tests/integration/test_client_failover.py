@@ -86,9 +86,13 @@ async def test_a_router_killed_mid_stream_the_client_resumes_through_the_other(r
     client, a, a_address, b_address = routers
     request = make_request(PROMPT, max_tokens=MAX_TOKENS, ignore_eos=True, request_id="rk-1")
     chunks: list[router_pb2.GenerateResponse] = []
+    sent = time.monotonic()
     stats_stream = client.stream(request, timeout_s=60)
+    first_s: float | None = None
     while sum(len(c.token_ids) for c in chunks) < 10:
         chunks.append(await anext(stats_stream))
+        if first_s is None and chunks[-1].token_ids:
+            first_s = time.monotonic() - sent
     a.send_signal(signal.SIGKILL)
     killed = time.monotonic()
     first_after: float | None = None
@@ -105,6 +109,8 @@ async def test_a_router_killed_mid_stream_the_client_resumes_through_the_other(r
     assert final.reason == 2  # FINISH_REASON_LENGTH over both routers
     u = final.usage
     assert (u.prompt_tokens, u.completion_tokens, u.resumes) == (len(PROMPT), MAX_TOKENS, 1)
+    # the time to first token is the client's own, from the attempt through A (gone)
+    assert first_s is not None and 0 < u.time_to_first_token_s <= first_s, (u, first_s)
     assert first_after is not None and first_after < 1.0, first_after
     print(f"take-over: first token {first_after * 1000:.0f} ms after the SIGKILL")
 

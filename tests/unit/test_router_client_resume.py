@@ -31,3 +31,18 @@ def test_refused(ids: list[int], text: str, max_tokens: int, not_resumable: str,
 def test_accepted() -> None:
     check_resume([], "", 4, 1000, "structured")  # no resume: nothing to check
     check_resume([1, 2, 3, 4], "abcd", 4, 1000, "")  # every token: the answer ends at once
+
+
+@pytest.mark.parametrize("ttft_s", [-0.5, float("nan"), float("inf")])
+def test_a_time_to_first_token_that_is_not_a_duration_is_refused(ttft_s: float) -> None:
+    with pytest.raises(InvalidArgument, match="resume.time_to_first_token_s must be a finite"):
+        check_resume([1], "a", 4, 1000, "", ttft_s)
+
+
+def test_the_clients_time_to_first_token_becomes_the_replays() -> None:
+    from kvmesh.v1 import router_pb2
+    from services.router.resume import Replay
+
+    replay = Replay.from_client(10, router_pb2.Resume(token_ids=[1, 2], time_to_first_token_s=0.3))
+    assert replay.ttft_s == pytest.approx(0.3)
+    check_resume([1, 2], "ab", 4, 1000, "", 0.3)

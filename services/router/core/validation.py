@@ -4,6 +4,8 @@ Pure."""
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Sequence
 
 from kvmesh.errors import InvalidArgument
@@ -40,10 +42,22 @@ def check_text(text: str) -> None:
 
 
 def check_resume(
-    token_ids: Sequence[int], text: str, max_tokens: int, vocab_size: int, not_resumable: str
+    token_ids: Sequence[int],
+    text: str,
+    max_tokens: int,
+    vocab_size: int,
+    not_resumable: str,
+    time_to_first_token_s: float = 0.0,
 ) -> None:
     """A client's resume (``GenerateRequest.resume``: the tokens it has of the answer) against
-    the request: resumable, within its max_tokens, inside the vocabulary."""
+    the request: resumable, within its max_tokens, inside the vocabulary, a time to first token
+    that is a duration."""
+    if not (math.isfinite(time_to_first_token_s) and time_to_first_token_s >= 0):
+        raise InvalidArgument(
+            f"resume.time_to_first_token_s must be a finite number of seconds >= 0 (0: "
+            f"unknown), got {time_to_first_token_s}",
+            "resume.time_to_first_token_s",
+        )
     if not token_ids:
         if text:
             raise InvalidArgument(
