@@ -35,7 +35,9 @@ def test_accepted() -> None:
 
 @pytest.mark.parametrize("ttft_s", [-0.5, float("nan"), float("inf")])
 def test_a_time_to_first_token_that_is_not_a_duration_is_refused(ttft_s: float) -> None:
-    with pytest.raises(InvalidArgument, match="resume.time_to_first_token_s must be a finite"):
+    with pytest.raises(
+        InvalidArgument, match=re.escape("resume.time_to_first_token_s must be a finite")
+    ):
         check_resume([1], "a", 4, 1000, "", ttft_s)
 
 

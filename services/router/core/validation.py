@@ -5,7 +5,6 @@ Pure."""
 from __future__ import annotations
 
 import math
-
 from collections.abc import Sequence
 
 from kvmesh.errors import InvalidArgument
