@@ -200,6 +200,8 @@ def cmd_chaos(a: argparse.Namespace) -> int:
         max_model_len=4096,
         kv_cache_bytes=64 << 20,
         kvmanager_cpu_bytes=256 << 20,
+        # fixed: a restarted kvmanager comes back where the workers' connectors look
+        kvmanager_args=("--port", str(free_port())),
         log_dir=out_dir / "mesh",
         router_port=free_port(),  # fixed: a restarted router comes back where clients look
         router_http_port=free_port(),

@@ -127,12 +127,18 @@ async def stop_kvmanager(fleet: Fleet, t: Timing) -> None:
 
 
 async def kill_kvmanager(fleet: Fleet, t: Timing) -> None:
-    """SIGKILL the node's kvmanager; it stays down (the workers recompute what it held)."""
+    """SIGKILL the node's kvmanager (the workers recompute what it held); a new one on its port
+    a pause later, which the workers' connectors reconnect to (its store starts empty). Without
+    a fixed ``--port`` in the mesh's kvmanager args it stays down."""
     mesh = fleet.mesh
     assert mesh.kvmanager is not None, "this scenario needs the kvmanager"
     await asyncio.sleep(t.warmup_s)
     await _kill_and_wait(mesh.kvmanager)
-    await asyncio.sleep(t.settle_s + t.pause_s)
+    await asyncio.sleep(t.pause_s)
+    if "--port" in mesh.spec.kvmanager_args:
+        mesh.kvmanager = await asyncio.to_thread(mesh.start_kvmanager)
+        await asyncio.to_thread(mesh.wait_ready, mesh.kvmanager, 60.0)
+    await asyncio.sleep(t.settle_s)
 
 
 async def stop_etcd(fleet: Fleet, t: Timing) -> None:
@@ -191,7 +197,7 @@ async def kill_decode_worker(fleet: Fleet, t: Timing) -> None:
 
 Scenario = Callable[[Fleet, Timing], Coroutine[Any, Any, None]]
 
-# In the order ``--scenarios all`` runs them: the kvmanager's death last (it stays down).
+# In the order ``--scenarios all`` runs them.
 SCENARIOS: dict[str, Scenario] = {
     "kill-worker": kill_worker,
     "rolling-restart-workers": rolling_restart_workers,

@@ -7,9 +7,11 @@ turn, and every turn's output equals the no-fault run's for the same turn."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 
 from benchmarks.chaos.cli import summarize
@@ -20,8 +22,10 @@ from benchmarks.chaos.sessions import (
     LoadSpec,
     run_load,
 )
+from kvmesh.client import RouterClient, make_request
 from kvmesh.etcd_server import free_port
 from kvmesh.launcher import Mesh, MeshSpec, stop_child
+from kvmesh.v1 import kvmanager_pb2, kvmanager_pb2_grpc
 
 pytestmark = pytest.mark.e2e
 
@@ -47,6 +51,8 @@ def fleet(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         log_dir=tmp_path_factory.mktemp("chaos"),
         # shorter than the etcd stop (2 x pause): the workers' leases expire while it is stopped
         worker_args=("--etcd-ttl-s", "3"),
+        # fixed: the killed kvmanager's successor comes back where the connectors look
+        kvmanager_args=("--port", str(free_port())),
         router_port=free_port(),
         router_http_port=free_port(),
     )
@@ -75,7 +81,9 @@ def baseline(fleet: Fleet) -> LoadResult:
     return load(fleet, "none")
 
 
-@pytest.mark.parametrize("scenario", ["kill-worker", "stop-kvmanager", "stop-etcd"])
+@pytest.mark.parametrize(
+    "scenario", ["kill-worker", "stop-kvmanager", "kill-kvmanager", "stop-etcd"]
+)
 def test_no_turn_lost(fleet: Fleet, baseline: LoadResult, scenario: str) -> None:
     run = load(fleet, scenario)
     for api in ("grpc", "http"):
@@ -83,6 +91,27 @@ def test_no_turn_lost(fleet: Fleet, baseline: LoadResult, scenario: str) -> None
         assert row.sent > 0, row
         assert (row.failed_before_first, row.failed_mid, row.hung) == (0, 0, 0), row
         assert row.compared > 0 and row.identical == row.compared, row
+    if scenario == "kill-kvmanager":  # the workers save to its successor
+        assert fleet.mesh.kvmanager is not None
+        address = fleet.mesh.kvmanager.ready["address"]
+        assert asyncio.run(saves_reach(address, fleet.grpc_addresses, 20.0)), address
+
+
+async def saves_reach(address: str, routers: str, timeout_s: float) -> bool:
+    """Whether new prompts' blocks reach the kvmanager at ``address`` within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    async with RouterClient(routers) as client, grpc.aio.insecure_channel(address) as channel:
+        stub = kvmanager_pb2_grpc.KvManagerStub(channel)
+        i = 0
+        while time.monotonic() < deadline:
+            prompt = [7 + (i * 131 + j) % 900 for j in range(128)]
+            await client.complete(make_request(prompt, max_tokens=4), timeout_s=30)
+            info = await stub.GetInfo(kvmanager_pb2.KvManagerInfoRequest(), timeout=10)
+            if sum(t.blocks for t in info.tiers) > 0:
+                return True
+            i += 1
+            await asyncio.sleep(0.2)
+    return False
 
 
 def test_router_killed(fleet: Fleet, baseline: LoadResult) -> None:
