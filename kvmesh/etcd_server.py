@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import random
 import shutil
 import signal
 import socket
@@ -53,10 +54,41 @@ def find_etcd_binary(binary: str | None = None) -> str:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (bind port 0, read it, release it)."""
+    """A port that was free a moment ago, for a service started later on a fixed port.
+
+    Picked below the kernel's ephemeral range, where the processes started meanwhile with port
+    0 (and every outgoing connection) never land, and never the same twice in this process:
+    a port picked from the ephemeral range could be taken by one of them before its owner
+    binds it. Falls back to the ephemeral range if nothing below it is free."""
+    low = _ephemeral_low()
+    for _ in range(64):
+        port = _rng.randrange(_FIXED_PORT_MIN, low) if low > _FIXED_PORT_MIN else 0
+        if port == 0 or port in _handed_out:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+_FIXED_PORT_MIN = 20000
+_rng = random.Random()
+_handed_out: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux; 32768 elsewhere)."""
+    try:
+        text = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text()
+        return int(text.split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 class LocalEtcd:

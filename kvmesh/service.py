@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import signal
 import weakref
@@ -147,7 +148,15 @@ class ServiceHost:
         """Binds the gRPC port (once; ``start_server`` does it if not done), so ``address`` is
         known before the server starts; returns the bound port."""
         if not self.port:
-            self.port = self.server.add_insecure_port(f"{self.bind.host}:{self.bind.port}")
+            address = f"{self.bind.host}:{self.bind.port}"
+            try:
+                self.port = self.server.add_insecure_port(address)
+            except RuntimeError:  # grpc says only "Failed to bind": the OS's words for it
+                raise OSError(
+                    errno.EADDRINUSE,
+                    f"cannot bind the gRPC port {address}: address already in use (or not "
+                    "available on this host); choose another --port (0: any free port)",
+                ) from None
         return self.port
 
     async def start_server(self) -> int:

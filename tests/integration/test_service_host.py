@@ -226,3 +226,29 @@ async def test_unexpected_errors_are_internal_with_a_request_id_and_no_trace(met
     rid = details.partition("request_id=")[2].partition(")")[0]
     assert len(rid) == 16  # a fresh id: these requests carry none
     assert any(rid in r.getMessage() and method in r.getMessage() for r in caplog.records)
+
+
+def test_a_grpc_port_in_use_is_one_error_line_naming_the_flag(busy_port):
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "services.kvmanager.main",
+            "--etcd",
+            "",
+            "--port",
+            str(busy_port),
+            "--data-plane-port",
+            "0",
+            "--metrics-port",
+            "-1",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert f"cannot bind the gRPC port 127.0.0.1:{busy_port}" in proc.stderr, proc.stderr
+    assert "choose another --port" in proc.stderr
+    assert "Traceback" not in proc.stderr
