@@ -373,7 +373,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
     )
 
     async def run() -> int:
-        async with RouterClient(a.router, max_attempts=a.max_attempts) as client:
+        key = a.api_key or os.environ.get("KVMESH_API_KEY", "")
+        async with RouterClient(a.router, max_attempts=a.max_attempts, api_key=key) as client:
             try:
                 c = await client.complete(
                     req,
@@ -411,6 +412,12 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="routers tried per request, the first included: a stream that breaks is retried "
         "or resumed on the next (default 3 with several routers or a dns:/// name, else 1)",
+    )
+    p.add_argument(
+        "--api-key",
+        default="",
+        help="API key for a router that checks keys (--api-keys-file; docs/tenants.md); "
+        "default: $KVMESH_API_KEY, else none",
     )
     p.add_argument("--model", default="", help="served model name (default: the only one served)")
     p.add_argument(

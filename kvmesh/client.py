@@ -196,6 +196,32 @@ def default_attempts(targets: Sequence[str]) -> int:
     return 1
 
 
+def _with_key(details: grpc.aio.ClientCallDetails, key: str) -> grpc.aio.ClientCallDetails:
+    metadata = grpc.aio.Metadata(*(details.metadata or ()), ("authorization", f"Bearer {key}"))
+    return details._replace(metadata=metadata)  # type: ignore[attr-defined,no-any-return]
+
+
+class _UnaryKey(grpc.aio.UnaryUnaryClientInterceptor):
+    """Adds ``authorization: Bearer <key>`` to unary calls (grpc.aio files an interceptor
+    under one kind only: one class a kind)."""
+
+    def __init__(self, key: str) -> None:
+        self._key = key
+
+    async def intercept_unary_unary(self, continuation, details, request):  # type: ignore[no-untyped-def]
+        return await continuation(_with_key(details, self._key), request)
+
+
+class _StreamKey(grpc.aio.UnaryStreamClientInterceptor):
+    """The same for server-streaming calls (Generate)."""
+
+    def __init__(self, key: str) -> None:
+        self._key = key
+
+    async def intercept_unary_stream(self, continuation, details, request):  # type: ignore[no-untyped-def]
+        return await continuation(_with_key(details, self._key), request)
+
+
 class RouterClient:
     """The router's API over one channel per address (``router_targets``), with failover."""
 
@@ -205,14 +231,21 @@ class RouterClient:
         *,
         max_attempts: int | None = None,
         service_config: str = SERVICE_CONFIG,
+        api_key: str = "",
     ) -> None:
+        """``api_key``: sent with every call (``authorization: Bearer``) to a router that
+        checks keys (``--api-keys-file``; docs/tenants.md); empty: none."""
         self.targets = router_targets(address)
         self.address = self.targets[0]
         # Generate attempts per request, over all routers; None: DEFAULT_ATTEMPTS when there
         # is another router to go to (several targets, or a DNS name's addresses), else 1.
         self.max_attempts = max_attempts or default_attempts(self.targets)
         options = [("grpc.service_config", service_config), ("grpc.enable_retries", 1)]
-        self._channels = [grpc.aio.insecure_channel(t, options=options) for t in self.targets]
+        interceptors = [_UnaryKey(api_key), _StreamKey(api_key)] if api_key else None
+        self._channels = [
+            grpc.aio.insecure_channel(t, options=options, interceptors=interceptors)
+            for t in self.targets
+        ]
         for ch in self._channels[1:]:
             ch.get_state(try_to_connect=True)  # connected before it has to take over
         self._stubs = [router_pb2_grpc.RouterStub(ch) for ch in self._channels]

@@ -7,7 +7,11 @@ stay open. The key file is re-read when it changes (and on SIGHUP's ``reload_key
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import os
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +26,7 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from kvmesh.client import make_request
+from kvmesh.client import RouterClient, make_request
 from kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
 from services.router.config import RouterConfig
 from services.router.core.auth import hash_key
@@ -184,6 +188,29 @@ async def test_grpc_tenant_is_the_keys(
     msgs = await generate(mesh.stub, metadata, **fields)
     assert msgs[-1].HasField("finished")
     assert mesh.seen.requests[-1] == seen
+
+
+async def test_the_python_client_and_cli_send_the_api_key(mesh: Tenanted):
+    async with RouterClient(mesh.router.address, api_key=SEARCH_KEY) as client:
+        done = await client.complete(make_request(PROMPT, max_tokens=2), timeout_s=30)
+        assert done.usage is not None and mesh.seen.requests[-1] == ("search", 10)
+        assert [m.name for m in (await client.list_models()).models]
+    async with RouterClient(mesh.router.address) as client:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await client.complete(make_request(PROMPT, max_tokens=2), timeout_s=30)
+    assert err.value.code() is grpc.StatusCode.UNAUTHENTICATED
+    cli = [sys.executable, "-m", "kvmesh.cli", "generate", "--router", mesh.router.address]
+    cli += ["--token-ids", "--max-tokens", "2", " ".join(map(str, PROMPT))]
+    env = {**os.environ, "KVMESH_API_KEY": BATCH_KEY}
+    ok = await asyncio.to_thread(
+        subprocess.run, cli, capture_output=True, text=True, env=env, timeout=60
+    )
+    assert ok.returncode == 0, ok.stderr
+    assert mesh.seen.requests[-1] == ("batch", 0)
+    refused = await asyncio.to_thread(
+        subprocess.run, [*cli, "--api-key", "sk-wrong"], capture_output=True, text=True, timeout=60
+    )
+    assert refused.returncode == 1 and "UNAUTHENTICATED" in refused.stderr, refused.stderr
 
 
 async def test_grpc_list_models_needs_a_key_health_and_reflection_do_not(mesh: Tenanted):
