@@ -59,6 +59,7 @@ from kvmesh import errors
 from kvmesh.cpus import format_cpu_list, omp_environment, pin_threads
 from kvmesh.sampling import STRUCTURED_FIELD, OutputKind, StructuredOutput
 
+from . import detokenizer
 from .config import EngineConfig
 from .connector.kvmanager_client import TRACE_HEADERS, TRACE_PARAM
 from .connector.plan import LOAD_REPORTS_STAT, REQUEST_ID_PARAM, LoadReport, PeerSource
@@ -317,6 +318,7 @@ class VllmEngine:
             raise
         stats = _StatsSink()
         started = time.monotonic()
+        detokenizer.install()  # a prompt ending inside a character: only the new text streams
 
         # Blocks this thread until the core process is ready; nothing else runs before it.
         def stats_factory(_vllm_config: object, _engine_index: int = 0) -> StatLoggerBase:
