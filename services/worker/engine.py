@@ -391,7 +391,7 @@ class VllmEngine:
                 max_logprobs=vocab if max_logprobs < 0 else max_logprobs,
                 vllm_version=vllm.__version__,
                 max_running_requests=llm.vllm_config.scheduler_config.max_num_seqs,
-                speculative_method=spec.method if spec is not None else "",
+                speculative_method=str(spec.method or "") if spec is not None else "",
                 num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
             )
         except BaseException:
