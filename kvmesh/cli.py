@@ -138,7 +138,91 @@ def _add_mesh_flags(p: argparse.ArgumentParser, default_port: int) -> None:
         help="the OTLP/gRPC collector for --trace-exporter otlp: host:port, http://host:port or "
         "https://host:port (default: OTEL_EXPORTER_OTLP_ENDPOINT from the environment)",
     )
+    spec = p.add_argument_group(
+        "speculative decoding", "passed to the workers as kvmesh worker --spec-* (docs/engine.md)"
+    )
+    spec.add_argument(
+        "--spec-method",
+        default="",
+        metavar="{ngram,draft_model,eagle,eagle3,mtp,none}",
+        help="speculative decoding method of the workers (default: none)",
+    )
+    spec.add_argument(
+        "--spec-num-tokens", type=int, default=0, help="tokens drafted per step (default: 3)"
+    )
+    spec.add_argument(
+        "--spec-draft-model",
+        default="",
+        metavar="NAME|PATH",
+        help="draft model (draft_model) or EAGLE head (eagle, eagle3): built-in tiny-draft or "
+        "a local HF model dir",
+    )
+    spec.add_argument("--spec-prompt-lookup-min", type=int, default=0, help="ngram: shortest match")
+    spec.add_argument("--spec-prompt-lookup-max", type=int, default=0, help="ngram: longest match")
+    spec.add_argument(
+        "--spec-workers",
+        type=int,
+        default=-1,
+        metavar="N",
+        help="only the first N workers speculate, the rest decode plainly: a mixed fleet "
+        "(default: all)",
+    )
     p.set_defaults(mesh_parser=p)
+
+
+def speculative_config(p: argparse.ArgumentParser, a: argparse.Namespace):  # type: ignore[no-untyped-def]
+    """The workers' ``SpeculativeConfig`` from the --spec-* flags (a usage error if bad)."""
+    from services.worker.config import SpeculativeConfig, _spec_method
+
+    try:
+        return SpeculativeConfig(
+            method=_spec_method(a.spec_method),
+            num_speculative_tokens=a.spec_num_tokens,
+            draft_model=a.spec_draft_model,
+            prompt_lookup_min=a.spec_prompt_lookup_min,
+            prompt_lookup_max=a.spec_prompt_lookup_max,
+        )
+    except (ValueError, argparse.ArgumentTypeError) as exc:
+        p.error(
+            f"--spec-method: {exc}" if isinstance(exc, argparse.ArgumentTypeError) else str(exc)
+        )
+
+
+def speculative_worker_args(
+    p: argparse.ArgumentParser, a: argparse.Namespace, model: Path
+) -> tuple[str, ...]:
+    """The worker flags of the --spec-* settings, the draft model resolved (a built-in name is
+    built) and both models checked (``services.worker.speculative.check_models``)."""
+    from dataclasses import replace
+
+    from kvmesh.errors import InvalidArgument
+    from services.worker.speculative import check_models
+
+    spec = speculative_config(p, a)
+    if not spec.enabled:
+        if a.spec_workers >= 0:
+            p.error("--spec-workers needs --spec-method")
+        return ()
+    try:
+        if spec.draft_model:
+            spec = replace(spec, draft_model=str(resolve_model(spec.draft_model)))
+        check_models(spec, model)
+    except InvalidArgument as exc:
+        p.error(
+            str(exc).replace("--model", "--spec-draft-model", 1)
+            if isinstance(exc, ModelNotFound)
+            else str(exc)
+        )
+    args = ["--spec-method", spec.method]
+    for flag, value in (
+        ("--spec-num-tokens", spec.num_speculative_tokens),
+        ("--spec-draft-model", spec.draft_model),
+        ("--spec-prompt-lookup-min", spec.prompt_lookup_min),
+        ("--spec-prompt-lookup-max", spec.prompt_lookup_max),
+    ):
+        if value:
+            args += [flag, str(value)]
+    return tuple(args)
 
 
 def _policies() -> dict[str, str]:
@@ -232,8 +316,11 @@ def describe_metrics(mesh) -> str:  # type: ignore[no-untyped-def]
 def _mesh_spec(a: argparse.Namespace):  # type: ignore[no-untyped-def]
     from kvmesh.launcher import MeshSpec
 
+    model_path = resolve_model(a.model)
     return MeshSpec(
-        model_path=resolve_model(a.model),
+        model_path=model_path,
+        spec_worker_args=speculative_worker_args(a.mesh_parser, a, model_path),
+        spec_workers=a.spec_workers,
         # A built-in model is served under its short name (tiny, smollm2).
         served_model_name=a.served_model_name or (a.model if a.model in MODEL_NAMES else ""),
         workers=_both_workers(a),
@@ -555,6 +642,7 @@ def parse_args(
     mesh_parser = getattr(args, "mesh_parser", None)
     if mesh_parser is not None:  # kvmesh up / demo
         check_tracing(mesh_parser, args, os.environ if environ is None else environ)
+        speculative_config(mesh_parser, args)  # the model checks wait for the models
     return args
 
 

@@ -51,6 +51,10 @@ class MeshSpec:
     kv_cache_bytes: int = 256 * 1024 * 1024  # per worker
     block_size: int = 32
     worker_args: tuple[str, ...] = ()  # extra flags for every worker
+    # Speculative decoding flags (kvmesh worker --spec-*), for the first ``spec_workers``
+    # workers in start order (-1: all of them); the others decode plainly.
+    spec_worker_args: tuple[str, ...] = ()
+    spec_workers: int = -1
     router_args: tuple[str, ...] = ()  # extra flags for the router
     log_dir: Path | None = None  # default: a new temp dir
     start_timeout_s: float = 240.0
@@ -134,8 +138,8 @@ class Mesh:
             if self.spec.kvmanager_cpu_bytes > 0:
                 self.kvmanager = self.start_kvmanager()
                 self._wait_ready(self.kvmanager, 60.0)
-            for name, role in self.worker_roles():
-                self.workers.append(self.start_worker(name, self._role_args(role)))
+            for i, (name, role) in enumerate(self.worker_roles()):
+                self.workers.append(self.start_worker(name, self.worker_args(i, role)))
             for w in self.workers:
                 self._wait_ready(w, self.spec.start_timeout_s)
             self.router = self.start_router()
@@ -156,6 +160,13 @@ class Mesh:
     @staticmethod
     def _role_args(role: str) -> list[str]:
         return [] if role == "both" else ["--role", role]
+
+    def worker_args(self, index: int, role: str) -> list[str]:
+        """The start-order ``index``-th worker's own flags: its role and, if it is one of the
+        speculating ones, the speculative decoding flags."""
+        spec = self.spec
+        speculates = spec.spec_workers < 0 or index < spec.spec_workers
+        return [*self._role_args(role), *(spec.spec_worker_args if speculates else ())]
 
     def trace_args(self) -> list[str]:
         """The tracing flags every child gets; none when tracing is off."""
@@ -260,8 +271,10 @@ class Mesh:
         """Stops worker ``i`` (SIGTERM, drain) and starts a fresh engine under the same id."""
         old = self.workers[i]
         stop_child(old, grace_s=30.0)
+        names = [n for n, _ in self.worker_roles()]
         role = dict(self.worker_roles()).get(old.name, "both")
-        self.workers[i] = self.start_worker(old.name, self._role_args(role))
+        index = names.index(old.name) if old.name in names else i
+        self.workers[i] = self.start_worker(old.name, self.worker_args(index, role))
         self._wait_ready(self.workers[i], self.spec.start_timeout_s)
 
     def wait_ready(self, child: Child, timeout_s: float | None = None) -> None:

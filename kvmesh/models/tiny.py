@@ -223,6 +223,10 @@ def _generation_config() -> dict[str, Any]:
     }
 
 
+DRAFT_LAYERS = 1
+"""The tiny draft model keeps the first ``DRAFT_LAYERS`` layers of the tiny model."""
+
+
 def _weights() -> dict[str, Any]:
     import torch
 
@@ -274,6 +278,36 @@ def build_tiny(out_dir: Path) -> Path:
     save_file(_weights(), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     log.info("built tiny model v%s in %s", TINY_VERSION, out_dir)
     return out_dir
+
+
+def build_tiny_draft(out_dir: Path) -> Path:
+    """Writes the tiny draft model into ``out_dir``: the tiny model cut to its first
+    ``DRAFT_LAYERS`` layers (same tokenizer, embeddings, final norm and LM head), a draft model
+    for speculative decoding (``--spec-method draft_model``). Sharing the target's weights, it
+    often predicts the target's next token, so drafts get accepted; deterministic as the tiny
+    model is."""
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _build_tokenizer().save(str(out_dir / "tokenizer.json"), pretty=True)
+    _write_json(out_dir / "tokenizer_config.json", _tokenizer_config())
+    _write_json(out_dir / "config.json", config_dict() | {"num_hidden_layers": DRAFT_LAYERS})
+    _write_json(out_dir / "generation_config.json", _generation_config())
+    kept = tuple(f"model.layers.{i}." for i in range(DRAFT_LAYERS))
+    tensors = {
+        k: v
+        for k, v in _weights().items()
+        if not k.startswith("model.layers.") or k.startswith(kept)
+    }
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    log.info("built tiny draft model v%s in %s", TINY_VERSION, out_dir)
+    return out_dir
+
+
+def ensure_tiny_draft(cache_root: Path) -> Path:
+    """The tiny draft model under ``cache_root/tiny-draft-<version>``, built there if missing."""
+    return ensure_built(Path(cache_root) / f"tiny-draft-{TINY_VERSION}", build_tiny_draft)
 
 
 def ensure_tiny(cache_root: Path) -> Path:

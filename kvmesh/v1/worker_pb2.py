@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvmesh.v1 import common_pb2 as kvmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvmesh/v1/worker.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\"\xa0\x01\n\x15WorkerGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12&\n\tkv_source\x18\x04 \x01(\x0b\x32\x13.kvmesh.v1.KvSourceJ\x04\x08\x05\x10\x10\"H\n\x08KvSource\x12\x14\n\x0ckvmanager_id\x18\x01 \x01(\t\x12\x0e\n\x06\x62locks\x18\x02 \x01(\r\x12\x16\n\x0ehandoff_wait_s\x18\x03 \x01(\x01\"\xd1\x01\n\x16WorkerGenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12%\n\x08\x66inished\x18\x04 \x01(\x0b\x32\x13.kvmesh.v1.Finished\x12)\n\x08logprobs\x18\x05 \x03(\x0b\x32\x17.kvmesh.v1.TokenLogprob\x12\x30\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x17.kvmesh.v1.TokenLogprob\"\xf9\x01\n\x0eWorkerStreamIn\x12\x0c\n\x04\x63\x61ll\x18\x01 \x01(\x04\x12\x34\n\x08generate\x18\x02 \x01(\x0b\x32 .kvmesh.v1.WorkerGenerateRequestH\x00\x12\x0f\n\x05\x61\x62ort\x18\x03 \x01(\x08H\x00\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\x12\x42\n\rtrace_context\x18\x05 \x03(\x0b\x32+.kvmesh.v1.WorkerStreamIn.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x06\n\x04kind\"\x85\x01\n\x0fWorkerStreamOut\x12\x32\n\x07outputs\x18\x01 \x03(\x0b\x32!.kvmesh.v1.WorkerGenerateResponse\x12\x14\n\x0coutput_calls\x18\x02 \x03(\x04\x12(\n\x04\x65nds\x18\x03 \x03(\x0b\x32\x1a.kvmesh.v1.WorkerStreamEnd\"M\n\x0fWorkerStreamEnd\x12\x0c\n\x04\x63\x61ll\x18\x01 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\r\n\x05\x66ield\x18\x04 \x01(\t\"\x10\n\x0eGetLoadRequest\"*\n\x10WatchLoadRequest\x12\x16\n\x0emin_interval_s\x18\x01 \x01(\x01\"\x8d\x02\n\nWorkerLoad\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x18\n\x10running_requests\x18\x02 \x01(\r\x12\x18\n\x10waiting_requests\x18\x03 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x04 \x01(\x01\x12#\n\x1bprefix_cache_queried_tokens\x18\x05 \x01(\x04\x12\x1f\n\x17prefix_cache_hit_tokens\x18\x06 \x01(\x04\x12\x1a\n\x12in_flight_requests\x18\x07 \x01(\r\x12\x1f\n\x17prefill_computed_tokens\x18\x08 \x01(\x04\x12\x17\n\x0fprefill_seconds\x18\t \x01(\x01J\x04\x08\n\x10\x10\"\x10\n\x0eGetInfoRequest\"\x92\x01\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12#\n\x04role\x18\x06 \x01(\x0e\x32\x15.kvmesh.v1.WorkerRole\"7\n\x14WatchKvEventsRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\t\x12\x10\n\x08\x66rom_seq\x18\x02 \x01(\x04\"\x82\x01\n\x0b\x42lockStored\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x06\x12\x18\n\x0bparent_hash\x18\x02 \x01(\x06H\x00\x88\x01\x01\x12\x1f\n\x04tier\x18\x03 \x01(\x0e\x32\x11.kvmesh.v1.KvTier\x12\x12\n\nblock_size\x18\x04 \x01(\rB\x0e\n\x0c_parent_hash\"E\n\x0c\x42lockRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x06\x12\x1f\n\x04tier\x18\x02 \x01(\x0e\x32\x11.kvmesh.v1.KvTier\"3\n\x10\x41llBlocksCleared\x12\x1f\n\x04tier\x18\x01 \x01(\x0e\x32\x11.kvmesh.v1.KvTier\"\x98\x01\n\x07KvEvent\x12(\n\x06stored\x18\x01 \x01(\x0b\x32\x16.kvmesh.v1.BlockStoredH\x00\x12*\n\x07removed\x18\x02 \x01(\x0b\x32\x17.kvmesh.v1.BlockRemovedH\x00\x12.\n\x07\x63leared\x18\x03 \x01(\x0b\x32\x1b.kvmesh.v1.AllBlocksClearedH\x00\x42\x07\n\x05\x65vent\"s\n\x0cKvEventBatch\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\t\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\"\n\x06\x65vents\x18\x04 \x03(\x0b\x32\x12.kvmesh.v1.KvEvent\x12\x10\n\x08snapshot\x18\x05 \x01(\x08*U\n\x06KvTier\x12\x17\n\x13KV_TIER_UNSPECIFIED\x10\x00\x12\x0f\n\x0bKV_TIER_GPU\x10\x01\x12\x0f\n\x0bKV_TIER_CPU\x10\x02\x12\x10\n\x0cKV_TIER_DISK\x10\x03\x32\xec\x03\n\x06Worker\x12Q\n\x08Generate\x12 .kvmesh.v1.WorkerGenerateRequest\x1a!.kvmesh.v1.WorkerGenerateResponse0\x01\x12I\n\x0cGenerateMany\x12\x19.kvmesh.v1.WorkerStreamIn\x1a\x1a.kvmesh.v1.WorkerStreamOut(\x01\x30\x01\x12:\n\x05\x41\x62ort\x12\x17.kvmesh.v1.AbortRequest\x1a\x18.kvmesh.v1.AbortResponse\x12;\n\x07GetLoad\x12\x19.kvmesh.v1.GetLoadRequest\x1a\x15.kvmesh.v1.WorkerLoad\x12\x41\n\tWatchLoad\x12\x1b.kvmesh.v1.WatchLoadRequest\x1a\x15.kvmesh.v1.WorkerLoad0\x01\x12;\n\x07GetInfo\x12\x19.kvmesh.v1.GetInfoRequest\x1a\x15.kvmesh.v1.WorkerInfo\x12K\n\rWatchKvEvents\x12\x1f.kvmesh.v1.WatchKvEventsRequest\x1a\x17.kvmesh.v1.KvEventBatch0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvmesh/v1/worker.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\"\xa0\x01\n\x15WorkerGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12&\n\tkv_source\x18\x04 \x01(\x0b\x32\x13.kvmesh.v1.KvSourceJ\x04\x08\x05\x10\x10\"H\n\x08KvSource\x12\x14\n\x0ckvmanager_id\x18\x01 \x01(\t\x12\x0e\n\x06\x62locks\x18\x02 \x01(\r\x12\x16\n\x0ehandoff_wait_s\x18\x03 \x01(\x01\"\xd1\x01\n\x16WorkerGenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12%\n\x08\x66inished\x18\x04 \x01(\x0b\x32\x13.kvmesh.v1.Finished\x12)\n\x08logprobs\x18\x05 \x03(\x0b\x32\x17.kvmesh.v1.TokenLogprob\x12\x30\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x17.kvmesh.v1.TokenLogprob\"\xf9\x01\n\x0eWorkerStreamIn\x12\x0c\n\x04\x63\x61ll\x18\x01 \x01(\x04\x12\x34\n\x08generate\x18\x02 \x01(\x0b\x32 .kvmesh.v1.WorkerGenerateRequestH\x00\x12\x0f\n\x05\x61\x62ort\x18\x03 \x01(\x08H\x00\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\x12\x42\n\rtrace_context\x18\x05 \x03(\x0b\x32+.kvmesh.v1.WorkerStreamIn.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x06\n\x04kind\"\x85\x01\n\x0fWorkerStreamOut\x12\x32\n\x07outputs\x18\x01 \x03(\x0b\x32!.kvmesh.v1.WorkerGenerateResponse\x12\x14\n\x0coutput_calls\x18\x02 \x03(\x04\x12(\n\x04\x65nds\x18\x03 \x03(\x0b\x32\x1a.kvmesh.v1.WorkerStreamEnd\"M\n\x0fWorkerStreamEnd\x12\x0c\n\x04\x63\x61ll\x18\x01 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\r\n\x05\x66ield\x18\x04 \x01(\t\"\x10\n\x0eGetLoadRequest\"*\n\x10WatchLoadRequest\x12\x16\n\x0emin_interval_s\x18\x01 \x01(\x01\"\xa1\x03\n\nWorkerLoad\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x18\n\x10running_requests\x18\x02 \x01(\r\x12\x18\n\x10waiting_requests\x18\x03 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x04 \x01(\x01\x12#\n\x1bprefix_cache_queried_tokens\x18\x05 \x01(\x04\x12\x1f\n\x17prefix_cache_hit_tokens\x18\x06 \x01(\x04\x12\x1a\n\x12in_flight_requests\x18\x07 \x01(\r\x12\x1f\n\x17prefill_computed_tokens\x18\x08 \x01(\x04\x12\x17\n\x0fprefill_seconds\x18\t \x01(\x01\x12\x19\n\x11generation_tokens\x18\x10 \x01(\x04\x12\x13\n\x0bspec_drafts\x18\x11 \x01(\x04\x12\x19\n\x11spec_draft_tokens\x18\x12 \x01(\x04\x12\x1c\n\x14spec_accepted_tokens\x18\x13 \x01(\x04\x12)\n!spec_accepted_tokens_per_position\x18\x14 \x03(\x04J\x04\x08\n\x10\x10\"\x10\n\x0eGetInfoRequest\"\x92\x01\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12#\n\x04role\x18\x06 \x01(\x0e\x32\x15.kvmesh.v1.WorkerRole\"7\n\x14WatchKvEventsRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\t\x12\x10\n\x08\x66rom_seq\x18\x02 \x01(\x04\"\x82\x01\n\x0b\x42lockStored\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x06\x12\x18\n\x0bparent_hash\x18\x02 \x01(\x06H\x00\x88\x01\x01\x12\x1f\n\x04tier\x18\x03 \x01(\x0e\x32\x11.kvmesh.v1.KvTier\x12\x12\n\nblock_size\x18\x04 \x01(\rB\x0e\n\x0c_parent_hash\"E\n\x0c\x42lockRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x06\x12\x1f\n\x04tier\x18\x02 \x01(\x0e\x32\x11.kvmesh.v1.KvTier\"3\n\x10\x41llBlocksCleared\x12\x1f\n\x04tier\x18\x01 \x01(\x0e\x32\x11.kvmesh.v1.KvTier\"\x98\x01\n\x07KvEvent\x12(\n\x06stored\x18\x01 \x01(\x0b\x32\x16.kvmesh.v1.BlockStoredH\x00\x12*\n\x07removed\x18\x02 \x01(\x0b\x32\x17.kvmesh.v1.BlockRemovedH\x00\x12.\n\x07\x63leared\x18\x03 \x01(\x0b\x32\x1b.kvmesh.v1.AllBlocksClearedH\x00\x42\x07\n\x05\x65vent\"s\n\x0cKvEventBatch\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\t\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\"\n\x06\x65vents\x18\x04 \x03(\x0b\x32\x12.kvmesh.v1.KvEvent\x12\x10\n\x08snapshot\x18\x05 \x01(\x08*U\n\x06KvTier\x12\x17\n\x13KV_TIER_UNSPECIFIED\x10\x00\x12\x0f\n\x0bKV_TIER_GPU\x10\x01\x12\x0f\n\x0bKV_TIER_CPU\x10\x02\x12\x10\n\x0cKV_TIER_DISK\x10\x03\x32\xec\x03\n\x06Worker\x12Q\n\x08Generate\x12 .kvmesh.v1.WorkerGenerateRequest\x1a!.kvmesh.v1.WorkerGenerateResponse0\x01\x12I\n\x0cGenerateMany\x12\x19.kvmesh.v1.WorkerStreamIn\x1a\x1a.kvmesh.v1.WorkerStreamOut(\x01\x30\x01\x12:\n\x05\x41\x62ort\x12\x17.kvmesh.v1.AbortRequest\x1a\x18.kvmesh.v1.AbortResponse\x12;\n\x07GetLoad\x12\x19.kvmesh.v1.GetLoadRequest\x1a\x15.kvmesh.v1.WorkerLoad\x12\x41\n\tWatchLoad\x12\x1b.kvmesh.v1.WatchLoadRequest\x1a\x15.kvmesh.v1.WorkerLoad0\x01\x12;\n\x07GetInfo\x12\x19.kvmesh.v1.GetInfoRequest\x1a\x15.kvmesh.v1.WorkerInfo\x12K\n\rWatchKvEvents\x12\x1f.kvmesh.v1.WatchKvEventsRequest\x1a\x17.kvmesh.v1.KvEventBatch0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,8 +34,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_WORKERSTREAMIN_TRACECONTEXTENTRY']._loaded_options = None
   _globals['_WORKERSTREAMIN_TRACECONTEXTENTRY']._serialized_options = b'8\001'
-  _globals['_KVTIER']._serialized_start=2064
-  _globals['_KVTIER']._serialized_end=2149
+  _globals['_KVTIER']._serialized_start=2212
+  _globals['_KVTIER']._serialized_end=2297
   _globals['_WORKERGENERATEREQUEST']._serialized_start=62
   _globals['_WORKERGENERATEREQUEST']._serialized_end=222
   _globals['_KVSOURCE']._serialized_start=224
@@ -55,23 +55,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WATCHLOADREQUEST']._serialized_start=995
   _globals['_WATCHLOADREQUEST']._serialized_end=1037
   _globals['_WORKERLOAD']._serialized_start=1040
-  _globals['_WORKERLOAD']._serialized_end=1309
-  _globals['_GETINFOREQUEST']._serialized_start=1311
-  _globals['_GETINFOREQUEST']._serialized_end=1327
-  _globals['_WORKERINFO']._serialized_start=1330
-  _globals['_WORKERINFO']._serialized_end=1476
-  _globals['_WATCHKVEVENTSREQUEST']._serialized_start=1478
-  _globals['_WATCHKVEVENTSREQUEST']._serialized_end=1533
-  _globals['_BLOCKSTORED']._serialized_start=1536
-  _globals['_BLOCKSTORED']._serialized_end=1666
-  _globals['_BLOCKREMOVED']._serialized_start=1668
-  _globals['_BLOCKREMOVED']._serialized_end=1737
-  _globals['_ALLBLOCKSCLEARED']._serialized_start=1739
-  _globals['_ALLBLOCKSCLEARED']._serialized_end=1790
-  _globals['_KVEVENT']._serialized_start=1793
-  _globals['_KVEVENT']._serialized_end=1945
-  _globals['_KVEVENTBATCH']._serialized_start=1947
-  _globals['_KVEVENTBATCH']._serialized_end=2062
-  _globals['_WORKER']._serialized_start=2152
-  _globals['_WORKER']._serialized_end=2644
+  _globals['_WORKERLOAD']._serialized_end=1457
+  _globals['_GETINFOREQUEST']._serialized_start=1459
+  _globals['_GETINFOREQUEST']._serialized_end=1475
+  _globals['_WORKERINFO']._serialized_start=1478
+  _globals['_WORKERINFO']._serialized_end=1624
+  _globals['_WATCHKVEVENTSREQUEST']._serialized_start=1626
+  _globals['_WATCHKVEVENTSREQUEST']._serialized_end=1681
+  _globals['_BLOCKSTORED']._serialized_start=1684
+  _globals['_BLOCKSTORED']._serialized_end=1814
+  _globals['_BLOCKREMOVED']._serialized_start=1816
+  _globals['_BLOCKREMOVED']._serialized_end=1885
+  _globals['_ALLBLOCKSCLEARED']._serialized_start=1887
+  _globals['_ALLBLOCKSCLEARED']._serialized_end=1938
+  _globals['_KVEVENT']._serialized_start=1941
+  _globals['_KVEVENT']._serialized_end=2093
+  _globals['_KVEVENTBATCH']._serialized_start=2095
+  _globals['_KVEVENTBATCH']._serialized_end=2210
+  _globals['_WORKER']._serialized_start=2300
+  _globals['_WORKER']._serialized_end=2792
 # @@protoc_insertion_point(module_scope)

@@ -111,7 +111,7 @@ class WatchLoadRequest(_message.Message):
     def __init__(self, min_interval_s: _Optional[float] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("worker_id", "running_requests", "waiting_requests", "kv_cache_usage", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "in_flight_requests", "prefill_computed_tokens", "prefill_seconds")
+    __slots__ = ("worker_id", "running_requests", "waiting_requests", "kv_cache_usage", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "in_flight_requests", "prefill_computed_tokens", "prefill_seconds", "generation_tokens", "spec_drafts", "spec_draft_tokens", "spec_accepted_tokens", "spec_accepted_tokens_per_position")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -121,6 +121,11 @@ class WorkerLoad(_message.Message):
     IN_FLIGHT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_ACCEPTED_TOKENS_PER_POSITION_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     running_requests: int
     waiting_requests: int
@@ -130,7 +135,12 @@ class WorkerLoad(_message.Message):
     in_flight_requests: int
     prefill_computed_tokens: int
     prefill_seconds: float
-    def __init__(self, worker_id: _Optional[str] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., in_flight_requests: _Optional[int] = ..., prefill_computed_tokens: _Optional[int] = ..., prefill_seconds: _Optional[float] = ...) -> None: ...
+    generation_tokens: int
+    spec_drafts: int
+    spec_draft_tokens: int
+    spec_accepted_tokens: int
+    spec_accepted_tokens_per_position: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, worker_id: _Optional[str] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., in_flight_requests: _Optional[int] = ..., prefill_computed_tokens: _Optional[int] = ..., prefill_seconds: _Optional[float] = ..., generation_tokens: _Optional[int] = ..., spec_drafts: _Optional[int] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_accepted_tokens_per_position: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GetInfoRequest(_message.Message):
     __slots__ = ()

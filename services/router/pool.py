@@ -104,4 +104,7 @@ def load_from_pb(msg: worker_pb2.WorkerLoad) -> LoadSnapshot:
         prefix_cache_hit_tokens=msg.prefix_cache_hit_tokens,
         prefill_computed_tokens=msg.prefill_computed_tokens,
         prefill_s=msg.prefill_seconds,
+        generation_tokens=msg.generation_tokens,
+        spec_draft_tokens=msg.spec_draft_tokens,
+        spec_accepted_tokens=msg.spec_accepted_tokens,
     )

@@ -25,6 +25,129 @@ def _cpus(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
+SPEC_METHODS = ("", "ngram", "draft_model", "eagle", "eagle3", "mtp")
+"""Speculative methods a worker takes (``--spec-method``); "" is off."""
+SPEC_DRAFT_METHODS = frozenset({"draft_model", "eagle", "eagle3"})
+"""Methods whose drafts come from a model of their own (``--spec-draft-model``)."""
+
+
+def _spec_method(text: str) -> str:
+    import argparse
+
+    value = text.strip()
+    if value in ("none", "off"):
+        return ""
+    if value not in SPEC_METHODS:
+        raise argparse.ArgumentTypeError(
+            f"invalid choice: {text!r} (choose from {', '.join(SPEC_METHODS[1:])}, or none)"
+        )
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """Speculative decoding of the engine (vLLM's ``speculative_config``; docs/engine.md).
+    Checked here without reading any model; ``speculative.check_models`` checks the models."""
+
+    method: str = setting(
+        "",
+        "speculative decoding: ngram (prompt lookup), draft_model, eagle, eagle3 or mtp (the "
+        "model's own MTP layers); empty: off",
+        parse=_spec_method,
+        metavar="{" + ",".join((*SPEC_METHODS[1:], "none")) + "}",
+    )
+    num_speculative_tokens: int = setting(
+        0,
+        "tokens drafted per step; 0: 3, or with mtp the model's MTP layer count",
+        flag="num-tokens",
+    )
+    draft_model: str = setting(
+        "",
+        "the draft model (draft_model) or EAGLE head (eagle, eagle3) directory; same "
+        "vocabulary as --model",
+        metavar="PATH",
+    )
+    prompt_lookup_min: int = setting(
+        0, "ngram: shortest n-gram matched in the prompt, tokens; 0: 5 or --spec-prompt-lookup-max"
+    )
+    prompt_lookup_max: int = setting(
+        0, "ngram: longest n-gram matched in the prompt, tokens; 0: 5 or --spec-prompt-lookup-min"
+    )
+    extra: Mapping[str, Any] | None = setting(
+        None, "more vLLM SpeculativeConfig fields as JSON, passed unchanged"
+    )
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ValueError(
+                f"--spec-method {self.method!r} is not known; use one of "
+                f"{', '.join(m for m in SPEC_METHODS if m)} (or leave it unset: off)"
+            )
+        m = self.method
+        if not m:
+            given = [
+                flag
+                for flag, set_ in (
+                    ("--spec-num-tokens", self.num_speculative_tokens),
+                    ("--spec-draft-model", self.draft_model),
+                    ("--spec-prompt-lookup-min", self.prompt_lookup_min),
+                    ("--spec-prompt-lookup-max", self.prompt_lookup_max),
+                    ("--spec-extra", self.extra),
+                )
+                if set_
+            ]
+            if given:
+                raise ValueError(
+                    f"{given[0]} needs --spec-method (ngram, draft_model, eagle, eagle3 or mtp)"
+                )
+            return
+        if self.num_speculative_tokens < 0:
+            raise ValueError(
+                f"--spec-num-tokens is {self.num_speculative_tokens}; use tokens >= 1 (0: the "
+                "method's default)"
+            )
+        if m in SPEC_DRAFT_METHODS and not self.draft_model:
+            what = "draft model" if m == "draft_model" else "EAGLE head"
+            raise ValueError(f"--spec-method {m} needs --spec-draft-model PATH (the {what})")
+        if m not in SPEC_DRAFT_METHODS and self.draft_model:
+            raise ValueError(
+                f"--spec-draft-model is for draft_model, eagle and eagle3, not {m}; drop it"
+            )
+        lookup = self.prompt_lookup_min or self.prompt_lookup_max
+        if m != "ngram" and lookup:
+            raise ValueError(
+                "--spec-prompt-lookup-min/--spec-prompt-lookup-max are for --spec-method "
+                f"ngram, not {m}; drop them"
+            )
+        for flag, n in (
+            ("--spec-prompt-lookup-min", self.prompt_lookup_min),
+            ("--spec-prompt-lookup-max", self.prompt_lookup_max),
+        ):
+            if n < 0:
+                raise ValueError(f"{flag} is {n}; use tokens >= 1 (0: the default)")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if lo and hi and lo > hi:
+            raise ValueError(
+                f"--spec-prompt-lookup-min {lo} is above --spec-prompt-lookup-max {hi}; "
+                "use min <= max"
+            )
+        clash = sorted(set(self.extra or {}) & _SPEC_OWN_KEYS)
+        if clash:
+            raise ValueError(
+                f"--spec-extra sets {clash}, which have flags of their own (--spec-method, "
+                "--spec-num-tokens, --spec-draft-model, --spec-prompt-lookup-min/max); use those"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.method)
+
+
+_SPEC_OWN_KEYS = frozenset(
+    {"method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
+)
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """What the vLLM engine is built from (``engine.VllmEngine.start``)."""
@@ -71,6 +194,9 @@ class EngineConfig:
     )
     engine_extra: Mapping[str, Any] | None = setting(
         None, "more vLLM EngineArgs fields as JSON, passed unchanged"
+    )
+    speculative: SpeculativeConfig = setting(
+        factory=SpeculativeConfig, doc="speculative decoding (docs/engine.md)", prefix="spec-"
     )
     # Empty: no binding (torch's default: one unbound thread per core of the machine).
     compute_cpus: tuple[int, ...] = setting(

@@ -177,6 +177,27 @@ class OutputDelta:
 
 
 @dataclass(frozen=True, slots=True)
+class SpecDecodeCounts:
+    """Speculative decoding counters, cumulative since the engine started (vLLM's
+    ``SpecDecodingStats`` summed; all 0 when speculation is off)."""
+
+    drafts: int = 0  # drafts proposed: one per request per step that drafted
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: tuple[int, ...] = ()  # [i]: drafts whose token i was accepted
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted over drafted tokens; None before any draft."""
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else None
+
+    def acceptance_by_position(self) -> tuple[float, ...]:
+        """Per draft position, the fraction of drafts whose token there was accepted."""
+        d = self.drafts
+        return tuple(n / d for n in self.accepted_per_position) if d else ()
+
+
+@dataclass(frozen=True, slots=True)
 class EngineLoad:
     """The engine's own counters, from its latest scheduler stats."""
 
@@ -192,6 +213,8 @@ class EngineLoad:
     # model divides one by the other (scheduler/rates.py).
     prefill_computed_tokens: int = 0
     prefill_s: float = 0.0
+    generation_tokens: int = 0  # tokens emitted, cumulative since start
+    spec: SpecDecodeCounts = SpecDecodeCounts()
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,6 +232,10 @@ class EngineInfo:
     vllm_version: str = ""  # the vLLM serving it; "" for an engine that is not vLLM
     # Most requests the engine runs at once (vLLM's max_num_seqs); more wait. 0: not known.
     max_running_requests: int = 0
+    # Speculative decoding: vLLM's method (ngram, draft_model, eagle, eagle3, mtp) and tokens
+    # drafted per step; "" and 0 when off.
+    speculative_method: str = ""
+    num_speculative_tokens: int = 0
 
 
 class Engine(Protocol):

@@ -54,6 +54,7 @@ from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
 from vllm.v1.metrics.loggers import StatLoggerBase
 from vllm.v1.metrics.stats import IterationStats, MultiModalCacheStats, SchedulerStats
+from vllm.v1.spec_decode.metrics import SpecDecodingStats
 
 from kvmesh import errors
 from kvmesh.cpus import format_cpu_list, omp_environment, pin_threads
@@ -73,11 +74,13 @@ from .core import (
     KvEventSink,
     OutputDelta,
     Sampling,
+    SpecDecodeCounts,
     Timing,
     TokenLogprob,
     TopLogprob,
 )
 from .kv_events import VllmKvEvents
+from .speculative import check_models, vllm_speculative_config
 from .vllm_ext import EXTENSION_CLS
 
 log = logging.getLogger(__name__)
@@ -136,6 +139,10 @@ def build_engine_args(
             raise errors.InvalidArgument(
                 f"engine.structured_outputs_config is not valid: {exc}"
             ) from None
+    spec = config.speculative
+    if spec.enabled:
+        mtp_layers = check_models(spec, config.model)
+        kwargs["speculative_config"] = vllm_speculative_config(spec, mtp_layers)
     extra = dict(config.engine_extra or {})
     clash = sorted(set(extra) & set(kwargs))
     if clash:
@@ -238,6 +245,8 @@ class _StatsSink(StatLoggerBase):
         self.preemptions = 0
         self.prefill_tokens = 0  # prompt tokens computed by finished requests
         self.prefill_s = 0.0  # their prefill times (scheduled -> first token)
+        self.generation_tokens = 0  # tokens emitted (per step: 1 + accepted drafts a request)
+        self.spec = SpecDecodeCounts()  # speculative decoding, summed over steps
         self.updates = 0
         self.listeners: list[Callable[[], None]] = []
         self.load_reports: OrderedDict[str, LoadReport] = OrderedDict()
@@ -273,9 +282,12 @@ class _StatsSink(StatLoggerBase):
                 if computed > 0 and f.prefill_time > 0:
                     self.prefill_tokens += computed
                     self.prefill_s += f.prefill_time
+            self.generation_tokens += iteration_stats.num_generation_tokens
         if scheduler_stats is None:
             return
         self.latest = scheduler_stats
+        if scheduler_stats.spec_decoding_stats is not None:
+            self.spec = _add_spec(self.spec, scheduler_stats.spec_decoding_stats)
         self._keep_reports(scheduler_stats.kv_connector_stats)
         pc = scheduler_stats.prefix_cache_stats
         if pc is not None:  # same counting as vLLM's Prometheus counters
@@ -290,6 +302,22 @@ class _StatsSink(StatLoggerBase):
 
     def log_engine_initialized(self) -> None:
         pass
+
+
+def _add_spec(total: SpecDecodeCounts, step: SpecDecodingStats) -> SpecDecodeCounts:
+    """``total`` plus one step's speculative decoding stats."""
+    per_pos = list(total.accepted_per_position)
+    step_pos = step.num_accepted_tokens_per_pos
+    if len(per_pos) < len(step_pos):
+        per_pos += [0] * (len(step_pos) - len(per_pos))
+    for i, n in enumerate(step_pos):
+        per_pos[i] += n
+    return SpecDecodeCounts(
+        drafts=total.drafts + step.num_drafts,
+        draft_tokens=total.draft_tokens + step.num_draft_tokens,
+        accepted_tokens=total.accepted_tokens + step.num_accepted_tokens,
+        accepted_per_position=tuple(per_pos),
+    )
 
 
 class VllmEngine:
@@ -354,6 +382,7 @@ class VllmEngine:
             if tokenizer is not None:
                 vocab = max(vocab, tokenizer.max_token_id + 1)
             max_logprobs = model_config.max_logprobs  # -1: the whole vocabulary
+            spec = llm.vllm_config.speculative_config
             info = EngineInfo(
                 model=config.model_name,
                 model_path=config.model,
@@ -364,6 +393,8 @@ class VllmEngine:
                 max_logprobs=vocab if max_logprobs < 0 else max_logprobs,
                 vllm_version=vllm.__version__,
                 max_running_requests=llm.vllm_config.scheduler_config.max_num_seqs,
+                speculative_method=str(spec.method or "") if spec is not None else "",
+                num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
             )
         except BaseException:
             llm.shutdown()
@@ -371,7 +402,7 @@ class VllmEngine:
             raise
         log.info(
             "engine ready in %.1f s: model=%s dtype=%s max_model_len=%d block_size=%d "
-            "vocab_size=%d kv_cache_bytes=%d amx=%s",
+            "vocab_size=%d kv_cache_bytes=%d amx=%s speculative=%s",
             time.monotonic() - started,
             info.model,
             model_config.dtype,
@@ -380,6 +411,9 @@ class VllmEngine:
             info.vocab_size,
             config.kv_cache_bytes,
             amx,
+            f"{info.speculative_method}x{info.num_speculative_tokens}"
+            if info.speculative_method
+            else "off",
         )
         return cls(llm, stats, info, kv_events)
 
@@ -412,6 +446,8 @@ class VllmEngine:
             preemptions=self._stats.preemptions,
             prefill_computed_tokens=self._stats.prefill_tokens,
             prefill_s=self._stats.prefill_s,
+            generation_tokens=self._stats.generation_tokens,
+            spec=self._stats.spec,
         )
 
     def add_load_listener(self, listener: Callable[[], None]) -> None:

@@ -52,6 +52,17 @@ def parse_args(argv: list[str] | None, environ: Mapping[str, str] | None = None)
     if config.engine_kind == "vllm" and not config.engine.model:
         p.error("--model PATH is required with the vllm engine")
     engine = config.engine
+    if config.engine_kind == "vllm" and engine.speculative.enabled:
+        from kvmesh.errors import InvalidArgument
+
+        from .speculative import check_models
+
+        try:
+            check_models(engine.speculative, engine.model)
+        except InvalidArgument as exc:
+            p.error(str(exc))
+    elif engine.speculative.enabled:
+        p.error("--spec-method needs --engine vllm (the simulator does not speculate)")
     if "core-drain-s" not in given:  # the engine core drains as long as the worker does
         engine = dataclasses.replace(engine, core_drain_s=math.ceil(config.drain_grace_s))
     if config.kvmanager:

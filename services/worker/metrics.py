@@ -41,9 +41,11 @@ class WorkerMetrics:
     """``model``: the served model name, the ``model_name`` label of the vLLM-named metrics
     (``vllm``, services/worker/vllm_metrics.py) beside the worker's own."""
 
-    def __init__(self, registry: CollectorRegistry | None = None, model: str = "") -> None:
+    def __init__(
+        self, registry: CollectorRegistry | None = None, model: str = "", spec_positions: int = 0
+    ) -> None:
         self.registry = r = registry or CollectorRegistry()
-        self.vllm = VllmMetrics(r, model)
+        self.vllm = VllmMetrics(r, model, spec_positions=spec_positions)
         self.requests = Counter(
             "kvmesh_worker_requests",
             "Generate calls ended, by gRPC status code (OK, INVALID_ARGUMENT, CANCELLED, ...).",
@@ -69,6 +71,12 @@ class WorkerMetrics:
         )
         self.completion_tokens = Counter(
             "kvmesh_worker_completion_tokens", "Tokens generated and streamed.", registry=r
+        )
+        self.engine_generation_tokens = MirroredCounter(
+            "kvmesh_worker_engine_generation_tokens_total",
+            "Tokens the engine emitted since it started (with speculative decoding: 1 + the "
+            "accepted draft tokens per request and step), as its load stream reports them.",
+            registry=r,
         )
         self.ttft_seconds = Histogram(
             "kvmesh_worker_time_to_first_token_seconds",
@@ -165,6 +173,7 @@ class WorkerMetrics:
         self.kv_cache_usage.set(load.kv_cache_usage)
         self.prefix_queried.set(load.prefix_cache_queried_tokens)
         self.prefix_hits.set(load.prefix_cache_hit_tokens)
+        self.engine_generation_tokens.set(load.generation_tokens)
         self.draining.set(1.0 if draining else 0.0)
         self.vllm.refresh(load)
         if kv is not None:

@@ -119,7 +119,7 @@ async def start_worker(config: WorkerConfig, engine: Engine) -> RunningWorker:
     # The in-flight requests had their grace in drain(); the server's is for the rest.
     host = ServiceHost((SERVICE_NAME,), bind, 1.0, config.etcd_retry_max_s)
     info = engine.info
-    metrics = WorkerMetrics(model=info.model)
+    metrics = WorkerMetrics(model=info.model, spec_positions=info.num_speculative_tokens)
     async with host.starting():
         port = host.bind_port()
         worker_id = config.worker_id or default_worker_id(port)

@@ -127,6 +127,11 @@ def load_to_pb(load: EngineLoad, in_flight: int, worker_id: str) -> worker_pb2.W
         in_flight_requests=in_flight,
         prefill_computed_tokens=load.prefill_computed_tokens,
         prefill_seconds=load.prefill_s,
+        generation_tokens=load.generation_tokens,
+        spec_drafts=load.spec.drafts,
+        spec_draft_tokens=load.spec.draft_tokens,
+        spec_accepted_tokens=load.spec.accepted_tokens,
+        spec_accepted_tokens_per_position=load.spec.accepted_per_position,
     )
 
 

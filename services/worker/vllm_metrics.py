@@ -29,7 +29,9 @@ LABELS = ("model_name", "engine")
 class VllmMetrics:
     """vLLM-named metrics of one engine serving ``model`` (engine index ``engine``)."""
 
-    def __init__(self, registry: CollectorRegistry, model: str, engine: str = "0") -> None:
+    def __init__(
+        self, registry: CollectorRegistry, model: str, engine: str = "0", spec_positions: int = 0
+    ) -> None:
         r, lv, labels = registry, (model, engine), LABELS
 
         def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
@@ -123,6 +125,33 @@ class VllmMetrics:
             VLLM_REQUEST_LATENCY_BUCKETS_S,
         )
 
+        # Speculative decoding, as vLLM's SpecDecodingProm: only on an engine that speculates
+        # (``spec_positions``: tokens drafted per step, one per-position counter each).
+        self.spec_positions = spec_positions
+        if spec_positions > 0:
+            self.spec_drafts = mirrored(
+                "vllm:spec_decode_num_drafts_total", "Number of spec decoding drafts."
+            )
+            self.spec_draft_tokens = mirrored(
+                "vllm:spec_decode_num_draft_tokens_total", "Number of draft tokens."
+            )
+            self.spec_accepted_tokens = mirrored(
+                "vllm:spec_decode_num_accepted_tokens_total", "Number of accepted tokens."
+            )
+            per_pos = MirroredCounter(
+                "vllm:spec_decode_num_accepted_tokens_per_pos_total",
+                "Accepted tokens per draft position.",
+                [*labels, "position"],
+                registry=r,
+            )
+            self.spec_accepted_per_pos = [
+                per_pos.labels(*lv, str(i)) for i in range(spec_positions)
+            ]
+            for child in self.spec_accepted_per_pos:  # exported from the start, as vLLM's
+                child.set(0)
+            for c in (self.spec_drafts, self.spec_draft_tokens, self.spec_accepted_tokens):
+                c.labels(*lv).set(0)
+
     def finished(
         self,
         reason: FinishReason,
@@ -151,3 +180,12 @@ class VllmMetrics:
         self.prefix_queries.labels(*self._lv).set(load.prefix_cache_queried_tokens)
         self.prefix_hits.labels(*self._lv).set(load.prefix_cache_hit_tokens)
         self.preemptions.labels(*self._lv).set(load.preemptions)
+        if self.spec_positions > 0:
+            spec, lv = load.spec, self._lv
+            self.spec_drafts.labels(*lv).set(spec.drafts)
+            self.spec_draft_tokens.labels(*lv).set(spec.draft_tokens)
+            self.spec_accepted_tokens.labels(*lv).set(spec.accepted_tokens)
+            for child, n in zip(
+                self.spec_accepted_per_pos, spec.accepted_per_position, strict=False
+            ):
+                child.set(n)

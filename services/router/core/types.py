@@ -30,6 +30,12 @@ class LoadSnapshot:
     # computed and the seconds their prefills took; 0: not reported (an older worker).
     prefill_computed_tokens: int = 0
     prefill_s: float = 0.0
+    # Cumulative decode output (WorkerLoad fields 16-19): tokens the engine emitted, and with
+    # speculative decoding the draft tokens it proposed and accepted. Emitted tokens, not
+    # engine steps: a speculating worker emits several tokens a step. 0: not reported.
+    generation_tokens: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
