@@ -544,8 +544,8 @@ HEADERS = [
     ),
     pytest.param(
         {"authorization": "Bearer sk-1", "x-kvmesh-tenant": "other", "x-kvmesh-priority": "9"},
-        Identity("team-a", 3),
-        Extensions(tenant="team-a", priority=3),
+        Identity("team-a", 3, "salt-a"),
+        Extensions(tenant="team-a", priority=3, cache_salt="salt-a"),
         id="authenticated-identity-wins",
     ),
 ]
