@@ -11,8 +11,8 @@ import pytest
 import yaml
 
 from kvmesh.errors import InvalidArgument, PermissionDenied, Unauthenticated
-from services.router.auth import key_of
 from kvmesh.kv.hashing import check_cache_salt
+from services.router.auth import key_of
 from services.router.core.auth import (
     DEFAULT_SALT_SEED,
     INT32_MAX,
@@ -312,7 +312,7 @@ def test_salt_follows_the_seed_and_nothing_else():
     ],
 )
 def test_bad_salt_settings(tree: object, says: str):
-    with pytest.raises(InvalidArgument, match="^keys.yaml") as bad:
+    with pytest.raises(InvalidArgument, match=r"^keys\.yaml") as bad:
         parse_key_table(tree, "keys.yaml")
     assert says in str(bad.value), bad.value
 
