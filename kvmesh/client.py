@@ -84,8 +84,11 @@ def make_request(
     session_id: str = "",
     tenant: str = "",
     priority: int = 0,
+    cache_salt: str = "",
 ) -> router_pb2.GenerateRequest:
-    """Text (as a user chat message when ``chat``), chat message dicts, or token ids."""
+    """Text (as a user chat message when ``chat``), chat message dicts, or token ids.
+    ``cache_salt``: vLLM's, honoured by an open router only (with API keys the router sets the
+    tenant's)."""
     sampling = common_pb2.SamplingParams(
         max_tokens=max_tokens,
         stop=list(stop),
@@ -107,6 +110,7 @@ def make_request(
         session_id=session_id,
         tenant=tenant,
         priority=priority,
+        cache_salt=cache_salt,
     )
     if isinstance(prompt, str):
         if chat:

@@ -39,6 +39,7 @@ from enum import StrEnum
 from functools import cache
 from typing import Any, NewType, cast
 
+from kvmesh.errors import InvalidArgument
 from kvmesh.kv.events import BlockHash
 
 log = logging.getLogger(__name__)
@@ -136,6 +137,29 @@ class RequestKeys:
 
 
 NO_KEYS = RequestKeys()
+
+MAX_CACHE_SALT_CHARS = 128  # vLLM's rule for cache_salt (validate_cache_salt)
+_CACHE_SALT_FORBIDDEN = frozenset("@/\\\0")
+
+
+def salt_keys(cache_salt: str) -> RequestKeys:
+    """The keys of a request salted with ``cache_salt`` ("": unsalted, ``NO_KEYS``)."""
+    return RequestKeys(cache_salt=cache_salt) if cache_salt else NO_KEYS
+
+
+def check_cache_salt(cache_salt: str, field_name: str = "cache_salt") -> None:
+    """vLLM's rule for a cache salt (at most 128 characters, no '@', '/', '\\' or NUL; empty:
+    none): ``InvalidArgument`` naming ``field_name`` otherwise."""
+    if len(cache_salt) > MAX_CACHE_SALT_CHARS:
+        raise InvalidArgument(
+            f"{field_name} has {len(cache_salt)} characters; use at most "
+            f"{MAX_CACHE_SALT_CHARS} (or leave it unset)",
+            field_name,
+        )
+    if not _CACHE_SALT_FORBIDDEN.isdisjoint(cache_salt):
+        raise InvalidArgument(
+            f"{field_name} contains '@', '/', '\\' or NUL; use other characters", field_name
+        )
 
 
 # --- vLLM's hash functions (vllm/utils/hashing.py), same libraries, same arguments ----------

@@ -127,6 +127,7 @@ class AttemptRunner:
                 prompt_token_ids=route.prompt_token_ids,
                 sampling=sampling,
                 kv_source=handoff if handoff is not None else kv_source_pb(decision.peer),
+                cache_salt=route.cache_salt,
             ),
             max(deadline - time.monotonic(), 0.001),
         )

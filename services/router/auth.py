@@ -1,8 +1,9 @@
 """API keys on the router's gRPC API: a server interceptor around ``kvmesh.v1.Router``'s
 methods (health and reflection stay open). The key rides the call's metadata as
 ``authorization: Bearer <key>`` (or ``x-api-key: <key>``); ``core.auth.authorize`` decides,
-and a request with ``tenant`` / ``priority`` fields gets the authenticated ones written in, so
-the servicer (and everything after it) sees the tenant the key names, never a claimed one.
+and a request with ``tenant`` / ``priority`` fields gets the authenticated ones written in (and
+the tenant's ``cache_salt`` over whatever the client sent), so the servicer (and everything
+after it) sees the tenant the key names, never a claimed one.
 
 It sits inside the host's ``ErrorStatus`` interceptor (``ServiceHost(interceptors=...)``), so
 ``Unauthenticated`` / ``PermissionDenied`` become UNAUTHENTICATED / PERMISSION_DENIED through
@@ -58,6 +59,8 @@ def authenticate(keys: KeySource, request: Any, context: grpc.aio.ServicerContex
     if hasattr(request, "tenant"):
         request.tenant = identity.tenant
         request.priority = identity.priority
+    if hasattr(request, "cache_salt"):  # the tenant's: a client cannot pick another's blocks
+        request.cache_salt = identity.cache_salt
     return identity
 
 

@@ -83,6 +83,7 @@ async def run_prefill(
             request_id=route.request_id,
             prompt_token_ids=route.prompt_token_ids,
             sampling=one_token(sampling),
+            cache_salt=route.cache_salt,  # the decode worker fetches the blocks by its hashes
         ),
         timeout=max(timeout_s, 0.001),
     )

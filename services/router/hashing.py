@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvmesh.kv.hashing import HashAlgo, HashConfig, SessionHasher, SessionHashes
+from kvmesh.kv.hashing import HashAlgo, HashConfig, SessionHasher, SessionHashes, salt_keys
 
 
 class PromptHasher:
@@ -32,7 +32,11 @@ class PromptHasher:
             self._by_block_size[block_size] = hasher
         return hasher
 
-    def hash(self, block_size: int, session_id: str, token_ids: Sequence[int]) -> SessionHashes:
+    def hash(
+        self, block_size: int, session_id: str, token_ids: Sequence[int], cache_salt: str = ""
+    ) -> SessionHashes:
         """The prompt's block hashes, on the calling thread (``prompt.PromptBuilder`` decides
-        which: the loop for a short prompt, the executor for a long one). Thread-safe."""
-        return self._hasher(block_size).hash(session_id or None, token_ids)
+        which: the loop for a short prompt, the executor for a long one). ``cache_salt``: the
+        request's (its tenant's), hashed into the first block as the engine does, so the
+        hashes are the ones its engine publishes. Thread-safe."""
+        return self._hasher(block_size).hash(session_id or None, token_ids, salt_keys(cache_salt))

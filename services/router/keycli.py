@@ -1,4 +1,4 @@
-"""``kvmesh auth hash-key`` / ``kvmesh auth new-key``: what goes in the router's API key file
+"""``kvmesh auth hash-key`` / ``new-key`` / ``new-seed``: what goes in the router's API key file
 (``--api-keys-file``, docs/tenants.md). The file holds digests only; the key itself goes to the
 client.
 
@@ -33,8 +33,17 @@ def _new(args: argparse.Namespace) -> int:
     return 0
 
 
+def _new_seed(args: argparse.Namespace) -> int:
+    print(secrets.token_urlsafe(32))
+    print(
+        "put it in the key file as cache_salt_seed: (changing it empties every cache)",
+        file=sys.stderr,
+    )
+    return 0
+
+
 def register(subparsers: Any) -> argparse.ArgumentParser:
-    """Adds ``auth`` (with ``hash-key`` and ``new-key``) to an argparse subparsers object."""
+    """Adds ``auth`` (with ``hash-key``, ``new-key`` and ``new-seed``) to an argparse subparsers object."""
     auth = subparsers.add_parser("auth", help="API keys for the router's key file")
     sub = auth.add_subparsers(dest="auth_command", required=True)
     hash_p = sub.add_parser(
@@ -47,4 +56,8 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     hash_p.set_defaults(func=_hash)
     new_p = sub.add_parser("new-key", help="make a random API key and print it with its digest")
     new_p.set_defaults(func=_new)
+    seed_p = sub.add_parser(
+        "new-seed", help="make a random cache_salt_seed (the key file's secret for cache salts)"
+    )
+    seed_p.set_defaults(func=_new_seed)
     return auth

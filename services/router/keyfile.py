@@ -39,6 +39,16 @@ def read_key_file(path: Path) -> KeyTable:
     return parse_key_table(tree, str(path))
 
 
+def _warn_unseeded(table: KeyTable) -> None:
+    if not table.seeded and len(table.tenants) > 1:
+        log.warning(
+            "%s sets no cache_salt_seed: each tenant still has its own cache salt, but one "
+            "that follows from its name; add 'cache_salt_seed: <kvmesh auth new-seed>' so it "
+            "cannot be guessed (docs/tenants.md)",
+            table.source,
+        )
+
+
 def _stamp(path: Path) -> _Stamp | None:
     try:
         st = os.stat(path)
@@ -70,6 +80,7 @@ class KeyFile:
         log.info(
             "API keys from %s: %d tenants, %d keys", path, len(table.tenants), len(table.by_hash)
         )
+        _warn_unseeded(table)
         if reload_s > 0:
             keys._task = asyncio.get_running_loop().create_task(keys._poll(), name="key-file")
         return keys
@@ -114,6 +125,7 @@ class KeyFile:
             len(table.tenants),
             len(table.by_hash),
         )
+        _warn_unseeded(table)
         return True
 
     async def close(self) -> None:

@@ -92,9 +92,11 @@ class PromptBuilder:
         session_id: str,
         source: PromptInput,
         check: Callable[[list[int]], None],
+        cache_salt: str = "",
     ) -> Prompt:
-        """The prompt's ids and hashes; ``check`` vets the ids before they are hashed (it
-        raises for a prompt the model cannot take)."""
+        """The prompt's ids and hashes (salted with ``cache_salt``, as the engine will hash
+        them); ``check`` vets the ids before they are hashed (it raises for a prompt the model
+        cannot take)."""
         encode = self._encoder(model, path, source)
         if self._inline(model, path, source):
             with _tracer.start_as_current_span("tokenize") as span:
@@ -102,11 +104,11 @@ class PromptBuilder:
                 span.set_attribute("prompt_tokens", len(ids))
             check(ids)
             with _tracer.start_as_current_span("hash") as span:
-                hashed = self._hasher.hash(block_size, session_id, ids)
+                hashed = self._hasher.hash(block_size, session_id, ids, cache_salt)
                 _hash_attributes(span, hashed)
             return Prompt(ids, hashed, inline=True)
 
-        return await self._in_executor(block_size, session_id, encode, check)
+        return await self._in_executor(block_size, session_id, encode, check, cache_salt)
 
     def _inline(self, model: str, path: str, source: PromptInput) -> bool:
         """Whether ``source`` is short enough to tokenize on the loop (tokenizer loaded)."""
@@ -136,6 +138,7 @@ class PromptBuilder:
         session_id: str,
         encode: Callable[[], list[int]],
         check: Callable[[list[int]], None],
+        cache_salt: str,
     ) -> Prompt:
         def job() -> tuple[list[int], SessionHashes, tuple[int, int, int, int]]:
             t0 = time.time_ns()
@@ -143,7 +146,7 @@ class PromptBuilder:
             t1 = time.time_ns()
             check(ids)
             t2 = time.time_ns()
-            hashed = self._hasher.hash(block_size, session_id, ids)
+            hashed = self._hasher.hash(block_size, session_id, ids, cache_salt)
             return ids, hashed, (t0, t1, t2, time.time_ns())
 
         loop = asyncio.get_running_loop()

@@ -137,6 +137,7 @@ async def resumed_route(
         route.session_id,
         PromptInput(token_ids=prompt_ids),
         lambda _ids: None,  # the same length the request was admitted with
+        route.cache_salt,
     )
     return replace(
         route,

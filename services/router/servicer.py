@@ -17,6 +17,7 @@ from opentelemetry import trace
 from kvmesh import errors
 from kvmesh.discovery.keys import WorkerId
 from kvmesh.grpc_errors import status_for
+from kvmesh.kv.hashing import check_cache_salt
 from kvmesh.sampling import STRUCTURED_FIELD, check_prompt, check_sampling, sampling_from_pb
 from kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
 
@@ -129,6 +130,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             request_span.set_attribute("model", model_name)
             sampling = sampling_from_pb(request.sampling)
             check_sampling(sampling, model.vocab_size)
+            check_cache_salt(request.cache_salt)  # the tenant's with API keys (auth.py)
             prompt = await self._prompts.build(
                 model.name,
                 model.model_path,
@@ -138,6 +140,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 lambda ids: check_prompt(
                     ids, sampling.max_tokens, model.vocab_size, model.max_model_len
                 ),
+                request.cache_salt,
             )
             ids, hashed = prompt.token_ids, prompt.hashed
             forced = forced_choice(request)
@@ -150,6 +153,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 tenant=request.tenant,
                 priority=request.priority,
                 block_hashes=hashed.hashes,
+                cache_salt=request.cache_salt,
             )
             if forced is not None or sampling_pb.HasField("structured_output"):
                 not_resumable = "a structured output's grammar state cannot be replayed"

@@ -41,6 +41,9 @@ class GenerateRequest:
     prompt_token_ids: tuple[int, ...] = field(repr=False)
     sampling: Sampling
     kv_source: KvSource | None = None  # the router's peer hint, if any
+    # vLLM's cache_salt (the tenant's, from the router): in every block hash of the prompt, so
+    # blocks, kvmanager keys and KV events are per salt. "": unsalted.
+    cache_salt: str = field(default="", repr=False)
 
 
 @dataclass(frozen=True, slots=True)

@@ -479,9 +479,10 @@ class VllmEngine:
         prompt_tokens = len(request.prompt_token_ids)
         try:
             # Token ids in, so rendering is cheap (no tokenizer); vLLM's preferred input form.
-            (engine_input,) = self._llm.renderer.render_cmpl(
-                [TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))]
-            )
+            prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))
+            if request.cache_salt:  # into the first block's hash, so every block's (vLLM)
+                prompt["cache_salt"] = request.cache_salt
+            (engine_input,) = self._llm.renderer.render_cmpl([prompt])
         except Exception as exc:
             domain = _domain_error(exc)
             if domain is None:

@@ -16,7 +16,7 @@ import logging
 import math
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from kvmesh.telemetry import setup_logging, setup_tracing
 
@@ -87,7 +87,8 @@ def simulated_engine(config: WorkerConfig):  # type: ignore[no-untyped-def]
     """The simulator (services/worker/sim), hashing token blocks exactly as vLLM would."""
     from functools import partial
 
-    from kvmesh.kv.hashing import HashConfig, block_hashes
+    from kvmesh.kv.events import BlockHash
+    from kvmesh.kv.hashing import HashConfig, block_hashes, salt_keys
 
     from .sim.engine import SimEngineConfig, SimulatedEngine
     from .sim.model import SimWorkerConfig
@@ -104,7 +105,11 @@ def simulated_engine(config: WorkerConfig):  # type: ignore[no-untyped-def]
         max_model_len=e.max_model_len,
     )
     hash_cfg = HashConfig(block_size=e.block_size, seed=e.hash_seed)
-    return SimulatedEngine(cfg, hasher=partial(block_hashes, cfg=hash_cfg))
+
+    def salted(token_ids: Sequence[int], cache_salt: str) -> list[BlockHash]:
+        return block_hashes(token_ids, hash_cfg, keys=salt_keys(cache_salt))
+
+    return SimulatedEngine(cfg, hasher=partial(block_hashes, cfg=hash_cfg), salted_hasher=salted)
 
 
 async def serve(config: WorkerConfig) -> None:

@@ -61,6 +61,7 @@ def request_from_pb(r: worker_pb2.WorkerGenerateRequest) -> GenerateRequest:
         prompt_token_ids=tuple(r.prompt_token_ids),
         sampling=sampling_from_pb(r.sampling),
         kv_source=source,
+        cache_salt=r.cache_salt,
     )
 
 

@@ -4,6 +4,7 @@ the allowed range and what was received, so the caller knows what to fix."""
 from __future__ import annotations
 
 from kvmesh.errors import InvalidArgument
+from kvmesh.kv.hashing import check_cache_salt
 from kvmesh.sampling import check_prompt, check_sampling
 
 from .core import EngineInfo, GenerateRequest, KvSource
@@ -22,6 +23,7 @@ def check_request(request: GenerateRequest, info: EngineInfo) -> None:
     )
     if request.kv_source is not None:
         check_kv_source(request.kv_source, len(request.prompt_token_ids), info.block_size)
+    check_cache_salt(request.cache_salt)
 
 
 def check_kv_source(source: KvSource, prompt_tokens: int, block_size: int) -> None:

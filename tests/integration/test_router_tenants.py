@@ -29,7 +29,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from kvmesh.client import RouterClient, make_request
 from kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
 from services.router.config import RouterConfig
-from services.router.core.auth import hash_key
+from services.router.core.auth import DEFAULT_SALT_SEED, derive_cache_salt, hash_key
 from services.router.main import RunningRouter, start_router
 from services.worker.config import WorkerConfig
 from services.worker.server import start_worker
@@ -58,6 +58,7 @@ class Seen:
     """What the servicer was asked: (tenant, priority) per request, past the auth edges."""
 
     requests: list[tuple[str, int]] = field(default_factory=list)
+    salts: list[str] = field(default_factory=list)  # the cache_salt of each
 
 
 @dataclass
@@ -79,6 +80,7 @@ def spying(router: RunningRouter) -> Iterator[Seen]:
 
     def stream(request: router_pb2.GenerateRequest, rid: str, left: float | None) -> Any:
         seen.requests.append((request.tenant, request.priority))
+        seen.salts.append(request.cache_salt)
         return original(request, rid, left)
 
     servicer.stream = stream  # type: ignore[method-assign]
@@ -322,6 +324,35 @@ async def test_http_tenant_is_the_keys(mesh: Tenanted):
     async with openai_client(mesh, "sk-wrong") as client:
         with pytest.raises(openai.AuthenticationError):
             await client.models.list()  # behind the key, as OpenAI's
+
+
+async def test_the_cache_salt_is_the_tenants_whatever_the_client_sends(mesh: Tenanted):
+    """Both front doors replace a client's cache_salt with its tenant's: the same prompt is
+    cached per tenant (the second of one tenant hits, the other tenant's misses), and a
+    client naming another tenant's salt gets its own anyway."""
+    search, batch = (derive_cache_salt(DEFAULT_SALT_SEED, t) for t in ("search", "batch"))
+    assert search != batch
+    prompt = [7 + i % 900 for i in range(4 * 32)]  # no other test's prefix
+
+    cached = []
+    for key, sent in [(SEARCH_KEY, ""), (SEARCH_KEY, batch), (BATCH_KEY, search)]:
+        call = mesh.stub.Generate(
+            make_request(prompt, max_tokens=2, cache_salt=sent), metadata=bearer(key), timeout=30
+        )
+        msgs = [m async for m in call]
+        cached.append(msgs[-1].finished.usage.cached_prompt_tokens)
+    assert mesh.seen.salts[-3:] == [search, search, batch]
+    assert cached == [0, 4 * 32 - 32, 0]  # search hits its own blocks; batch none of them
+
+    async with openai_client(mesh, BATCH_KEY) as client:
+        done = await client.completions.create(
+            model="sim", prompt=prompt, max_tokens=2, extra_body={"cache_salt": search}
+        )
+    assert mesh.seen.salts[-1] == batch
+    assert done.usage is not None and done.usage.prompt_tokens_details is not None
+    assert (
+        done.usage.prompt_tokens_details.cached_tokens == 4 * 32 - 32
+    )  # batch's own, not search's
 
 
 async def test_http_open_paths_and_anthropic_style_key(mesh: Tenanted):

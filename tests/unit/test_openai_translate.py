@@ -265,6 +265,45 @@ def test_extensions_travel_and_stream_flags():
     assert (g.session_id, g.tenant, g.priority) == ("s1", "t1", -3)
 
 
+@pytest.mark.parametrize(
+    ("sent", "ext", "want"),
+    [
+        pytest.param(None, Extensions(), "", id="open-none"),
+        pytest.param("mine", Extensions(), "mine", id="open-client-salt-as-vllm"),
+        pytest.param(None, Extensions(cache_salt="tenant-salt"), "tenant-salt", id="keyed"),
+        pytest.param(
+            "other", Extensions(cache_salt="tenant-salt"), "tenant-salt", id="keyed-strips"
+        ),
+        pytest.param(
+            7, Extensions(cache_salt="tenant-salt"), "tenant-salt", id="keyed-ignores-any"
+        ),
+    ],
+)
+def test_cache_salt(sent: object, ext: Extensions, want: str):
+    """With API keys the tenant's salt, whatever the body says (a client cannot pick the blocks
+    it shares); open, vLLM's body field."""
+    body: dict[str, Any] = {"model": "m", "messages": USER}
+    prompt: dict[str, Any] = {"model": "m", "prompt": ["a", "b"]}
+    if sent is not None:
+        body["cache_salt"] = prompt["cache_salt"] = sent
+    assert parsing.parse_chat(body, ext, "rid", 8).generate.cache_salt == want
+    batch = parsing.parse_completion(prompt, ext, "rid", 8).batch
+    assert [g.cache_salt for g in batch] == [want, want]
+
+
+@pytest.mark.parametrize(
+    ("sent", "says"),
+    [
+        pytest.param("", "cache_salt is empty", id="empty"),
+        pytest.param(3, "must be a string", id="int"),
+    ],
+)
+def test_open_cache_salt_refused(sent: object, says: str):
+    with pytest.raises(BadRequest, match=says) as bad:
+        parsing.parse_chat({"messages": USER, "cache_salt": sent}, Extensions(), "rid", 8)
+    assert bad.value.param == "cache_salt"
+
+
 COMPLETION_OK = [
     pytest.param({"prompt": "once"}, {"text": "once"}, id="text"),
     pytest.param({"prompt": ["once"]}, {"text": "once"}, id="batch-of-one"),
@@ -544,8 +583,8 @@ HEADERS = [
     ),
     pytest.param(
         {"authorization": "Bearer sk-1", "x-kvmesh-tenant": "other", "x-kvmesh-priority": "9"},
-        Identity("team-a", 3),
-        Extensions(tenant="team-a", priority=3),
+        Identity("team-a", 3, "salt-a"),
+        Extensions(tenant="team-a", priority=3, cache_salt="salt-a"),
         id="authenticated-identity-wins",
     ),
 ]

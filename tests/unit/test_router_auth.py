@@ -11,14 +11,17 @@ import pytest
 import yaml
 
 from kvmesh.errors import InvalidArgument, PermissionDenied, Unauthenticated
+from kvmesh.kv.hashing import check_cache_salt
 from services.router.auth import key_of
 from services.router.core.auth import (
+    DEFAULT_SALT_SEED,
     INT32_MAX,
     Claims,
     Identity,
     KeyTable,
     Tenant,
     authorize,
+    derive_cache_salt,
     hash_key,
     parse_key_table,
     static_table,
@@ -36,6 +39,10 @@ TREE = {
 }
 
 
+def salt(tenant: str, group: str = "", seed: str = DEFAULT_SALT_SEED) -> str:
+    return derive_cache_salt(seed, tenant, group)
+
+
 @pytest.fixture
 def table() -> KeyTable:
     return parse_key_table(TREE, "keys.yaml")
@@ -47,8 +54,9 @@ def test_hash_key_is_sha256_hex():
 
 
 def test_parsed_table(table: KeyTable):
-    assert table.lookup(SEARCH_KEY) == Tenant("search", 10)
-    assert table.lookup(BATCH_KEY) == Tenant("batch", 0)
+    assert table.lookup(SEARCH_KEY) == Tenant("search", 10, cache_salt=salt("search"))
+    assert table.lookup(BATCH_KEY) == Tenant("batch", 0, cache_salt=salt("batch"))
+    assert not table.seeded
     assert table.lookup("sk-other") is None and table.lookup("") is None
     assert [t.name for t in table.tenants] == ["batch", "search"]  # retired holds no key
     assert SEARCH_KEY not in repr(table)  # the digests only, never a key
@@ -106,12 +114,28 @@ def test_bad_key_files(tree: object, says: str):
 
 
 DECISIONS = [
-    pytest.param(SEARCH_KEY, Claims(), Identity("search", 10), id="class-by-default"),
-    pytest.param(SEARCH_KEY, Claims("search", 10), Identity("search", 10), id="own-name-and-max"),
-    pytest.param(SEARCH_KEY, Claims(priority=3), Identity("search", 3), id="lower-priority"),
-    pytest.param(SEARCH_KEY, Claims(priority=-7), Identity("search", -7), id="negative-priority"),
-    pytest.param(BATCH_KEY, Claims(), Identity("batch", 0), id="class-zero"),
-    pytest.param(BATCH_KEY, Claims(priority=-1), Identity("batch", -1), id="below-class-zero"),
+    pytest.param(
+        SEARCH_KEY, Claims(), Identity("search", 10, salt("search")), id="class-by-default"
+    ),
+    pytest.param(
+        SEARCH_KEY,
+        Claims("search", 10),
+        Identity("search", 10, salt("search")),
+        id="own-name-and-max",
+    ),
+    pytest.param(
+        SEARCH_KEY, Claims(priority=3), Identity("search", 3, salt("search")), id="lower-priority"
+    ),
+    pytest.param(
+        SEARCH_KEY,
+        Claims(priority=-7),
+        Identity("search", -7, salt("search")),
+        id="negative-priority",
+    ),
+    pytest.param(BATCH_KEY, Claims(), Identity("batch", 0, salt("batch")), id="class-zero"),
+    pytest.param(
+        BATCH_KEY, Claims(priority=-1), Identity("batch", -1, salt("batch")), id="below-class-zero"
+    ),
 ]
 
 
@@ -157,11 +181,14 @@ def test_refused(table: KeyTable, key: str, claims: Claims, exc: type[Exception]
 
 def test_static_table_any_priority():
     table = static_table(["sk-1"])
+    tenant = tenant_of_key("sk-1")
     assert authorize(table, "sk-1", Claims(priority=INT32_MAX)) == Identity(
-        tenant_of_key("sk-1"), INT32_MAX
+        tenant, INT32_MAX, salt(tenant)
     )
     named = static_table({"sk-1": "team-a"})
-    assert authorize(named, "sk-1") == Identity("team-a", INT32_MAX)
+    assert authorize(named, "sk-1") == Identity("team-a", INT32_MAX, salt("team-a"))
+    two = static_table(["sk-1", "sk-2"])  # each key its own tenant, its own cache
+    assert two.lookup("sk-1").cache_salt != two.lookup("sk-2").cache_salt  # type: ignore[union-attr]
     with pytest.raises(PermissionDenied):
         authorize(named, "sk-1", Claims("team-b"))
 
@@ -191,7 +218,9 @@ def test_key_file_yaml_and_toml(tmp_path: Path):
     as_toml = tmp_path / "keys.toml"
     as_toml.write_text(f'[tenants.search]\npriority = 4\nkeys = ["sha256:{digest}"]\n')
     for path in (as_yaml, as_toml):
-        assert read_key_file(path).lookup(SEARCH_KEY) == Tenant("search", 4), path
+        assert read_key_file(path).lookup(SEARCH_KEY) == Tenant(
+            "search", 4, cache_salt=salt("search")
+        ), path
     broken = tmp_path / "broken.toml"
     broken.write_text("[tenants.search\n")
     with pytest.raises(InvalidArgument, match=f"--api-keys-file {broken}"):
@@ -210,3 +239,87 @@ def test_cli_hash_key(capsys: pytest.CaptureFixture[str]):
     key_line, digest_line = capsys.readouterr().out.splitlines()
     key = key_line.split()[-1]
     assert digest_line.split()[-1] == f"sha256:{hash_key(key)}" and key.startswith("sk-kvmesh-")
+
+
+# ---- cache salts (issue 15 section 2) ---------------------------------------------------------
+SEED = "s3cret-seed-of-the-mesh"
+KEYS = {name: f"sk-{name}" for name in ("alice", "bob", "carol", "dave", "team-a")}
+SALTED_TREE = {
+    "cache_salt_seed": SEED,
+    "tenants": {
+        "alice": {"keys": [hash_key(KEYS["alice"])]},
+        "bob": {"keys": [hash_key(KEYS["bob"])]},
+        "carol": {"keys": [hash_key(KEYS["carol"])], "cache_group": "team-a"},
+        "dave": {"keys": [hash_key(KEYS["dave"])], "cache_group": "team-a"},
+        # a tenant named like the group does not join it
+        "team-a": {"keys": [hash_key(KEYS["team-a"])]},
+    },
+}
+
+
+def salt_of(table: KeyTable, tenant: str) -> str:
+    return authorize(table, KEYS[tenant]).cache_salt
+
+
+def test_each_tenant_its_own_salt_groups_share():
+    table = parse_key_table(SALTED_TREE, "keys.yaml")
+    assert table.seeded
+    salts = {t: salt_of(table, t) for t in KEYS}
+    assert salts["carol"] == salts["dave"] == salt("", "team-a", SEED)
+    assert salts["alice"] == salt("alice", seed=SEED)
+    assert len({salts["alice"], salts["bob"], salts["carol"], salts["team-a"]}) == 4
+    for value in salts.values():
+        check_cache_salt(value)  # what vLLM accepts
+        assert len(value) == 64 and value == value.lower()
+    # Not guessable from the name alone: not the name, not its digest, not the unseeded salt.
+    assert salts["alice"] not in ("alice", hashlib.sha256(b"alice").hexdigest(), salt("alice"))
+    assert salts["alice"] not in repr(table.lookup(KEYS["alice"]))  # kept out of logs
+
+
+def test_salt_follows_the_seed_and_nothing_else():
+    a = parse_key_table(SALTED_TREE, "a.yaml")
+    reordered = {"tenants": dict(reversed(SALTED_TREE["tenants"].items())), "cache_salt_seed": SEED}
+    b = parse_key_table(reordered, "b.yaml")  # another router reading the same file: same salts
+    assert all(salt_of(a, t) == salt_of(b, t) for t in KEYS)
+    other = parse_key_table({**SALTED_TREE, "cache_salt_seed": SEED + "-2"}, "c.yaml")
+    assert all(salt_of(a, t) != salt_of(other, t) for t in KEYS)
+    assert derive_cache_salt(SEED, "x", "g") == derive_cache_salt(SEED, "y", "g")
+    assert derive_cache_salt(SEED, "g") != derive_cache_salt(SEED, "other", "g")
+
+
+@pytest.mark.parametrize(
+    ("tree", "says"),
+    [
+        pytest.param(
+            {**TREE, "cache_salt_seed": "short"}, "cache_salt_seed: want", id="seed-short"
+        ),
+        pytest.param({**TREE, "cache_salt_seed": 12345}, "cache_salt_seed: want", id="seed-int"),
+        pytest.param(
+            {"tenants": {"a": {"keys": [], "cache_group": "a/b"}}},
+            "tenants.a.cache_group: a group name",
+            id="group-chars",
+        ),
+        pytest.param(
+            {"tenants": {"a": {"keys": [], "cache_group": 3}}},
+            "tenants.a.cache_group",
+            id="group-int",
+        ),
+        pytest.param(
+            {"tenants": {"a": {"keys": [], "cache_grp": "g"}}},
+            "unknown field(s) cache_grp",
+            id="group-typo",
+        ),
+    ],
+)
+def test_bad_salt_settings(tree: object, says: str):
+    with pytest.raises(InvalidArgument, match=r"^keys\.yaml") as bad:
+        parse_key_table(tree, "keys.yaml")
+    assert says in str(bad.value), bad.value
+
+
+def test_cli_new_seed(capsys: pytest.CaptureFixture[str]):
+    from kvmesh.cli import main
+
+    assert main(["auth", "new-seed"]) == 0
+    seed = capsys.readouterr().out.strip()
+    assert parse_key_table({**TREE, "cache_salt_seed": seed}, "f").seeded

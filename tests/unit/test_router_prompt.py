@@ -16,7 +16,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from kvmesh.errors import InvalidArgument
-from kvmesh.kv.hashing import HashConfig, SessionHasher
+from kvmesh.kv.hashing import HashConfig, RequestKeys, SessionHasher, block_hashes
 from kvmesh.telemetry import setup_tracing
 from services.router.hashing import PromptHasher
 from services.router.prompt import PromptBuilder, PromptInput
@@ -86,6 +86,25 @@ async def test_token_ids_are_hashed_without_a_tokenizer(pool: ThreadPoolExecutor
     b, _ = builder(pool, inline_tokens=len(ids) - 1)
     p = await b.build("m", "/nonexistent", BLOCK, "", PromptInput(token_ids=ids), no_check)
     assert not p.inline and p.hashed.hashes == expected_hashes(ids)
+
+
+@pytest.mark.parametrize("inline_tokens", [10_000, 0], ids=["loop", "executor"])
+async def test_a_salted_prompt_hashes_as_its_engine_will(
+    pool: ThreadPoolExecutor, inline_tokens: int
+):
+    """The tenant's salt goes into the hash of the first block, so every block differs from the
+    unsalted chain and from another salt's: the hashes vLLM publishes for that request."""
+    ids = list(range(100, 100 + 4 * BLOCK))
+    b, _ = builder(pool, inline_tokens)
+    cfg = HashConfig(block_size=BLOCK)
+    got = {}
+    for salt in ("", "salt-a", "salt-b"):
+        p = await b.build("m", "", BLOCK, "sess", PromptInput(token_ids=ids), no_check, salt)
+        want = block_hashes(ids, cfg, keys=RequestKeys(cache_salt=salt or None))
+        assert list(p.hashed.hashes) == want
+        assert p.hashed.reused_blocks == 0  # the session's chain of another salt is not reused
+        got[salt] = set(p.hashed.hashes)
+    assert not got[""] & got["salt-a"] and not got["salt-a"] & got["salt-b"]
 
 
 async def test_a_tokenizer_not_loaded_yet_never_loads_on_the_loop(

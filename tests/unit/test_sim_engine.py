@@ -64,6 +64,20 @@ async def test_streams_deterministic_tokens_and_reports_cache_hits(engine):
     assert (load.prefix_cache_queried_tokens, load.prefix_cache_hit_tokens) == (200, 96)
 
 
+async def test_salted_requests_share_blocks_only_with_their_salt(engine):
+    events = []
+    engine.set_kv_event_sink(events.append)
+    prompt = list(range(100))
+    cached = {}
+    for rid, salt in [("a1", "salt-a"), ("a2", "salt-a"), ("b1", "salt-b"), ("u1", "")]:
+        out = await collect(engine, replace(gen(rid, prompt, 2), cache_salt=salt))
+        cached[rid] = out[-1].cached_tokens
+    assert cached == {"a1": 0, "a2": 96, "b1": 0, "u1": 0}
+    stored = [set(e.block_hashes) for batch in events for e in batch]
+    assert len(stored) == 3 and not (stored[0] & stored[1] or stored[0] & stored[2])
+    assert stored[2] == set(simple_block_hashes(32)(prompt))  # unsalted: as before
+
+
 async def test_stop_token_ids_and_simulated_eos():
     e = SimulatedEngine(replace(FAST, eos_after_tokens=3))
     try:

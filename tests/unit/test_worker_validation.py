@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from kvmesh.errors import InvalidArgument
@@ -18,6 +20,10 @@ def req(
     return GenerateRequest(request_id=rid, prompt_token_ids=prompt, sampling=Sampling(**sampling))
 
 
+def salted(cache_salt: str) -> GenerateRequest:
+    return dataclasses.replace(req(), cache_salt=cache_salt)
+
+
 GOOD = [
     pytest.param(req(), id="plain"),
     pytest.param(req(prompt=(0, 49)), id="vocab-edges"),
@@ -30,6 +36,8 @@ GOOD = [
     pytest.param(req(top_k=0), id="top-k-0-disables"),
     pytest.param(req(top_k=5), id="top-k-5"),
     pytest.param(req(stop=("x",), stop_token_ids=(49,)), id="stops"),
+    pytest.param(salted("a" * 128), id="cache-salt-max"),
+    pytest.param(salted("0f" * 32), id="cache-salt-hex"),
 ]
 
 BAD = [
@@ -58,6 +66,10 @@ BAD = [
     pytest.param(req(stop=("",)), "sampling.stop contains an empty string", id="empty-stop"),
     pytest.param(req(stop=("a",) * 17), "sampling.stop has 17 strings", id="many-stops"),
     pytest.param(req(stop_token_ids=(50,)), "stop_token_ids has 50", id="stop-token-oov"),
+    pytest.param(salted("a" * 129), "cache_salt has 129 characters; use at most 128", id="salt-long"),
+    pytest.param(salted("team/a"), "cache_salt contains '@', '/'", id="salt-slash"),
+    pytest.param(salted("a@b"), "cache_salt contains", id="salt-at"),
+    pytest.param(salted("a\0b"), "cache_salt contains", id="salt-nul"),
 ]  # fmt: skip
 
 

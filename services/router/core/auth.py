@@ -15,15 +15,29 @@ of those that ask none (0 means "none asked": proto3 cannot tell it from unset):
 
 ``authorize`` is the one decision: no key or an unknown one -> ``Unauthenticated``; a known key
 naming another tenant, or asking more priority than its tenant holds -> ``PermissionDenied``;
-else the ``Identity`` the rest of the router sees (``request.tenant``, ``request.priority``).
+else the ``Identity`` the rest of the router sees (``request.tenant``, ``request.priority``,
+``request.cache_salt``).
+
+Caches never leak between tenants: each tenant has its own vLLM ``cache_salt``, derived here
+(``derive_cache_salt``: HMAC-SHA256 keyed by the file's ``cache_salt_seed`` over the tenant's name, or
+over its ``cache_group`` when it shares one), so the same prompt from two tenants hashes to
+different blocks in every engine, kvmanager tier and KV event. Tenants naming the same
+``cache_group`` get the same salt and share their prefix cache (a team's system prompt)::
+
+    cache_salt_seed: <a long random string, kvmesh auth new-seed>
+    tenants:
+      alice: {keys: [...], cache_group: team-a}
+      bob:   {keys: [...], cache_group: team-a}   # shares alice's cache
+      eve:   {keys: [...]}                        # her own
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NewType
 
 from kvmesh.errors import InvalidArgument, PermissionDenied, Unauthenticated
@@ -35,8 +49,14 @@ INT32_MIN = -(2**31)
 HASH_PREFIX = "sha256:"
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-_FILE_FIELDS = frozenset({"tenants"})
-_TENANT_FIELDS = frozenset({"priority", "keys"})
+_FILE_FIELDS = frozenset({"tenants", "cache_salt_seed"})
+_TENANT_FIELDS = frozenset({"priority", "keys", "cache_group"})
+# The seed of a file that sets none (and of ``--api-key`` tables): salts then follow from
+# tenant and group names alone, which is isolation still (the router sets every salt; a client
+# can neither send one nor read one), but not secret from whoever knows the names and reaches
+# an engine directly. ``keyfile`` warns about it.
+DEFAULT_SALT_SEED = "kvmesh-cache-salt-v1"
+MIN_SALT_SEED_CHARS = 16
 
 
 def hash_key(key: str) -> KeyHash:
@@ -44,10 +64,23 @@ def hash_key(key: str) -> KeyHash:
     return KeyHash(hashlib.sha256(key.encode()).hexdigest())
 
 
+def derive_cache_salt(seed: str, tenant: str, group: str = "") -> str:
+    """The vLLM ``cache_salt`` of ``tenant``'s requests: 64 hex digits of HMAC-SHA256 keyed by
+    ``seed`` over the tenant's name, or over ``group`` when it shares one (tenant and group
+    names are kept apart: a tenant named like a group does not join it). Without the seed it
+    cannot be guessed from the names; it fits vLLM's rule (at most 128 characters, no
+    '@', '/', '\\' or NUL)."""
+    scope = f"group:{group}" if group else f"tenant:{tenant}"
+    return hmac.new(seed.encode(), scope.encode(), hashlib.sha256).hexdigest()
+
+
 @dataclass(frozen=True, slots=True)
 class Tenant:
     name: str
     priority: int = 0  # the class: the most its requests may ask, and what they get by default
+    cache_group: str = ""  # tenants naming the same group share their prefix cache
+    # Its requests' vLLM cache_salt (``derive_cache_salt``); "": none (a table built by hand).
+    cache_salt: str = field(default="", repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +89,9 @@ class Identity:
 
     tenant: str
     priority: int
+    # The salt every block of its requests is hashed with (vLLM's cache_salt): the tenant's,
+    # whatever the client sent. "": unsalted.
+    cache_salt: str = field(default="", repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +110,7 @@ class KeyTable:
 
     by_hash: Mapping[KeyHash, Tenant]
     source: str = ""  # where it came from (the file), for logs
+    seeded: bool = False  # the salts come from a cache_salt_seed (not DEFAULT_SALT_SEED)
 
     @property
     def tenants(self) -> tuple[Tenant, ...]:
@@ -96,7 +133,15 @@ def static_table(keys: Mapping[str, str] | Iterable[str]) -> KeyTable:
     (``--api-key``, ``OpenAIServer(api_keys=...)``): any priority may be asked, as before
     there were key files."""
     pairs = keys.items() if isinstance(keys, Mapping) else ((k, tenant_of_key(k)) for k in keys)
-    return KeyTable({hash_key(k): Tenant(t, INT32_MAX) for k, t in pairs}, "--api-key")
+    # Each tenant its own cache salt. A ``tenant_of_key`` name is itself derived from the
+    # secret key, so no other client can work the salt out from it.
+    return KeyTable(
+        {
+            hash_key(k): Tenant(t, INT32_MAX, cache_salt=derive_cache_salt(DEFAULT_SALT_SEED, t))
+            for k, t in pairs
+        },
+        "--api-key",
+    )
 
 
 def authorize(table: KeyTable, key: str, claims: Claims = Claims()) -> Identity:
@@ -119,7 +164,7 @@ def authorize(table: KeyTable, key: str, claims: Claims = Claims()) -> Identity:
             f"tenant {tenant.name!r} may ask priority at most {tenant.priority}, not "
             f"{claims.priority}: lower {claims.priority_source} or leave it unset"
         )
-    return Identity(tenant.name, claims.priority or tenant.priority)
+    return Identity(tenant.name, claims.priority or tenant.priority, tenant.cache_salt)
 
 
 # ---- the key file ---------------------------------------------------------------------------
@@ -133,6 +178,7 @@ def parse_key_table(tree: object, source: str) -> KeyTable:
     tenants = tree.get("tenants")
     if not isinstance(tenants, Mapping) or not tenants:
         raise InvalidArgument(f"{source}: 'tenants' must map tenant names to {{priority, keys}}")
+    seed = _seed(tree.get("cache_salt_seed"), source)
     by_hash: dict[KeyHash, Tenant] = {}
     for name, spec in tenants.items():
         where = f"{source}: tenants.{name}"
@@ -144,7 +190,13 @@ def parse_key_table(tree: object, source: str) -> KeyTable:
         if not isinstance(spec, Mapping):
             raise InvalidArgument(f"{where}: want a mapping with keys and priority")
         _no_unknown(spec, _TENANT_FIELDS, where)
-        tenant = Tenant(name, _priority(spec.get("priority", 0), where))
+        group = _group(spec.get("cache_group"), where)
+        tenant = Tenant(
+            name,
+            _priority(spec.get("priority", 0), where),
+            group,
+            derive_cache_salt(seed or DEFAULT_SALT_SEED, name, group),
+        )
         for digest in _digests(spec.get("keys"), where):
             other = by_hash.get(digest)
             if other is not None:
@@ -153,7 +205,30 @@ def parse_key_table(tree: object, source: str) -> KeyTable:
                     "names one tenant"
                 )
             by_hash[digest] = tenant
-    return KeyTable(by_hash, source)
+    return KeyTable(by_hash, source, seeded=seed is not None)
+
+
+def _seed(value: object, source: str) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or len(value.strip()) < MIN_SALT_SEED_CHARS:
+        raise InvalidArgument(
+            f"{source}: cache_salt_seed: want a secret string of at least {MIN_SALT_SEED_CHARS} "
+            "characters ('kvmesh auth new-seed' makes one), or leave it out"
+        )
+    return value.strip()
+
+
+def _group(value: object, where: str) -> str:
+    if value is None:
+        return ""
+    if not isinstance(value, str) or not _TENANT_NAME.fullmatch(value):
+        raise InvalidArgument(
+            f"{where}.cache_group: a group name is 1-64 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit; tenants naming the same group share their "
+            "prefix cache"
+        )
+    return value
 
 
 def _digests(keys: object, where: str) -> Iterable[KeyHash]:

@@ -55,6 +55,9 @@ class RouteRequest:
     prompt_tokens: int = 0
     # The stage this request needs: BOTH (prefill and decode on one worker), PREFILL or DECODE.
     role: Role = Role.BOTH
+    # vLLM's cache_salt for its blocks (its tenant's; ``block_hashes`` are salted with it), sent
+    # to the worker with the prompt. "": unsalted.
+    cache_salt: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
         if not self.prompt_tokens:

@@ -21,6 +21,9 @@ class Extensions:
     session_id: str = ""
     tenant: str = ""
     priority: int = 0
+    # The caller's tenant's cache salt on a router with API keys (then the body's cache_salt
+    # is ignored); None: an open router, where the body's (vLLM's field) is used.
+    cache_salt: str | None = None
 
 
 def api_key_of(headers: Mapping[str, str]) -> str:
@@ -66,7 +69,7 @@ def extensions_from_headers(
     and the priority header is taken as sent."""
     session_id = headers.get(SESSION_HEADER, "").strip()
     if identity is not None:
-        return Extensions(session_id, identity.tenant, identity.priority)
+        return Extensions(session_id, identity.tenant, identity.priority, identity.cache_salt)
     key = api_key_of(headers)
     tenant = headers.get(TENANT_HEADER, "").strip() or (tenant_of_key(key) if key else "")
     return Extensions(session_id=session_id, tenant=tenant, priority=priority_of(headers))

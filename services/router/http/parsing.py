@@ -91,8 +91,26 @@ def _common(
     return body, model, stream, include_usage, sampling_params(body, default_max_tokens), n
 
 
+def cache_salt_of(body: Mapping[str, Any], ext: Extensions) -> str:
+    """The request's cache salt: its tenant's on a router with API keys, whatever the body
+    says (a client never picks the blocks it may share); on an open router vLLM's
+    ``cache_salt`` body field (null or absent: none)."""
+    if ext.cache_salt is not None:
+        return ext.cache_salt
+    sent = typed(body, "cache_salt", str, "a string")
+    if sent == "":
+        raise BadRequest(
+            "cache_salt is empty; send a non-empty string or leave it out", "cache_salt"
+        )
+    return sent or ""
+
+
 def _request(
-    ext: Extensions, request_id: str, model: str, sampling: common_pb2.SamplingParams
+    ext: Extensions,
+    request_id: str,
+    model: str,
+    sampling: common_pb2.SamplingParams,
+    body: Mapping[str, Any],
 ) -> router_pb2.GenerateRequest:
     return router_pb2.GenerateRequest(
         request_id=request_id,
@@ -101,6 +119,7 @@ def _request(
         session_id=ext.session_id,
         tenant=ext.tenant,
         priority=ext.priority,
+        cache_salt=cache_salt_of(body, ext),
     )
 
 
@@ -175,7 +194,7 @@ def parse_chat(
     body: object, ext: Extensions, request_id: str, default_max_tokens: int
 ) -> ParsedRequest:
     data, model, stream, include_usage, sampling, n = _common(body, Kind.CHAT, default_max_tokens)
-    req = _request(ext, request_id, model, sampling)
+    req = _request(ext, request_id, model, sampling, data)
     req.chat.messages.extend(chat_messages(data.get("messages")))
     tools = tool_spec(data)
     req.chat.tools.extend(tools.tools)
@@ -237,7 +256,7 @@ def parse_completion(
     reqs = []
     for i, one in enumerate(batch):
         param = f"prompt[{i}]" if len(batch) > 1 else "prompt"
-        req = _request(ext, request_id, model, sampling)
+        req = _request(ext, request_id, model, sampling, data)
         if isinstance(one, str):
             if not one:
                 raise BadRequest(f"{param} is empty; send a non-empty prompt", param)

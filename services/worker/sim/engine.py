@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import logging
 import math
@@ -54,6 +55,10 @@ log = logging.getLogger(__name__)
 Hasher = Callable[[Sequence[int]], Sequence[BlockHash]]
 """Token ids -> hashes of the prompt's full blocks, prefix-chained."""
 
+SaltedHasher = Callable[[Sequence[int], str], Sequence[BlockHash]]
+"""Token ids and a request's cache salt -> its block hashes (vLLM puts the salt in the first
+block's hash, so every block of the chain differs)."""
+
 _MASK = (1 << 64) - 1
 HASH_IN_THREAD_TOKENS = 8_192  # prompts longer than this are hashed off the event loop
 
@@ -71,6 +76,20 @@ def simple_block_hashes(block_size: int) -> Hasher:
         return out
 
     return hasher
+
+
+def salted_fallback(hasher: Hasher) -> SaltedHasher:
+    """``hasher``'s blocks, each hash mixed with the salt: per-salt blocks as an engine keeps
+    them, though not vLLM's values (give the engine a ``salted_hasher`` where they matter)."""
+
+    def salted(token_ids: Sequence[int], cache_salt: str) -> list[BlockHash]:
+        salt = cache_salt.encode()
+        return [
+            BlockHash(int.from_bytes(hashlib.sha256(salt + h.to_bytes(8, "big")).digest()[:8]))
+            for h in hasher(token_ids)
+        ]
+
+    return salted
 
 
 def _splitmix64(x: int) -> int:
@@ -171,13 +190,16 @@ class SimulatedEngine:
         config: SimEngineConfig | None = None,
         *,
         hasher: Hasher | None = None,
+        salted_hasher: SaltedHasher | None = None,
         clock: Callable[[], float] = time.monotonic,
         kv_stores: SimKvStores | None = None,
         kvmanager_id: str = "",
     ) -> None:
         """``kv_stores`` and ``kvmanager_id``: the simulated node kvmanagers and this engine's
         own (see ``handoff.py``): computed prompt blocks are saved there, and a request's
-        ``kv_source`` is loaded from there. None: no hand-off (``kv_source`` is ignored)."""
+        ``kv_source`` is loaded from there. None: no hand-off (``kv_source`` is ignored).
+        ``salted_hasher`` hashes requests that carry a ``cache_salt`` (default: ``hasher``'s
+        hashes mixed with the salt, ``salted_fallback``)."""
         cfg = config or SimEngineConfig()
         if cfg.speedup <= 0:
             raise ValueError("speedup must be > 0")
@@ -199,6 +221,7 @@ class SimulatedEngine:
             max_running_requests=wcfg.max_running,
         )
         self._hasher = hasher or simple_block_hashes(wcfg.block_size)
+        self._salted_hasher = salted_hasher or salted_fallback(self._hasher)
         self._kv_stores = kv_stores
         self._kvmanager_id = kvmanager_id
         self.handoffs: list[tuple[str, int, float]] = []  # (request id, blocks loaded, waited s)
@@ -279,10 +302,15 @@ class SimulatedEngine:
                 )
         arrived = time.monotonic()
         prompt = request.prompt_token_ids
-        if len(prompt) > HASH_IN_THREAD_TOKENS:
-            hashes = await asyncio.to_thread(self._hasher, prompt)
+        hash_prompt: Callable[[], Sequence[BlockHash]]
+        if request.cache_salt:
+            hash_prompt = functools.partial(self._salted_hasher, prompt, request.cache_salt)
         else:
-            hashes = self._hasher(prompt)
+            hash_prompt = functools.partial(self._hasher, prompt)
+        if len(prompt) > HASH_IN_THREAD_TOKENS:
+            hashes = await asyncio.to_thread(hash_prompt)
+        else:
+            hashes = hash_prompt()
         if len(hashes) != len(prompt) // self._info.block_size:
             raise ValueError(
                 f"the hasher gave {len(hashes)} block hashes for {len(prompt)} tokens; it must "
