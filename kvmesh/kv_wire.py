@@ -1,6 +1,7 @@
-"""The KV event wire format, both directions: kvmesh.kv.events values <-> kvmesh.v1 messages,
-and the initial metadata of ``Worker.WatchKvEvents``. The worker encodes with it and the router
-decodes with it, so the two sides cannot drift apart."""
+"""The KV wire formats, both directions: kvmesh.kv.events values <-> kvmesh.v1 messages and
+the initial metadata of ``Worker.WatchKvEvents`` (the worker encodes, the router decodes); KV
+layouts (kvmesh.kv.layout) <-> messages (the connector encodes, the kvmanager decodes). One
+module for both sides, so they cannot drift apart."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from kvmesh.kv.events import (
     KvEventBatch,
     Tier,
 )
-from kvmesh.v1 import worker_pb2
+from kvmesh.kv.layout import KvLayout
+from kvmesh.v1 import kvmanager_pb2, worker_pb2
 
 # WatchKvEvents initial metadata: the log's epoch and last seq when the stream started, and
 # whether the stream resumes the asked epoch ("1") or starts with a snapshot ("0").
@@ -91,4 +93,33 @@ def kv_batch_from_pb(msg: worker_pb2.KvEventBatch) -> KvEventBatch:
         seq=msg.seq,
         events=tuple(e for e in events if e is not None),
         snapshot=msg.snapshot,
+    )
+
+
+def layout_from_pb(msg: kvmanager_pb2.KvLayout) -> KvLayout:
+    """The core value of a layout message (BadLayout, an INVALID_ARGUMENT, names what is wrong)."""
+    return KvLayout(
+        model=msg.model,
+        block_size=msg.block_size,
+        num_layers=msg.num_layers,
+        num_kv_heads=msg.num_kv_heads,
+        head_size=msg.head_size,
+        dtype=msg.dtype,
+        tp_rank=msg.tp_rank,
+        tp_size=msg.tp_size or 1,
+        device=msg.device,
+    )
+
+
+def layout_to_pb(layout: KvLayout) -> kvmanager_pb2.KvLayout:
+    return kvmanager_pb2.KvLayout(
+        model=layout.model,
+        block_size=layout.block_size,
+        num_layers=layout.num_layers,
+        num_kv_heads=layout.num_kv_heads,
+        head_size=layout.head_size,
+        dtype=layout.dtype,
+        tp_rank=layout.tp_rank,
+        tp_size=layout.tp_size,
+        device=layout.device,
     )

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvmesh.kv.layout import KvLayout
+from kvmesh.kv_wire import layout_to_pb
 from kvmesh.v1 import kvmanager_pb2
-from services.kvmanager.convert import layout_to_pb
-from services.kvmanager.core.layout import KvLayout
 from services.worker.connector.layout import BlockLayout
 
 

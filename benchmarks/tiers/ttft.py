@@ -139,7 +139,7 @@ async def _run(cfg: TtftConfig, log: Callable[[str], None]) -> TtftResult:
     from services.worker.main import prepare_environment
 
     prepare_environment(None)
-    from services.kvmanager.convert import layout_to_pb
+    from kvmesh.kv_wire import layout_to_pb
     from services.worker.config import EngineConfig, WorkerConfig
     from services.worker.connector import kv_transfer_config
     from services.worker.connector.kvmanager_client import kv_layout

@@ -103,7 +103,7 @@ class WorkerRecord:
     max_model_len: int = 0  # tokens, prompt + completion
     block_size: int = 0  # tokens per KV block
     vocab_size: int = 0
-    # KvLayout key (services/kvmanager/core/layout.py) of the blocks it saves to its node's
+    # KvLayout key (kvmesh/kv/layout.py) of the blocks it saves to its node's
     # kvmanager; empty when it has none. Routers read that kvmanager's tier events for it.
     kv_layout: str = ""
     vllm_version: str = ""  # the vLLM its engine runs; empty for the simulated engine

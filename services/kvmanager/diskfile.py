@@ -25,9 +25,9 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from kvmesh.kv.events import BlockHash
+from kvmesh.kv.layout import KvLayout
 
 from .core.errors import CorruptBlock
-from .core.layout import KvLayout
 
 MAGIC = b"KVMB"
 FORMAT_VERSION = 1

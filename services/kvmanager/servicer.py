@@ -17,14 +17,12 @@ from kvmesh import errors
 from kvmesh.kv.eventlog import KvEventLog
 from kvmesh.kv.events import Tier
 from kvmesh.kv.fanout import KvEventHub
+from kvmesh.kv.layout import BadBlock, KvLayout, check_layout_key
 from kvmesh.kv_stream import serve_kv_events
-from kvmesh.kv_wire import TIER_PB
+from kvmesh.kv_wire import TIER_PB, layout_from_pb
 from kvmesh.telemetry import tracer
 from kvmesh.v1 import kvmanager_pb2, kvmanager_pb2_grpc, worker_pb2
 
-from .convert import layout_from_pb
-from .core.errors import BadBlock
-from .core.layout import KvLayout, check_layout_key
 from .core.plan import LayoutEvent
 from .peer import FetchProgress, PeerRef, PeerService
 from .shm import ALIGN, ShmRegistry

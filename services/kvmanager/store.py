@@ -25,12 +25,12 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from kvmesh.kv.events import BlockHash, Tier
+from kvmesh.kv.layout import KvLayout, check_block_hash
 
 from . import diskfile
 from .arena import PAGE_BYTES, Arena, ArenaStats
 from .core.config import Populate, StoreConfig
 from .core.errors import CorruptBlock, StoreClosed, StoreFull
-from .core.layout import KvLayout, check_block_hash
 from .core.plan import (
     BlockId,
     DeleteFromDisk,

@@ -21,10 +21,9 @@ import pytest
 
 from kvmesh.discovery.keys import KvManagerRecord, kvmanager_key
 from kvmesh.kv.events import BlockHash, BlockStored, Tier
-from kvmesh.kv_wire import kv_batch_from_pb
+from kvmesh.kv_wire import kv_batch_from_pb, layout_from_pb
 from kvmesh.v1 import kvmanager_pb2, kvmanager_pb2_grpc, worker_pb2
 from services.kvmanager.config import KvManagerConfig, PeerConfig
-from services.kvmanager.convert import layout_from_pb
 from services.kvmanager.core.config import StoreConfig
 from services.kvmanager.main import RunningKvManager, parse_args, start_kvmanager
 from services.kvmanager.peer.client import TicketRefused, fetch_blocks
@@ -383,7 +382,7 @@ KILLED_CHILD = textwrap.dedent(
     import asyncio
     import inspect
     from services.kvmanager.config import KvManagerConfig
-    from services.kvmanager.convert import layout_from_pb
+    from kvmesh.kv_wire import layout_from_pb
     from services.kvmanager.core.config import StoreConfig
     from services.kvmanager.main import start_kvmanager
     from tests.integration.test_kvmanager_peer import BIG_LAYOUT, payload

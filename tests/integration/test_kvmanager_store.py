@@ -14,10 +14,10 @@ import pytest
 
 from kvmesh.kv.eventlog import KvEventLog
 from kvmesh.kv.events import BlockHash, BlockRemoved, BlockStored, Tier
+from kvmesh.kv.layout import BadBlock, KvLayout
 from services.kvmanager import diskfile
 from services.kvmanager.core.config import Populate, StoreConfig
-from services.kvmanager.core.errors import BadBlock, NotPinned, StoreClosed, StoreFull
-from services.kvmanager.core.layout import KvLayout
+from services.kvmanager.core.errors import NotPinned, StoreClosed, StoreFull
 from services.kvmanager.core.plan import LayoutEvent
 from services.kvmanager.metrics import KvManagerMetrics
 from services.kvmanager.store import TieredStore

@@ -7,9 +7,8 @@ import dataclasses
 import pytest
 
 from kvmesh.errors import InvalidArgument
+from kvmesh.kv.layout import BadBlock, BadLayout, KvLayout, LayoutMismatch, check_block_hash
 from services.kvmanager.core.config import StoreConfig
-from services.kvmanager.core.errors import BadBlock, BadLayout, LayoutMismatch
-from services.kvmanager.core.layout import KvLayout, check_block_hash
 
 LLAMA_8B = KvLayout("llama-3-8b", 16, 32, 8, 128, "bfloat16")
 

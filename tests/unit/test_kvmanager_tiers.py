@@ -15,8 +15,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from kvmesh.errors import InvalidArgument
 from kvmesh.kv.eventlog import KvEventLog
 from kvmesh.kv.events import BlockHash, BlockRemoved, BlockStored, Tier
+from kvmesh.kv.layout import KvLayout
 from services.kvmanager.core.errors import NotPinned
-from services.kvmanager.core.layout import KvLayout
 from services.kvmanager.core.plan import (
     Action,
     BlockId,

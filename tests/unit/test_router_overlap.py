@@ -21,16 +21,27 @@ def msg(token: int) -> worker_pb2.WorkerGenerateResponse:
 
 
 async def decode_call(
-    first_after_s: float, n: int = 3
+    gate: asyncio.Event | None = None, n: int = 3
 ) -> AsyncIterator[worker_pb2.WorkerGenerateResponse]:
-    await asyncio.sleep(first_after_s)
+    """The decode worker's stream: its first message once ``gate`` opens (None: at once)."""
+    if gate is not None:
+        await gate.wait()
     for i in range(n):
         yield msg(i)
 
 
-async def prefill(after_s: float, result: worker_pb2.KvSource | None) -> worker_pb2.KvSource | None:
-    await asyncio.sleep(after_s)
+async def prefill(
+    gate: asyncio.Event, result: worker_pb2.KvSource | None
+) -> worker_pb2.KvSource | None:
+    """The overlapped prefill: ends with ``result`` (None: fell back) once ``gate`` opens."""
+    await gate.wait()
     return result
+
+
+def opened() -> asyncio.Event:
+    gate = asyncio.Event()
+    gate.set()
+    return gate
 
 
 async def collect(
@@ -42,33 +53,34 @@ async def collect(
 
 
 async def test_prefill_done_first_then_thedecode_streams() -> None:
-    overlap = Overlap(asyncio.create_task(prefill(0.01, SOURCE)))
-    assert await collect(overlap, decode_call(0.05)) == [0, 1, 2]
+    task = asyncio.create_task(prefill(opened(), SOURCE))
+    decoded = asyncio.Event()  # the decode worker answers once the prefill handed off
+    task.add_done_callback(lambda _: decoded.set())
+    assert await collect(Overlap(task), decode_call(decoded)) == [0, 1, 2]
+    assert task.result() == SOURCE
 
 
 async def test_a_prefill_falling_back_first_withdraws_the_decode_call() -> None:
-    overlap = Overlap(asyncio.create_task(prefill(0.01, None)))
-    started = asyncio.get_running_loop().time()
+    overlap = Overlap(asyncio.create_task(prefill(opened(), None)))
     with pytest.raises(HandoffLost):
-        await collect(overlap, decode_call(5.0))  # would wait out its hand-off
-    assert asyncio.get_running_loop().time() - started < 1.0
+        await collect(overlap, decode_call(asyncio.Event()))  # would wait out its hand-off
 
 
 async def test_the_first_token_makes_the_prefill_unneeded() -> None:
-    task = asyncio.create_task(prefill(5.0, None))  # would fall back, but too late to matter
+    task = asyncio.create_task(prefill(asyncio.Event(), None))  # would fall back, too late
     overlap = Overlap(task)
-    assert await collect(overlap, decode_call(0.01)) == [0, 1, 2]
+    assert await collect(overlap, decode_call()) == [0, 1, 2]
     await asyncio.sleep(0)
     assert task.cancelled()
 
 
 async def test_a_decode_error_propagates_while_the_prefill_runs() -> None:
     async def failing() -> AsyncIterator[worker_pb2.WorkerGenerateResponse]:
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0)
         raise RuntimeError("decode worker gone")
         yield msg(0)  # pragma: no cover
 
-    task = asyncio.create_task(prefill(5.0, SOURCE))
+    task = asyncio.create_task(prefill(asyncio.Event(), SOURCE))  # still running
     with pytest.raises(RuntimeError, match="decode worker gone"):
         await collect(Overlap(task), failing())
     assert not task.done()  # a retry on another decode worker still wants its blocks
@@ -76,15 +88,15 @@ async def test_a_decode_error_propagates_while_the_prefill_runs() -> None:
 
 
 async def test_without_an_overlapped_prefill_it_is_the_call() -> None:
-    assert await collect(Overlap(), decode_call(0.0)) == [0, 1, 2]
+    assert await collect(Overlap(), decode_call()) == [0, 1, 2]
 
 
 @pytest.mark.parametrize("overlapped", [False, True])
 async def test_a_worker_silent_past_the_first_token_timeout_is_given_up(overlapped: bool) -> None:
-    task = asyncio.create_task(prefill(0.01, SOURCE)) if overlapped else None
+    task = asyncio.create_task(prefill(opened(), SOURCE)) if overlapped else None  # handed off
     started = asyncio.get_running_loop().time()
     with pytest.raises(NoFirstToken):
-        await collect(Overlap(task), decode_call(30.0), first_token_timeout_s=0.2)
+        await collect(Overlap(task), decode_call(asyncio.Event()), first_token_timeout_s=0.2)
     assert 0.15 < asyncio.get_running_loop().time() - started < 2.0
 
 

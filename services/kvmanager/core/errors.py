@@ -13,19 +13,6 @@ from kvmesh.errors import (
 )
 
 
-class BadLayout(InvalidArgument):
-    """A KV layout field is out of range (the message names the field and the value)."""
-
-
-class BadBlock(InvalidArgument):
-    """A block does not fit its layout (payload size) or its hash is not an unsigned 64-bit int."""
-
-
-class LayoutMismatch(InvalidArgument):
-    """A block or peer uses another KV layout than the one expected (the message names the
-    fields that differ)."""
-
-
 class NotPinned(InvalidArgument):
     """An unpin without a matching pin: refcounts never go below zero."""
 

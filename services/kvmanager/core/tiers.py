@@ -40,9 +40,9 @@ from dataclasses import dataclass, field
 
 from kvmesh.errors import InvalidArgument
 from kvmesh.kv.events import BlockHash, BlockRemoved, BlockStored, Tier
+from kvmesh.kv.layout import KvLayout
 
 from .errors import NotPinned
-from .layout import KvLayout
 from .plan import (
     Action,
     BlockId,

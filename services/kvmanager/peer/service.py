@@ -28,13 +28,13 @@ import grpc
 
 from kvmesh.errors import InvalidArgument
 from kvmesh.kv.events import BlockHash, Tier
+from kvmesh.kv.layout import KvLayout, check_block_hash
+from kvmesh.kv_wire import layout_to_pb
 from kvmesh.telemetry import tracer
 from kvmesh.v1 import kvmanager_pb2, kvmanager_pb2_grpc
 
-from ..convert import layout_to_pb
 from ..core.config import PeerConfig
 from ..core.errors import DataPlaneOff, PeerFetchFailed, PeerFetchTimedOut
-from ..core.layout import KvLayout, check_block_hash
 from .client import FetchDeadlineExceeded, FetchedBlock, PeerFetchError, StreamBroken, fetch_blocks
 from .core import (
     FetchGrant,

@@ -35,10 +35,9 @@ from typing import Any
 import grpc
 
 from kvmesh.kv.events import Tier
-from kvmesh.kv_wire import TIER_OF
+from kvmesh.kv.layout import KvLayout
+from kvmesh.kv_wire import TIER_OF, layout_to_pb
 from kvmesh.v1 import kvmanager_pb2, kvmanager_pb2_grpc
-from services.kvmanager.convert import layout_to_pb
-from services.kvmanager.core.layout import KvLayout
 
 from .client import BlockBytes, SaveChain, StoreConfig
 from .layout import parse_layout_key

@@ -6,7 +6,7 @@ byte layout of a block (the attention backend's). The key is a readable string o
 values; the block hash (which already covers the tokens, the hash seed, LoRA and cache salt)
 names a block within it.
 
-Pure. ``services/kvmanager/core/layout.py`` (``KvLayout``, written concurrently) will become the
+Pure. ``kvmesh/kv/layout.py`` (``KvLayout``, the kvmanager's side of the contract) will become the
 one definition; until then this string is what the connector sends, and the kvmanager client
 can parse it back (``parse_layout_key``).
 """

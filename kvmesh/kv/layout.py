@@ -1,4 +1,5 @@
 """KV layouts: everything that makes two KV blocks interchangeable, and the checks on a block.
+The contract between the engines' KV connector and the kvmanagers (both sides import it here).
 
 A block is stored under ``(layout.key, block_hash)``: the same hash under two layouts (another
 model, dtype, block size, or another tensor-parallel rank's shard) is two different blocks.
@@ -9,9 +10,8 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field, fields
 
+from kvmesh.errors import InvalidArgument
 from kvmesh.kv.events import BlockHash
-
-from .errors import BadBlock, BadLayout, LayoutMismatch
 
 # Bytes per element of the KV cache dtypes vLLM names (``--kv-cache-dtype``; resolve "auto" to
 # the model's dtype first).
@@ -28,6 +28,19 @@ DTYPE_BYTES: dict[str, int] = {
 
 KEY_VERSION = "kvlayout/1"  # part of every key: bump it if the key's recipe ever changes
 _HASH_LIMIT = 1 << 64
+
+
+class BadLayout(InvalidArgument):
+    """A KV layout field is out of range (the message names the field and the value)."""
+
+
+class BadBlock(InvalidArgument):
+    """A block does not fit its layout (payload size) or its hash is not an unsigned 64-bit int."""
+
+
+class LayoutMismatch(InvalidArgument):
+    """A block or peer uses another KV layout than the one expected (the message names the
+    fields that differ)."""
 
 
 @dataclass(frozen=True, slots=True)
