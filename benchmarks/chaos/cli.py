@@ -200,6 +200,9 @@ def cmd_chaos(a: argparse.Namespace) -> int:
         max_model_len=4096,
         kv_cache_bytes=64 << 20,
         kvmanager_cpu_bytes=256 << 20,
+        # float32: greedy outputs compared across runs are then a check of the KV path; in
+        # bf16 a different batch or a recompute instead of a load can flip a near-tie
+        worker_args=("--dtype", "float32"),
         # fixed: a restarted kvmanager comes back where the workers' connectors look
         kvmanager_args=("--port", str(free_port())),
         log_dir=out_dir / "mesh",

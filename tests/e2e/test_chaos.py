@@ -50,7 +50,10 @@ def fleet(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         kvmanager_cpu_bytes=256 << 20,
         log_dir=tmp_path_factory.mktemp("chaos"),
         # shorter than the etcd stop (2 x pause): the workers' leases expire while it is stopped
-        worker_args=("--etcd-ttl-s", "3"),
+        # float32: the outputs compared with the no-fault run's are then a check of the KV
+        # path; in bf16 a recompute instead of a load (or another batch) can flip a near-tie
+        # of the random model's logits (seen once in 116 turns of stop-kvmanager)
+        worker_args=("--etcd-ttl-s", "3", "--dtype", "float32"),
         # fixed: the killed kvmanager's successor comes back where the connectors look
         kvmanager_args=("--port", str(free_port())),
         router_port=free_port(),
