@@ -112,6 +112,15 @@ def _add_mesh_flags(p: argparse.ArgumentParser, default_port: int) -> None:
         "--log-dir", type=Path, default=None, help="where child logs go (default: a temp dir)"
     )
     p.add_argument(
+        "--colocate",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="run the first worker in the router's process (kvmesh node): the router's data path "
+        "to it is then a call, not a gRPC stream, one process fewer per token; the process going "
+        "down takes both. auto: on for a mesh of one worker and one router process (default "
+        "%(default)s)",
+    )
+    p.add_argument(
         "--router-processes",
         type=int,
         default=1,
@@ -288,6 +297,8 @@ def _both_workers(a: argparse.Namespace) -> int:
 
 
 def _describe_workers(spec) -> str:  # type: ignore[no-untyped-def]
+    if spec.colocate:
+        return "1 worker, in the router's process"
     if not (spec.prefill_workers or spec.decode_workers):
         return f"{spec.workers} workers"
     both = f" + {spec.workers} both" if spec.workers else ""
@@ -311,6 +322,15 @@ def describe_metrics(mesh) -> str:  # type: ignore[no-untyped-def]
     width = max(len(name) for name, _ in urls)
     lines = [f"{name:<{width}}  {url}" for name, url in urls]
     return "  metrics " + "\n          ".join(lines) + "\n"
+
+
+def _colocate(a: argparse.Namespace) -> bool:
+    """--colocate: auto is on for one worker (of any role) and one router process."""
+    if a.colocate != "auto":
+        if a.colocate == "on" and a.router_processes > 1:
+            a.mesh_parser.error("--colocate on needs --router-processes 1")
+        return bool(a.colocate == "on")
+    return _both_workers(a) + a.prefill + a.decode == 1 and a.router_processes == 1
 
 
 def _mesh_spec(a: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -340,6 +360,7 @@ def _mesh_spec(a: argparse.Namespace):  # type: ignore[no-untyped-def]
         otlp_endpoint=a.otlp_endpoint,
         bind_cpus=not a.no_cpu_binding,
         router_processes=a.router_processes,
+        colocate=_colocate(a),
         allowed_origins=a.allowed_origins,
         allowed_methods=a.allowed_methods,
         allowed_headers=a.allowed_headers,

@@ -21,6 +21,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from kvmesh.cpus import available_cpus, format_cpu_list, plan_cpus
 from kvmesh.etcd_server import LocalEtcd
@@ -72,6 +73,9 @@ class MeshSpec:
     # workers' front ends when there are enough (kvmesh/cpus.py); False: no binding at all.
     bind_cpus: bool = True
     router_processes: int = 1  # router processes sharing its ports (kvmesh router --processes)
+    # The first worker and the router in one process (services/node: the router's data path
+    # to it is a call, not a gRPC stream); the other workers, if any, run on their own.
+    colocate: bool = False
     # CORS of the router's HTTP API, as its --allowed-origins ... flags take them (JSON list or
     # comma-separated); empty: the router's default (no origin allowed; all methods, headers).
     allowed_origins: str = ""
@@ -138,15 +142,27 @@ class Mesh:
             if self.spec.kvmanager_cpu_bytes > 0:
                 self.kvmanager = self.start_kvmanager()
                 self._wait_ready(self.kvmanager, 60.0)
-            for i, (name, role) in enumerate(self.worker_roles()):
-                self.workers.append(self.start_worker(name, self.worker_args(i, role)))
+            roles = self.worker_roles()
+            for i, (name, role) in enumerate(roles):
+                if i > 0 or not self.colocated:
+                    self.workers.append(self.start_worker(name, self.worker_args(i, role)))
             for w in self.workers:
                 self._wait_ready(w, self.spec.start_timeout_s)
-            self.router = self.start_router()
+            if self.colocated:
+                self.router, first = self.start_node()
+                self.workers.insert(0, first)
+                self._wait_ready(first, self.spec.start_timeout_s)
+            else:
+                self.router = self.start_router()
             self._wait_ready(self.router, 60.0)
         except BaseException:
             self.stop()
             raise
+
+    @property
+    def colocated(self) -> bool:
+        """The first worker runs in the router's process (``MeshSpec.colocate``)."""
+        return self.spec.colocate and bool(self.worker_roles())
 
     def worker_roles(self) -> list[tuple[str, str]]:
         """(name, role) of every worker the spec asks for, in start order."""
@@ -191,8 +207,12 @@ class Mesh:
         return args
 
     def start_worker(self, name: str, extra_args: Sequence[str] = ()) -> Child:
+        args = self._worker_argv(name, extra_args)
+        return self._spawn(name, "services.worker.main", args, WORKER_READY)
+
+    def _worker_argv(self, name: str, extra_args: Sequence[str]) -> list[str]:
         spec = self.spec
-        args = [
+        return [
             "--model", str(spec.model_path),
             "--worker-id", name,
             "--cluster", spec.cluster,
@@ -207,11 +227,42 @@ class Mesh:
             *spec.worker_args,
             *extra_args,
         ]  # fmt: skip
-        return self._spawn(name, "services.worker.main", args, WORKER_READY)
 
     def start_router(self, name: str = "router", extra_args: Sequence[str] = ()) -> Child:
+        args = self._router_argv(extra_args)
+        return self._pinned(self._spawn(name, "services.router.main", args, ROUTER_READY))
+
+    def start_node(self, router_name: str = "router") -> tuple[Child, Child]:
+        """The router and the first worker in one process (``services/node``): its router and
+        worker children, one process. Not pinned here: the worker pins the process to the
+        service cores once its engine has started, as a worker of its own does."""
+        name, role = self.worker_roles()[0]
+        argv = [
+            *self._router_argv(()),
+            "--",
+            *self._worker_argv(name, self.worker_args(0, role)),
+        ]
+        log_path = self.log_dir / f"{router_name}+{name}.log"
+        proc, logf = self._popen("services.node.main", argv, log_path)
+        router, worker = Child(router_name, proc, log_path), Child(name, proc, log_path)
+        threading.Thread(
+            target=_pump,
+            args=({ROUTER_READY: router, WORKER_READY: worker}, logf),
+            name=f"pump-{router_name}+{name}",
+            daemon=True,
+        ).start()
+        log.info(
+            "started %s and %s in one process (pid %d), log %s",
+            router_name,
+            name,
+            proc.pid,
+            log_path,
+        )
+        return router, worker
+
+    def _router_argv(self, extra_args: Sequence[str]) -> list[str]:
         spec = self.spec
-        args = [
+        return [
             "--host", spec.router_host,
             "--port", str(spec.router_port),
             "--http-host", spec.router_host,
@@ -228,7 +279,6 @@ class Mesh:
             *spec.router_args,
             *extra_args,
         ]  # fmt: skip
-        return self._pinned(self._spawn(name, "services.router.main", args, ROUTER_READY))
 
     def start_kvmanager(self, name: str = "kvmanager") -> Child:
         spec = self.spec
@@ -261,14 +311,29 @@ class Mesh:
         return child
 
     def restart_router(self) -> None:
-        """Stops the router (SIGTERM, drain) and starts a new one in its place."""
+        """Stops the router (SIGTERM, drain) and starts a new one in its place (colocated:
+        with the first worker)."""
         assert self.router is not None
         stop_child(self.router, grace_s=15.0)
+        if self.colocated:
+            self._restart_node()
+            return
         self.router = self.start_router(self.router.name)
         self._wait_ready(self.router, 60.0)
 
+    def _restart_node(self) -> None:
+        assert self.router is not None
+        stop_child(self.router, grace_s=30.0)
+        self.router, self.workers[0] = self.start_node(self.router.name)
+        self._wait_ready(self.workers[0], self.spec.start_timeout_s)
+        self._wait_ready(self.router, 60.0)
+
     def restart_worker(self, i: int) -> None:
-        """Stops worker ``i`` (SIGTERM, drain) and starts a fresh engine under the same id."""
+        """Stops worker ``i`` (SIGTERM, drain) and starts a fresh engine under the same id
+        (colocated, the first: with the router)."""
+        if i == 0 and self.colocated:
+            self._restart_node()
+            return
         old = self.workers[i]
         stop_child(old, grace_s=30.0)
         names = [n for n, _ in self.worker_roles()]
@@ -297,6 +362,19 @@ class Mesh:
     # ---- internals ------------------------------------------------------------------------
     def _spawn(self, name: str, module: str, args: list[str], ready_tag: str) -> Child:
         log_path = self.log_dir / f"{name}.log"
+        proc, logf = self._popen(module, args, log_path)
+        child = Child(name, proc, log_path)
+        threading.Thread(
+            target=_pump, args=({ready_tag: child}, logf), name=f"pump-{name}", daemon=True
+        ).start()
+        log.info("started %s (pid %d), log %s", name, proc.pid, log_path)
+        return child
+
+    def _popen(  # type: ignore[no-untyped-def]
+        self, module: str, args: list[str], log_path: Path
+    ) -> tuple[subprocess.Popen[str], Any]:
+        """A child running ``python -m module args``: stdout piped (its ready lines), stderr
+        to ``log_path``; returns it and the open log file (the pump closes it)."""
         env = {**os.environ, **child_env(), **self.spec.env}
         logf = open(log_path, "a", buffering=1)  # noqa: SIM115 - the child's stderr, open while it runs
         proc = subprocess.Popen(
@@ -307,12 +385,7 @@ class Mesh:
             env=env,
             start_new_session=True,  # Ctrl-C in a terminal reaches us, not them; we stop them
         )
-        child = Child(name, proc, log_path)
-        threading.Thread(
-            target=_pump, args=(child, ready_tag, logf), name=f"pump-{name}", daemon=True
-        ).start()
-        log.info("started %s (pid %d), log %s", name, proc.pid, log_path)
-        return child
+        return proc, logf
 
     def _wait_ready(self, child: Child, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -329,17 +402,21 @@ class Mesh:
                 )
 
 
-def _pump(child: Child, ready_tag: str, logf) -> None:  # type: ignore[no-untyped-def]
-    assert child.proc.stdout is not None
+def _pump(children: dict[str, Child], logf) -> None:  # type: ignore[no-untyped-def]
+    """Copies a process's stdout to its log; each ready line (tag -> child) readies its child."""
+    proc = next(iter(children.values())).proc
+    assert proc.stdout is not None
     try:
-        for line in child.proc.stdout:
-            if line.startswith(ready_tag):
+        for line in proc.stdout:
+            tag = line.split(" ", 1)[0].strip()
+            child = children.get(tag)
+            if child is not None:
                 child.ready = dict(part.split("=", 1) for part in line.split()[1:] if "=" in part)
                 child._ready_event.set()
             logf.write(line)
     finally:
         logf.close()
-        child.proc.stdout.close()
+        proc.stdout.close()
 
 
 def stop_child(child: Child, grace_s: float) -> None:

@@ -11,7 +11,10 @@ with ``benchmarks.serve.grpc_load`` (the same requests through kvmesh's gRPC API
 goes on to the next; ``--rounds R`` repeats the whole alternation and reports medians. Targets:
 
 - ``vllm``: ``vllm serve`` on one engine (the baseline every ratio is taken against);
-- ``kvmesh-1``: ``kvmesh up --workers 1`` as it starts by default (node kvmanager on);
+- ``kvmesh-1``: ``kvmesh up --workers 1`` as it starts by default (node kvmanager on; the
+  worker in the router's process, ``--colocate auto``);
+- ``kvmesh-1-split``: the same with the router and the worker in processes of their own
+  (``--colocate off``);
 - ``kvmesh-n``: ``--workers N`` with the router's default profile;
 - ``kvmesh-n-rr``: the same with ``--policy round-robin`` (a Kubernetes Service).
 
@@ -36,14 +39,19 @@ from kvmesh.units import parse_bytes
 from .run import Load, run_load
 from .targets import EngineSettings, TargetSpec, start_kvmesh, start_vllm
 
-TARGETS = ("vllm", "kvmesh-1", "kvmesh-n", "kvmesh-n-rr")
-ROLES = ("router", "worker", "engine", "kvmanager", "vllm-api")
+TARGETS = ("vllm", "kvmesh-1", "kvmesh-1-split", "kvmesh-n", "kvmesh-n-rr")
+ROLES = ("router", "worker", "engine", "kvmanager", "vllm-api", "node")
 
 
 def target_specs(names: list[str], workers: int, kvmanager_cpu_bytes: int) -> list[TargetSpec]:
     specs = {
         "vllm": TargetSpec("vllm", "vllm"),
-        "kvmesh-1": TargetSpec("kvmesh-1", "kvmesh", 1, kvmanager_cpu_bytes=kvmanager_cpu_bytes),
+        "kvmesh-1": TargetSpec(
+            "kvmesh-1", "kvmesh", 1, kvmanager_cpu_bytes=kvmanager_cpu_bytes, colocate=True
+        ),
+        "kvmesh-1-split": TargetSpec(
+            "kvmesh-1-split", "kvmesh", 1, kvmanager_cpu_bytes=kvmanager_cpu_bytes
+        ),
         "kvmesh-n": TargetSpec(
             f"kvmesh-{workers}", "kvmesh", workers, kvmanager_cpu_bytes=kvmanager_cpu_bytes
         ),
@@ -125,7 +133,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     head = (
         "| target | api | load | req/s | out tok/s | TTFT mean / p50 / p99 ms | TPOT ms | failed "
         "| req/s vs vllm | TTFT p50 vs vllm | CPU us/token: router / worker / engine / kvmanager "
-        "(vllm: api / engine) |\n"
+        "(node: router + worker in one process; vllm: api / engine) |\n"
         "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|\n"
     )
     lines = []
@@ -135,10 +143,9 @@ def format_table(rows: list[dict[str, Any]]) -> str:
                 f"{r.get(f'cpu_us_per_token_{k}', 0):.0f}" for k in ("vllm-api", "engine")
             )
         else:
-            cpu = " / ".join(
-                f"{r.get(f'cpu_us_per_token_{k}', 0):.0f}"
-                for k in ("router", "worker", "engine", "kvmanager")
-            )
+            cpu = " / ".join(f"{r.get(f'cpu_us_per_token_{k}', 0):.0f}" for k in _kvmesh_roles(r))
+            if "cpu_us_per_token_node" in r:
+                cpu = f"node {cpu}"
         ratio = r.get("throughput_vs_vllm")
         tratio = r.get("ttft_p50_vs_vllm")
         lines.append(
@@ -156,10 +163,20 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         "|---|---|---|---|",
     ]
     for r in rows:
-        roles = ("vllm-api", "engine") if r["target"] == "vllm" else ROLES[:4]
+        roles = ("vllm-api", "engine") if r["target"] == "vllm" else _kvmesh_roles(r)
         cpu = " / ".join(f"{r.get(f'cpu_ms_per_req_{k}', 0):.1f}" for k in roles)
+        if "cpu_ms_per_req_node" in r:
+            cpu = f"node {cpu}"
         per_req.append(f"| {r['target']} | {r['frontend']} | {r['load']} | {cpu} |")
     return head + "\n".join(lines) + "\n" + "\n".join(per_req) + "\n"
+
+
+def _kvmesh_roles(row: dict[str, Any]) -> tuple[str, ...]:
+    """A kvmesh row's processes: router, worker, engine, kvmanager; colocated: node (the
+    router and the worker in one process), engine, kvmanager."""
+    if "cpu_us_per_token_node" in row:
+        return ("node", "engine", "kvmanager")
+    return ("router", "worker", "engine", "kvmanager")
 
 
 def _rate(text: str) -> float:

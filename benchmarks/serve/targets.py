@@ -41,6 +41,7 @@ class TargetSpec:
     workers: int = 1
     policy: str = ""  # kvmesh: the router's --policy; empty: the default profile
     kvmanager_cpu_bytes: int = 1 << 30  # kvmesh: the node kvmanager (0: none), as kvmesh up
+    colocate: bool = False  # kvmesh: the first worker in the router's process (kvmesh node)
 
 
 @dataclass
@@ -166,6 +167,7 @@ def start_kvmesh(
             block_size=engine.block_size,
             kvmanager_cpu_bytes=spec.kvmanager_cpu_bytes,
             router_policy=spec.policy,
+            colocate=spec.colocate,
             worker_args=(
                 "--seed",
                 str(engine.seed),
@@ -178,10 +180,12 @@ def start_kvmesh(
     mesh.start()
     roles: dict[str, list[int]] = {}
     assert mesh.router is not None
-    roles["router"] = [mesh.router.proc.pid]
+    router_pid = mesh.router.proc.pid
+    roles["node" if mesh.colocated else "router"] = [router_pid]
     for w in mesh.workers:
         pids = _descendants(w.proc.pid)
-        roles.setdefault("worker", []).append(w.proc.pid)
+        if w.proc.pid != router_pid:
+            roles.setdefault("worker", []).append(w.proc.pid)
         roles.setdefault("engine", []).extend(p for p in pids if p != w.proc.pid)
     if mesh.kvmanager is not None:
         roles["kvmanager"] = [mesh.kvmanager.proc.pid]

@@ -17,7 +17,13 @@ from typing import Any
 
 from kvmesh import __version__
 from kvmesh.discovery.etcd import PrefixWatcher
-from kvmesh.discovery.keys import RouterRecord, kvmanagers_prefix, router_key, workers_prefix
+from kvmesh.discovery.keys import (
+    RouterRecord,
+    WorkerId,
+    kvmanagers_prefix,
+    router_key,
+    workers_prefix,
+)
 from kvmesh.metrics import MetricsServer
 from kvmesh.service import Bind, ServiceHost, run, signal_event, start_or_stop
 from kvmesh.settings import add_config_flags, load_config
@@ -39,6 +45,7 @@ from .http.backend import InProcessRouterBackend
 from .keyfile import KeyFile
 from .kvsync import KvEventSync
 from .metrics import RouterMetrics
+from .mux import ServeStream
 from .pool import WorkerPool
 from .prompt import PromptBuilder
 from .servicer import RouterServicer
@@ -75,17 +82,26 @@ class RunningRouter:
         -> the rest, in reverse order of start (kvmesh/service.py)."""
         await self._host.stop()
 
+    def ready_line(self) -> str:
+        """``KVMESH_ROUTER_READY address=... [metrics=URL] [http=URL]`` (kvmesh/launcher.py)."""
+        metrics = f" metrics={self.metrics_server.url}" if self.metrics_server else ""
+        http = f" http={self.http.base_url}" if self.http is not None else ""
+        return f"{READY_LINE} address={self.address}{metrics}{http}"
+
     def reload_keys(self) -> None:
         """Re-reads the API key file now (SIGHUP); no file: nothing to do."""
         if self.keys is not None:
             self.keys.reload()
 
 
-async def start_router(config: RouterConfig) -> RunningRouter:
-    """Starts a router on this loop; a step that fails undoes the ones before it."""
+async def start_router(
+    config: RouterConfig, local_workers: Mapping[WorkerId, ServeStream] | None = None
+) -> RunningRouter:
+    """Starts a router on this loop; a step that fails undoes the ones before it.
+    ``local_workers``: workers in this process (``services/node``), their data path a call."""
     began = time.monotonic()
     workers = WorkerSet(config.cluster, linger_s=config.unregistered_linger_s)
-    pool = WorkerPool(workers, load_interval_s=config.load_interval_s)
+    pool = WorkerPool(workers, load_interval_s=config.load_interval_s, local=local_workers)
     executor = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tokenize")
     tokenizers = Tokenizers(executor, config.tokenizer_overrides)
     hasher = PromptHasher(config.hash_algo, config.hash_seed)
@@ -317,9 +333,7 @@ async def serve(config: RouterConfig) -> None:
     if router is None:
         log.info("router stopped before it was ready")
         return
-    metrics = f" metrics={router.metrics_server.url}" if router.metrics_server else ""
-    http = f" http={router.http.base_url}" if router.http is not None else ""
-    print(f"{READY_LINE} address={router.address}{metrics}{http}", flush=True)
+    print(router.ready_line(), flush=True)
     asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, router.reload_keys)
     await stop.wait()
     log.info("router stopping: draining %d in-flight requests", router.servicer.in_flight)

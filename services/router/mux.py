@@ -18,7 +18,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import Protocol
 
 import grpc
 from opentelemetry import context as otel_context
@@ -26,7 +27,7 @@ from opentelemetry import propagate, trace
 
 from kvmesh.grpc_errors import FIELD_KEY
 from kvmesh.telemetry import SERVER_ERRORS, tracer
-from kvmesh.v1 import worker_pb2, worker_pb2_grpc
+from kvmesh.v1 import worker_pb2
 
 log = logging.getLogger(__name__)
 _tracer = tracer(__name__)
@@ -126,10 +127,55 @@ class MuxCall:
             waiter.set_result(None)
 
 
+class _StreamCall(Protocol):
+    """What ``_Stream`` needs of a ``GenerateMany`` call."""
+
+    def __aiter__(self) -> AsyncIterator[worker_pb2.WorkerStreamOut]: ...
+
+    def cancel(self) -> bool: ...
+
+
+class StreamStub(Protocol):
+    """What ``WorkerMux`` needs of a worker: a gRPC ``WorkerStub``, or ``InProcessStub``."""
+
+    def GenerateMany(self, requests: AsyncIterator[worker_pb2.WorkerStreamIn]) -> _StreamCall: ...
+
+
+ServeStream = Callable[
+    [AsyncIterator[worker_pb2.WorkerStreamIn]], AsyncIterator[worker_pb2.WorkerStreamOut]
+]
+"""A worker's ``GenerateMany`` handler as a function of the request stream (in-process)."""
+
+
+class _InProcessCall:
+    def __init__(self, batches: AsyncIterator[worker_pb2.WorkerStreamOut]) -> None:
+        self._batches = batches
+
+    def __aiter__(self) -> AsyncIterator[worker_pb2.WorkerStreamOut]:
+        return self._batches
+
+    def cancel(self) -> bool:
+        # The reader's task is cancelled right after (``_Stream.close``): that ends the
+        # handler's generator where it waits, and its ``finally`` cancels its requests.
+        return False
+
+
+class InProcessStub:
+    """A worker in this process (``services/node``): its ``GenerateMany`` handler called
+    directly, the same messages passed as objects, never serialized. Everything else of the
+    worker (load, KV events, other RPCs) still goes over its gRPC port."""
+
+    def __init__(self, serve: ServeStream) -> None:
+        self._serve = serve
+
+    def GenerateMany(self, requests: AsyncIterator[worker_pb2.WorkerStreamIn]) -> _InProcessCall:
+        return _InProcessCall(self._serve(requests))
+
+
 class _Stream:
     """One ``GenerateMany`` call and the requests on it."""
 
-    def __init__(self, stub: worker_pb2_grpc.WorkerStub, worker_id: str) -> None:
+    def __init__(self, stub: StreamStub, worker_id: str) -> None:
         self.worker_id = worker_id
         self.broken = False
         self._calls: dict[int, MuxCall] = {}
@@ -223,7 +269,7 @@ class WorkerMux:
     """The router's data path to one worker: a ``GenerateMany`` stream, opened on first use and
     again after it breaks."""
 
-    def __init__(self, stub: worker_pb2_grpc.WorkerStub, worker_id: str) -> None:
+    def __init__(self, stub: StreamStub, worker_id: str) -> None:
         self._stub = stub
         self._worker_id = worker_id
         self._stream: _Stream | None = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import grpc
@@ -15,7 +16,7 @@ from kvmesh.v1 import worker_pb2, worker_pb2_grpc
 from .connections import ConnectionMap
 from .core.types import LoadSnapshot
 from .core.workers import Change, WorkerSet
-from .mux import WorkerMux
+from .mux import InProcessStub, ServeStream, StreamStub, WorkerMux
 
 log = logging.getLogger(__name__)
 
@@ -23,9 +24,18 @@ _BACKOFF_S = (0.1, 0.2, 0.5, 1.0, 2.0)
 
 
 class WorkerPool:
-    def __init__(self, workers: WorkerSet, load_interval_s: float = 0.25) -> None:
+    """``local``: workers served in this process (``services/node``), by id: their data path
+    (``GenerateMany``) is a call of their handler; load, KV events and the rest use gRPC."""
+
+    def __init__(
+        self,
+        workers: WorkerSet,
+        load_interval_s: float = 0.25,
+        local: Mapping[WorkerId, ServeStream] | None = None,
+    ) -> None:
         self._workers = workers
         self._load_interval_s = load_interval_s
+        self._local = dict(local or {})
         self._conns: ConnectionMap[WorkerId, _Conn] = ConnectionMap(_close_later)
 
     def apply(self, change: Change) -> None:
@@ -40,9 +50,18 @@ class WorkerPool:
             task = asyncio.create_task(
                 self._watch_load(rec.worker_id, channel), name=f"load-{rec.worker_id}"
             )
-            mux = WorkerMux(worker_pb2_grpc.WorkerStub(channel), rec.worker_id)
+            serve = self._local.get(rec.worker_id)
+            stub: StreamStub = (
+                worker_pb2_grpc.WorkerStub(channel) if serve is None else InProcessStub(serve)
+            )
+            mux = WorkerMux(stub, rec.worker_id)
             self._conns.put(rec.worker_id, rec.address, _Conn(channel, task, mux))
-            log.info("worker %s at %s joined", rec.worker_id, rec.address)
+            log.info(
+                "worker %s at %s joined%s",
+                rec.worker_id,
+                rec.address,
+                " (in this process: its data path is a call)" if serve is not None else "",
+            )
 
     def stub(self, worker_id: WorkerId) -> worker_pb2_grpc.WorkerStub | None:
         conn = self._conns.get(worker_id)

@@ -17,10 +17,14 @@ import math
 import os
 import sys
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from kvmesh.telemetry import setup_logging, setup_tracing
 
 from .config import WorkerConfig
+
+if TYPE_CHECKING:
+    from .core import Engine
 
 log = logging.getLogger(__name__)
 ENV = "KVMESH_WORKER_"  # environment variables: KVMESH_WORKER_<FLAG>
@@ -112,6 +116,15 @@ def simulated_engine(config: WorkerConfig):  # type: ignore[no-untyped-def]
     return SimulatedEngine(cfg, hasher=partial(block_hashes, cfg=hash_cfg), salted_hasher=salted)
 
 
+async def start_engine(config: WorkerConfig) -> Engine:
+    """The worker's engine, started: the simulator, or vLLM (imported only then: seconds)."""
+    if config.engine_kind == "simulated":
+        return simulated_engine(config)  # type: ignore[no-any-return]
+    from .engine import VllmEngine
+
+    return await VllmEngine.start(config.engine)
+
+
 async def serve(config: WorkerConfig) -> None:
     from kvmesh.service import signal_event, start_or_stop
 
@@ -119,12 +132,7 @@ async def serve(config: WorkerConfig) -> None:
     from .traced import TracedEngine
 
     stop = signal_event()  # a signal during the engine's start: stop once it is up
-    if config.engine_kind == "simulated":
-        engine = simulated_engine(config)
-    else:
-        from .engine import VllmEngine  # imports vLLM (seconds): only when it is the engine
-
-        engine = await VllmEngine.start(config.engine)
+    engine = await start_engine(config)
     try:  # a signal while it waits for etcd stops it there
         worker = await start_or_stop(start_worker(config, TracedEngine(engine)), stop)
     except BaseException:

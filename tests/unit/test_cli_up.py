@@ -97,3 +97,39 @@ def test_a_model_that_is_neither_built_in_nor_a_directory_is_a_clear_exit(tmp_pa
         main(["up", "--model", str(tmp_path / "nope")])
     message = str(info.value.code)
     assert message.startswith("kvmesh: --model ") and "no config.json there" in message
+
+
+@pytest.mark.parametrize(
+    ("argv", "colocated"),
+    [
+        pytest.param(["--workers", "1"], True, id="one-worker"),
+        pytest.param([], False, id="default-two"),
+        pytest.param(["--workers", "1", "--colocate", "off"], False, id="off"),
+        pytest.param(["--workers", "2", "--colocate", "on"], True, id="on-with-two"),
+        pytest.param(["--workers", "1", "--router-processes", "2"], False, id="processes"),
+    ],
+)
+def test_one_worker_runs_in_the_routers_process_by_default(tmp_path, argv, colocated):
+    a = parse_args(["up", "--model", model_dir(tmp_path), "--etcd", "127.0.0.1:2379", *argv])
+    assert _mesh_spec(a).colocate is colocated
+
+
+def test_the_node_gets_the_routers_flags_then_the_first_workers(tmp_path):
+    a = parse_args(
+        ["up", "--model", model_dir(tmp_path), "--etcd", "127.0.0.1:2379", "--workers", "1"]
+    )
+    mesh = Mesh(_mesh_spec(a))
+    built: dict[str, list[str]] = {}
+
+    def popen(module: str, args: list[str], log_path: Path) -> tuple[object, object]:
+        built[module] = args
+        raise RuntimeError("not started")
+
+    mesh._popen = popen  # type: ignore[method-assign,assignment]
+    with pytest.raises(RuntimeError, match="not started"):
+        mesh.start_node()
+    argv = built["services.node.main"]
+    router, worker = argv[: argv.index("--")], argv[argv.index("--") + 1 :]
+    assert router_args(router).etcd_endpoints == ("127.0.0.1:2379",)
+    assert worker[worker.index("--worker-id") + 1] == "worker-0"
+    assert "--model" in worker and "--model" not in router
