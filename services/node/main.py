@@ -53,7 +53,7 @@ async def serve(rcfg: RouterConfig, wcfg: WorkerConfig) -> None:
     from kvmesh.service import signal_event, start_or_stop
     from services.router.main import start_router
     from services.worker.main import start_engine
-    from services.worker.mux import WorkerStreamServer
+    from services.worker.mux import StreamBatch, WorkerStreamServer
     from services.worker.server import start_worker
     from services.worker.traced import TracedEngine
 
@@ -72,7 +72,7 @@ async def serve(rcfg: RouterConfig, wcfg: WorkerConfig) -> None:
     def serve_stream(
         requests: AsyncIterator[worker_pb2.WorkerStreamIn],
     ) -> AsyncIterator[worker_pb2.WorkerStreamOut]:
-        return WorkerStreamServer(worker.servicer).serve(requests)
+        return WorkerStreamServer(worker.servicer, StreamBatch).serve(requests)
 
     local: dict[WorkerId, ServeStream] = {WorkerId(worker.worker_id): serve_stream}
     try:

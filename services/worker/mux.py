@@ -19,8 +19,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from opentelemetry import context as otel_context
@@ -44,11 +45,27 @@ class _Cancelled(Exception):
     """A request the router aborted (or whose stream closed)."""
 
 
-class WorkerStreamServer:
-    """One ``GenerateMany`` call."""
+@dataclass(frozen=True, slots=True)
+class StreamBatch:
+    """A ``WorkerStreamOut``'s fields as a plain object: what an in-process reader
+    (``services/node``) gets, the step's messages not copied into a container message."""
 
-    def __init__(self, servicer: WorkerServicer) -> None:
+    outputs: list[worker_pb2.WorkerGenerateResponse]
+    output_calls: list[int]
+    ends: list[worker_pb2.WorkerStreamEnd]
+
+
+class WorkerStreamServer:
+    """One ``GenerateMany`` call. ``batch``: what a step's outputs leave as (the message for
+    gRPC; ``StreamBatch`` in-process)."""
+
+    def __init__(
+        self,
+        servicer: WorkerServicer,
+        batch: Callable[..., Any] = worker_pb2.WorkerStreamOut,
+    ) -> None:
         self._servicer = servicer
+        self._batch = batch
         self._outputs: list[worker_pb2.WorkerGenerateResponse] = []
         self._output_calls: list[int] = []
         self._ends: list[worker_pb2.WorkerStreamEnd] = []
@@ -58,14 +75,14 @@ class WorkerStreamServer:
 
     async def serve(
         self, requests: AsyncIterator[worker_pb2.WorkerStreamIn]
-    ) -> AsyncIterator[worker_pb2.WorkerStreamOut]:
+    ) -> AsyncIterator[Any]:  # of what ``batch`` makes
         reader = asyncio.create_task(self._read(requests), name="generate-many-reader")
         try:
             while True:
                 await self._ready.wait()
                 self._ready.clear()
                 if self._outputs or self._ends:
-                    batch = worker_pb2.WorkerStreamOut(
+                    batch = self._batch(
                         outputs=self._outputs, output_calls=self._output_calls, ends=self._ends
                     )
                     self._outputs, self._output_calls, self._ends = [], [], []

@@ -24,7 +24,7 @@ from services.node.main import split_argv
 from services.router.config import RouterConfig
 from services.router.main import start_router
 from services.worker.main import parse_args, simulated_engine
-from services.worker.mux import WorkerStreamServer
+from services.worker.mux import StreamBatch, WorkerStreamServer
 from services.worker.server import start_worker
 from services.worker.sim.engine import SimEngineConfig, fake_token_ids
 from tests.support import eventually
@@ -67,7 +67,7 @@ async def node(etcd):
         requests: AsyncIterator[worker_pb2.WorkerStreamIn],
     ) -> AsyncIterator[worker_pb2.WorkerStreamOut]:
         opened.append(1)
-        return WorkerStreamServer(worker.servicer).serve(requests)
+        return WorkerStreamServer(worker.servicer, StreamBatch).serve(requests)
 
     local = start_router(router_config(cluster, etcd.endpoints), {WorkerId("w0"): serve_stream})
     router = await local
