@@ -1,0 +1,152 @@
+"""kvmesh/tls.py: the TLS settings, their flags, and the checks of the certificate files that
+make a service's start fail with a line naming the file (real files, made by the test)."""
+
+from __future__ import annotations
+
+import argparse
+import ssl
+from pathlib import Path
+
+import pytest
+
+from kvmesh.errors import InvalidArgument
+from kvmesh.settings import add_config_flags, load_config, options
+from kvmesh.tls import TlsConfig
+from kvmesh.tlsgen import Pki
+
+
+def mesh(pki: Pki, **kw: object) -> TlsConfig:
+    return TlsConfig(
+        cert_file=pki.node.cert_file,
+        key_file=pki.node.key_file,
+        ca_file=pki.ca_file,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def test_flags_are_derived_from_the_dataclass() -> None:
+    flags = {o.flag for o in options(TlsConfig, "tls-")}
+    assert flags == {
+        "tls-cert-file",
+        "tls-key-file",
+        "tls-ca-file",
+        "tls-require-client-cert",
+        "tls-server-name",
+    }
+
+
+def test_flags_and_environment_build_the_config(pki: Pki) -> None:
+    from dataclasses import dataclass
+
+    from kvmesh.settings import setting
+
+    @dataclass(frozen=True, slots=True)
+    class Cfg:
+        tls: TlsConfig = setting(factory=TlsConfig, doc="TLS", prefix="tls-")
+
+    p = argparse.ArgumentParser()
+    opts = add_config_flags(p, Cfg)
+    args = p.parse_args(
+        ["--tls-cert-file", str(pki.node.cert_file), "--no-tls-require-client-cert"]
+    )
+    cfg, _ = load_config(p, Cfg, args, opts, {"X_TLS_KEY_FILE": str(pki.node.key_file)}, "X_")
+    assert cfg.tls.cert_file == pki.node.cert_file
+    assert cfg.tls.key_file == pki.node.key_file
+    assert cfg.tls.require_client_cert is False
+
+
+def test_off_by_default() -> None:
+    assert TlsConfig().load() is None
+    assert not TlsConfig().enabled
+
+
+def test_loads_a_mesh_certificate(pki: Pki) -> None:
+    tls = mesh(pki).load()
+    assert tls is not None and tls.mutual
+    assert tls.cert_chain is not None and b"BEGIN CERTIFICATE" in tls.cert_chain
+    server, client = tls.server_ssl_context(), tls.client_ssl_context()
+    assert server.verify_mode is ssl.CERT_REQUIRED
+    assert client.verify_mode is ssl.CERT_REQUIRED and client.check_hostname
+    assert not mesh(pki, require_client_cert=False).load().mutual  # type: ignore[union-attr]
+    assert tls.server_hostname("10.0.0.1") == "10.0.0.1"
+    assert mesh(pki, server_name="node").load().server_hostname("x") == "node"  # type: ignore[union-attr]
+
+
+def test_cert_without_key_is_a_usage_error(pki: Pki) -> None:
+    with pytest.raises(InvalidArgument, match="--tls-cert-file is set but --tls-key-file"):
+        TlsConfig(cert_file=pki.node.cert_file)
+    with pytest.raises(InvalidArgument, match="--tls-key-file is set but --tls-cert-file"):
+        TlsConfig(key_file=pki.node.key_file)
+
+
+def test_a_service_needs_its_own_certificate(pki: Pki) -> None:
+    only_ca = TlsConfig(ca_file=pki.ca_file)
+    with pytest.raises(InvalidArgument, match="needs its own certificate and key"):
+        only_ca.load()
+    client = only_ca.load(serving=False)  # kvmesh generate against a TLS router
+    assert client is not None and client.cert_chain is None
+    assert client.client_ssl_context().verify_mode is ssl.CERT_REQUIRED
+
+
+@pytest.mark.parametrize(
+    ("which", "content", "message"),
+    [
+        pytest.param("cert_file", None, "cannot read it: No such file", id="missing-cert"),
+        pytest.param("key_file", None, "cannot read it: No such file", id="missing-key"),
+        pytest.param("ca_file", None, "cannot read it: No such file", id="missing-ca"),
+        pytest.param("cert_file", "dir", "cannot read it: Is a directory", id="cert-is-a-dir"),
+        pytest.param("cert_file", b"hello\n", "not a PEM certificate", id="cert-not-pem"),
+        pytest.param("key_file", b"hello\n", "not a PEM private key", id="key-not-pem"),
+        pytest.param("ca_file", b"hello\n", "not a PEM certificate", id="ca-not-pem"),
+        pytest.param(
+            "ca_file",
+            b"-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n",
+            "OpenSSL takes no CA certificate from it",
+            id="ca-garbage",
+        ),
+        pytest.param(
+            "cert_file",
+            b"-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n",
+            "OpenSSL cannot load them",
+            id="cert-garbage",
+        ),
+    ],
+)
+def test_bad_files_are_named(
+    pki: Pki, tmp_path: Path, which: str, content: bytes | str | None, message: str
+) -> None:
+    bad = tmp_path / f"bad-{which}.pem"
+    if content == "dir":
+        bad.mkdir()
+    elif isinstance(content, bytes):
+        bad.write_bytes(content)
+    fields = {
+        "cert_file": pki.node.cert_file,
+        "key_file": pki.node.key_file,
+        "ca_file": pki.ca_file,
+        which: bad,
+    }
+    with pytest.raises(InvalidArgument, match=message) as err:
+        TlsConfig(**fields).load()  # type: ignore[arg-type]
+    assert str(bad) in str(err.value)
+    assert f"--tls-{which.replace('_', '-')}" in str(err.value)
+
+
+def test_a_key_that_is_not_the_certificates(pki: Pki, other_pki: Pki) -> None:
+    cfg = TlsConfig(
+        cert_file=pki.node.cert_file, key_file=other_pki.node.key_file, ca_file=pki.ca_file
+    )
+    with pytest.raises(InvalidArgument, match="is not the private key of") as err:
+        cfg.load()
+    assert str(other_pki.node.key_file) in str(err.value)
+    assert str(pki.node.cert_file) in str(err.value)
+
+
+def test_the_connector_gets_the_files_as_json(pki: Pki) -> None:
+    cfg = mesh(pki, server_name="node")
+    extra = cfg.to_extra()
+    assert all(isinstance(v, str) for v in extra.values())
+    assert TlsConfig.from_extra(extra) == cfg
+    assert TlsConfig.from_extra({}) == TlsConfig()
+    with pytest.raises(InvalidArgument, match="unknown TLS keys"):
+        TlsConfig.from_extra({"cert": "x"})
