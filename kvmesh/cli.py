@@ -19,9 +19,13 @@ import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvmesh.models import MODEL_NAMES, ModelNotFound, resolve_model
 from kvmesh.units import parse_bytes
+
+if TYPE_CHECKING:  # kvmesh.tls imports grpc: the CLI imports it where a command needs it
+    from kvmesh.tls import Tls
 
 DEFAULT_ROUTER = "127.0.0.1:50051"
 # kvmesh.telemetry.Exporter's values, without importing grpc and OpenTelemetry to build the parser.
@@ -461,7 +465,10 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
     async def run() -> int:
         key = a.api_key or os.environ.get("KVMESH_API_KEY", "")
-        async with RouterClient(a.router, max_attempts=a.max_attempts, api_key=key) as client:
+        tls = _client_tls(a)
+        async with RouterClient(
+            a.router, max_attempts=a.max_attempts, api_key=key, tls=tls
+        ) as client:
             try:
                 c = await client.complete(
                     req,
@@ -537,7 +544,39 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--timeout-s", type=float, default=120.0, help="deadline for the whole request, seconds"
     )
+    _add_tls_client_flags(p)
     p.set_defaults(func=cmd_generate)
+
+
+def _add_tls_client_flags(p: argparse.ArgumentParser) -> None:
+    """Flags of a client to TLS services (``kvmesh/tls.py``): the mesh's CA, and a client
+    certificate for services that ask one (mutual TLS)."""
+    g = p.add_argument_group("TLS (docs/deploy.md#tls)")
+    g.add_argument("--tls-ca-file", type=Path, help="PEM CA the services' certificates chain to")
+    g.add_argument("--tls-cert-file", type=Path, help="PEM client certificate (mutual TLS)")
+    g.add_argument("--tls-key-file", type=Path, help="PEM private key of --tls-cert-file")
+    g.add_argument(
+        "--tls-server-name",
+        default="",
+        help="name the services' certificates carry, if not the host",
+    )
+
+
+def _client_tls(a: argparse.Namespace) -> Tls | None:
+    """The TLS of ``_add_tls_client_flags``' flags; a bad file exits 2 with its name."""
+    from kvmesh.errors import InvalidArgument
+    from kvmesh.tls import TlsConfig
+
+    try:
+        return TlsConfig(
+            cert_file=a.tls_cert_file,
+            key_file=a.tls_key_file,
+            ca_file=a.tls_ca_file,
+            server_name=a.tls_server_name,
+        ).load(serving=False)
+    except InvalidArgument as exc:
+        print(f"kvmesh: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def cmd_status(a: argparse.Namespace) -> int:
@@ -548,7 +587,7 @@ def cmd_status(a: argparse.Namespace) -> int:
 
     endpoints = [x.strip() for x in a.etcd.split(",") if x.strip()]
     try:
-        status = asyncio.run(gather(endpoints, a.cluster, a.timeout_s))
+        status = asyncio.run(gather(endpoints, a.cluster, a.timeout_s, _client_tls(a)))
     except (EtcdUnavailable, ValueError) as exc:
         print(f"kvmesh status: {exc}", file=sys.stderr)
         return 1
@@ -581,6 +620,7 @@ def _add_status(sub: argparse._SubParsersAction) -> None:
         default=2.0,
         help="deadline for etcd and for each service, seconds (default %(default)s)",
     )
+    _add_tls_client_flags(p)
     p.set_defaults(func=cmd_status)
 
 

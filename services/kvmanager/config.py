@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from kvmesh.discovery.endpoints import check_etcd_settings
 from kvmesh.settings import setting
 from kvmesh.telemetry import Exporter
+from kvmesh.tls import TlsConfig
 
 from .core.config import PeerConfig, StoreConfig
 from .shm import ShmConfig
@@ -56,6 +57,12 @@ class KvManagerConfig:
         1024, "tier event batches queued per subscriber; one further behind is cut off"
     )
     drain_grace_s: float = setting(5.0, "on SIGTERM, seconds given to calls in flight")
+    tls: TlsConfig = setting(
+        factory=TlsConfig,
+        doc="TLS of the gRPC port, the data plane and the calls to peer kvmanagers "
+        "(kvmesh/tls.py; docs/deploy.md#tls)",
+        prefix="tls-",
+    )
     metrics_host: str = setting("127.0.0.1", "address of the Prometheus /metrics endpoint")
     metrics_port: int = setting(0, "Prometheus /metrics port; 0: the OS picks, -1: off")
     metrics_refresh_s: float = setting(

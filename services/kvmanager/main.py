@@ -103,6 +103,7 @@ async def start_kvmanager(
     node = config.node or node_name()
     kvmanager_id = check_name("kvmanager id", config.kvmanager_id or node)
     check_name("cluster", config.cluster)
+    tls = config.tls.load()  # bad certificate files fail the start before anything runs
     epoch = uuid.uuid4().hex
     hubs = LayoutHubs(kvmanager_id, epoch, config.event_buffer_batches, config.event_queue_batches)
     bind = Bind(
@@ -112,7 +113,9 @@ async def start_kvmanager(
         config.max_message_bytes,
         config.max_message_bytes,
     )
-    host = ServiceHost((SERVICE_NAME,), bind, config.drain_grace_s, config.etcd_retry_max_s)
+    host = ServiceHost(
+        (SERVICE_NAME,), bind, config.drain_grace_s, config.etcd_retry_max_s, tls=tls
+    )
     data_plane: DataPlaneServer | None = None
     data_plane_address = ""
     metrics = KvManagerMetrics()
@@ -130,7 +133,7 @@ async def start_kvmanager(
 
         host.bind_port()  # the address peers are told to call back at
         directory = PeerDirectory(
-            kvmanager_id, config.etcd_endpoints, config.cluster, client_interceptors()
+            kvmanager_id, config.etcd_endpoints, config.cluster, client_interceptors(), tls=tls
         )
         host.callback(directory.close)
         peers = PeerService(kvmanager_id, host.address, store, data_plane, directory, config.peer)

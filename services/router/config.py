@@ -10,6 +10,7 @@ from kvmesh.discovery.endpoints import check_etcd_settings
 from kvmesh.errors import InvalidArgument
 from kvmesh.settings import parse_pair, setting
 from kvmesh.telemetry import Exporter
+from kvmesh.tls import TlsConfig
 
 from .core.disagg import DisaggConfig
 from .http.cors import CorsPolicy
@@ -148,6 +149,12 @@ class RouterConfig:
     http_max_body_bytes: int = setting(8 * MIB, "largest HTTP request body, bytes; larger: 413")
     cors: CorsPolicy = setting(
         factory=CorsPolicy, doc="CORS of the HTTP API (http/cors.py), as vLLM's flags", prefix=""
+    )
+    tls: TlsConfig = setting(
+        factory=TlsConfig,
+        doc="TLS of the gRPC and HTTP ports and of the calls to workers and kvmanagers "
+        "(kvmesh/tls.py; docs/deploy.md#tls)",
+        prefix="tls-",
     )
     metrics_host: str = setting("127.0.0.1", "address of the Prometheus /metrics endpoint")
     metrics_port: int = setting(

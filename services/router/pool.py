@@ -10,6 +10,7 @@ import grpc
 
 from kvmesh.discovery.keys import WorkerId
 from kvmesh.telemetry import client_interceptors
+from kvmesh.tls import Tls, open_channel
 from kvmesh.v1 import worker_pb2, worker_pb2_grpc
 
 from .connections import ConnectionMap
@@ -23,8 +24,11 @@ _BACKOFF_S = (0.1, 0.2, 0.5, 1.0, 2.0)
 
 
 class WorkerPool:
-    def __init__(self, workers: WorkerSet, load_interval_s: float = 0.25) -> None:
+    def __init__(
+        self, workers: WorkerSet, load_interval_s: float = 0.25, tls: Tls | None = None
+    ) -> None:
         self._workers = workers
+        self._tls = tls  # the channels' TLS (mutual with the router's certificate); None: off
         self._load_interval_s = load_interval_s
         self._conns: ConnectionMap[WorkerId, _Conn] = ConnectionMap(_close_later)
 
@@ -36,7 +40,7 @@ class WorkerPool:
             if self._conns.address(rec.worker_id) == rec.address:
                 continue
             self._drop(rec.worker_id)
-            channel = grpc.aio.insecure_channel(rec.address, interceptors=client_interceptors())
+            channel = open_channel(rec.address, self._tls, interceptors=client_interceptors())
             task = asyncio.create_task(
                 self._watch_load(rec.worker_id, channel), name=f"load-{rec.worker_id}"
             )

@@ -12,6 +12,7 @@ from kvmesh.discovery.endpoints import check_etcd_settings
 from kvmesh.discovery.keys import Role
 from kvmesh.settings import setting
 from kvmesh.telemetry import Exporter
+from kvmesh.tls import TlsConfig
 
 MIB = 1 << 20
 
@@ -287,6 +288,12 @@ class WorkerConfig:
     )
     kv_event_queue_batches: int = setting(
         1024, "live KV event batches queued per subscriber before it is cut off"
+    )
+    tls: TlsConfig = setting(
+        factory=TlsConfig,
+        doc="TLS of the gRPC port and of the engine's calls to --kvmanager (kvmesh/tls.py; "
+        "docs/deploy.md#tls)",
+        prefix="tls-",
     )
     metrics_host: str = setting("127.0.0.1", "address of the Prometheus /metrics endpoint")
     metrics_port: int = setting(

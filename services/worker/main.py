@@ -66,7 +66,9 @@ def parse_args(argv: list[str] | None, environ: Mapping[str, str] | None = None)
     if "core-drain-s" not in given:  # the engine core drains as long as the worker does
         engine = dataclasses.replace(engine, core_drain_s=math.ceil(config.drain_grace_s))
     if config.kvmanager:
-        transfer = kv_transfer_config(config.kvmanager, store="kvmanager")
+        # The engine's connector calls the kvmanager with the worker's certificate.
+        tls = {"tls": config.tls.to_extra()} if config.tls.enabled else {}
+        transfer = kv_transfer_config(config.kvmanager, store="kvmanager", **tls)
         engine = dataclasses.replace(engine, kv_transfer_config=transfer)
     return dataclasses.replace(config, engine=engine)
 
@@ -119,6 +121,7 @@ async def serve(config: WorkerConfig) -> None:
     from .traced import TracedEngine
 
     stop = signal_event()  # a signal during the engine's start: stop once it is up
+    config.tls.load()  # bad certificate files fail the start before the engine loads
     if config.engine_kind == "simulated":
         engine = simulated_engine(config)
     else:

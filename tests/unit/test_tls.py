@@ -150,3 +150,29 @@ def test_the_connector_gets_the_files_as_json(pki: Pki) -> None:
     assert TlsConfig.from_extra({}) == TlsConfig()
     with pytest.raises(InvalidArgument, match="unknown TLS keys"):
         TlsConfig.from_extra({"cert": "x"})
+
+
+def test_every_service_takes_the_tls_flags_and_the_worker_hands_them_to_its_connector(
+    pki: Pki,
+) -> None:
+    from services.kvmanager.main import parse_args as kvmanager_args
+    from services.router.main import parse_args as router_args
+    from services.worker.connector.client import StoreConfig
+    from services.worker.main import parse_args as worker_args
+
+    files = [
+        "--tls-cert-file", str(pki.node.cert_file), "--tls-key-file", str(pki.node.key_file),
+        "--tls-ca-file", str(pki.ca_file),
+    ]  # fmt: skip
+    want = mesh(pki)
+    assert router_args(files, {}).tls == want
+    assert kvmanager_args(files, {}).tls == want
+    worker = worker_args(["--engine", "simulated", "--kvmanager", "127.0.0.1:7", *files], {})
+    assert worker.tls == want
+    extra = (worker.engine.kv_transfer_config or {})["kv_connector_extra_config"]
+    store = StoreConfig.from_extra(extra)
+    assert store.tls == want.to_extra()
+    tls = store.client_tls()
+    assert tls is not None and tls.cert_chain == pki.node.cert_file.read_bytes()
+    plain = worker_args(["--engine", "simulated", "--kvmanager", "127.0.0.1:7"], {})
+    assert "tls" not in (plain.engine.kv_transfer_config or {})["kv_connector_extra_config"]
