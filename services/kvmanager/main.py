@@ -28,6 +28,7 @@ from kvmesh.metrics import MetricsServer
 from kvmesh.service import Bind, ServiceHost, run, signal_event, start_or_stop
 from kvmesh.settings import add_config_flags, load_config
 from kvmesh.telemetry import client_interceptors, setup_logging, setup_tracing
+from kvmesh.tls import Tls
 from kvmesh.v1 import kvmanager_pb2, kvmanager_pb2_grpc
 
 from .config import KvManagerConfig, PeerConfig
@@ -83,12 +84,13 @@ class RunningKvManager:
         log.info("kvmanager %s stopped", self.kvmanager_id)
 
 
-def _data_plane_config(peer: PeerConfig, host: str) -> DataPlaneConfig:
+def _data_plane_config(peer: PeerConfig, host: str, tls: Tls | None) -> DataPlaneConfig:
     return DataPlaneConfig(
         host=peer.data_plane_host or host,
         port=peer.data_plane_port,
         max_streams=peer.max_streams,
         stall_timeout_s=peer.stall_timeout_s,
+        ssl_context=tls.server_ssl_context() if tls is not None else None,
     )
 
 
@@ -126,7 +128,7 @@ async def start_kvmanager(
             source: BlockSource = StoreBlockSource(store)
             if wrap_source is not None:
                 source = wrap_source(source)
-            data_plane = DataPlaneServer(source, _data_plane_config(config.peer, config.host))
+            data_plane = DataPlaneServer(source, _data_plane_config(config.peer, config.host, tls))
 
         def info() -> kvmanager_pb2.KvManagerInfo:
             return _info(store, kvmanager_id, node, epoch, data_plane_address)
@@ -136,7 +138,9 @@ async def start_kvmanager(
             kvmanager_id, config.etcd_endpoints, config.cluster, client_interceptors(), tls=tls
         )
         host.callback(directory.close)
-        peers = PeerService(kvmanager_id, host.address, store, data_plane, directory, config.peer)
+        peers = PeerService(
+            kvmanager_id, host.address, store, data_plane, directory, config.peer, tls
+        )
         shm = ShmRegistry(config.shm)
         host.callback(shm.close)  # again after the grace: attaches that arrived meanwhile
         servicer = KvManagerServicer(

@@ -31,6 +31,7 @@ from kvmesh.kv.events import BlockHash, Tier
 from kvmesh.kv.layout import KvLayout, check_block_hash
 from kvmesh.kv_wire import layout_to_pb
 from kvmesh.telemetry import tracer
+from kvmesh.tls import Tls
 from kvmesh.v1 import kvmanager_pb2, kvmanager_pb2_grpc
 
 from ..core.config import PeerConfig
@@ -114,8 +115,13 @@ class PeerService:
         data_plane: DataPlaneServer | None,
         directory: PeerDirectory,
         config: PeerConfig,
+        tls: Tls | None = None,
     ) -> None:
+        """``tls``: fetch from peers' data planes over TLS with this kvmanager's certificate
+        (the peers' gRPC channels take it from ``directory``); None: plaintext."""
         self._id = kvmanager_id
+        self._tls = tls
+        self._ssl = tls.client_ssl_context() if tls is not None else None  # one, reused
         self._address = address
         self._store = store
         self._data_plane = data_plane
@@ -266,6 +272,8 @@ class PeerService:
                 allocate=self._store.allocate,
                 window_bytes=self._config.window_bytes,
                 max_block_bytes=block_bytes,
+                ssl_context=self._ssl,
+                server_hostname=self._tls.server_hostname(host) if self._tls is not None else None,
             )
         except FetchDeadlineExceeded as exc:
             raise progress.timed_out(what, granted, str(exc)) from None
