@@ -20,9 +20,10 @@ FetchFromPeer, this process for GetBlocks) per GB moved. Prints a markdown table
 
 ``--tls``: a second pair of daemons runs with mutual TLS on every plane (gRPC and the data
 plane; certificates made by this script in a temporary directory, ``kvmesh/tlsgen.py``), this
-process calling them over TLS too. Every repeat times all four (path, transport) cells of a
-block size back to back, so both transports see the same machine; a second table puts them
-side by side (mTLS / plaintext).
+process calling them over TLS too, and a third pair with ``--no-data-plane-tls`` (mutual TLS on
+gRPC, the blocks in plaintext: FetchFromPeer only). Every repeat times every (path, transport)
+cell of a block size back to back, so the transports see the same machine; a second table puts
+them side by side (mTLS / plaintext).
 """
 
 from __future__ import annotations
@@ -78,12 +79,15 @@ class Daemon:
         return (int(fields_[11]) + int(fields_[12])) / _TICK  # utime + stime
 
 
-async def start_daemon(name: str, cpu_bytes: int, tls: TlsConfig | None = None) -> Daemon:
+async def start_daemon(
+    name: str, cpu_bytes: int, tls: TlsConfig | None = None, data_plane_tls: bool = True
+) -> Daemon:
     tls_args = []
     if tls is not None:
         tls_args = [
             "--tls-cert-file", str(tls.cert_file), "--tls-key-file", str(tls.key_file),
             "--tls-ca-file", str(tls.ca_file),
+            "--data-plane-tls" if data_plane_tls else "--no-data-plane-tls",
         ]  # fmt: skip
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "services.kvmanager.main", "--kvmanager-id", name, "--node", name,
@@ -148,6 +152,8 @@ async def get_blocks(a: Daemon, lay: kvmanager_pb2.KvLayout, hashes: list[int]) 
 
 
 PATHS = ("FetchFromPeer (data plane)", "gRPC GetBlocks")
+MTLS = "mTLS"
+MTLS_CONTROL = "mTLS control plane, plaintext data plane"
 
 
 async def _main(args: argparse.Namespace) -> None:
@@ -155,7 +161,7 @@ async def _main(args: argparse.Namespace) -> None:
     runs = args.repeats + 1  # + a warm-up per size
     a_bytes = len(SIZES) * runs * total + 64 * MiB
     b_bytes = 2 * total + 64 * MiB
-    modes = ["plaintext", *(["mTLS"] if args.tls else [])]
+    modes = ["plaintext", *([MTLS, MTLS_CONTROL] if args.tls else [])]
     tls_cfg: TlsConfig | None = None
     certs = tempfile.TemporaryDirectory(prefix="kvmesh-bench-tls-")
     if args.tls:
@@ -166,11 +172,12 @@ async def _main(args: argparse.Namespace) -> None:
             cert_file=pki.node.cert_file, key_file=pki.node.key_file, ca_file=pki.ca_file
         )
     pairs: dict[str, tuple[Daemon, Daemon]] = {}
-    for mode in modes:
-        cfg = tls_cfg if mode == "mTLS" else None
+    for i, mode in enumerate(modes):
+        cfg = tls_cfg if mode != "plaintext" else None
+        dp_tls = mode != MTLS_CONTROL
         a, b = await asyncio.gather(
-            start_daemon(f"bench-a-{mode.lower()}", a_bytes, cfg),
-            start_daemon(f"bench-b-{mode.lower()}", b_bytes, cfg),
+            start_daemon(f"bench-a-{i}", a_bytes, cfg, dp_tls),
+            start_daemon(f"bench-b-{i}", b_bytes, cfg, dp_tls),
         )
         pairs[mode] = (a, b)
     try:
@@ -187,6 +194,7 @@ async def _main(args: argparse.Namespace) -> None:
             for size in SIZES
             for path in PATHS
             for mode in modes
+            if mode != MTLS_CONTROL or path == PATHS[0]  # GetBlocks: as with mTLS
         }
         for r in range(runs):
             for size in SIZES:
@@ -238,9 +246,11 @@ async def _main(args: argparse.Namespace) -> None:
         base = statistics.median(cells["gRPC GetBlocks", "plaintext", size].gbps)
         for mode in modes:
             for path in PATHS:
+                if (path, mode, size) not in cells:
+                    continue
                 c = cells[path, mode, size]
                 med = statistics.median(c.gbps)
-                name = path if mode == "plaintext" else f"{path}, mTLS"
+                name = path if mode == "plaintext" else f"{path}, {mode}"
                 print(
                     f"| {name} | {_size(size)} | {statistics.median(c.blocks_s):,.0f}"
                     f" | {med:.2f} | {max(c.gbps):.2f} | {med / base:.2f}"
@@ -254,12 +264,13 @@ async def _main(args: argparse.Namespace) -> None:
         " | per-repeat ratios | serving CPU s/GB plain / mTLS | receiving CPU s/GB plain / mTLS |"
     )
     print("|---|---|---|---|---|---|---|---|")
-    for path in PATHS:
+    for path, mode in ((PATHS[0], MTLS), (PATHS[0], MTLS_CONTROL), (PATHS[1], MTLS)):
         for size in SIZES:
-            p, t = cells[path, "plaintext", size], cells[path, "mTLS", size]
+            p, t = cells[path, "plaintext", size], cells[path, mode, size]
             ratios = [tt / pp for pp, tt in zip(p.gbps, t.gbps, strict=True)]
+            name = path if mode == MTLS else f"{path}, {mode}"
             print(
-                f"| {path} | {_size(size)} | {statistics.median(p.gbps):.2f}"
+                f"| {name} | {_size(size)} | {statistics.median(p.gbps):.2f}"
                 f" | {statistics.median(t.gbps):.2f}"
                 f" | {statistics.median(t.gbps) / statistics.median(p.gbps):.2f}"
                 f" | {', '.join(f'{x:.2f}' for x in ratios)}"

@@ -587,7 +587,9 @@ def cmd_status(a: argparse.Namespace) -> int:
 
     endpoints = [x.strip() for x in a.etcd.split(",") if x.strip()]
     try:
-        status = asyncio.run(gather(endpoints, a.cluster, a.timeout_s, _client_tls(a)))
+        status = asyncio.run(
+            gather(endpoints, a.cluster, a.timeout_s, _client_tls(a), _etcd_credentials(a))
+        )
     except (EtcdUnavailable, ValueError) as exc:
         print(f"kvmesh status: {exc}", file=sys.stderr)
         return 1
@@ -621,7 +623,41 @@ def _add_status(sub: argparse._SubParsersAction) -> None:
         help="deadline for etcd and for each service, seconds (default %(default)s)",
     )
     _add_tls_client_flags(p)
+    g = p.add_argument_group("etcd TLS and user (docs/etcd.md#tls-and-authentication)")
+    g.add_argument("--etcd-ca-file", type=Path, help="PEM CA of etcd's certificate: TLS")
+    g.add_argument("--etcd-cert-file", type=Path, help="PEM client certificate for etcd")
+    g.add_argument("--etcd-key-file", type=Path, help="PEM private key of --etcd-cert-file")
+    g.add_argument("--etcd-server-name", default="", help="name in etcd's certificate")
+    g.add_argument(
+        "--etcd-user",
+        default="",
+        help="etcd user; its password from --etcd-password-file or $KVMESH_ETCD_PASSWORD",
+    )
+    g.add_argument("--etcd-password-file", type=Path, help="file holding --etcd-user's password")
     p.set_defaults(func=cmd_status)
+
+
+def _etcd_credentials(a: argparse.Namespace):  # type: ignore[no-untyped-def]
+    """The etcd TLS and user of ``kvmesh status``' flags; a bad file exits 2 naming it."""
+    from kvmesh.discovery.security import EtcdSecurity
+    from kvmesh.errors import InvalidArgument
+
+    try:
+        security = EtcdSecurity(
+            ca_file=a.etcd_ca_file,
+            cert_file=a.etcd_cert_file,
+            key_file=a.etcd_key_file,
+            server_name=a.etcd_server_name,
+            user=a.etcd_user,
+            password=os.environ.get("KVMESH_ETCD_PASSWORD", "")
+            if a.etcd_user and a.etcd_password_file is None
+            else "",
+            password_file=a.etcd_password_file,
+        )
+        return security.load()
+    except InvalidArgument as exc:
+        print(f"kvmesh status: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def build_parser() -> argparse.ArgumentParser:

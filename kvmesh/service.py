@@ -52,6 +52,7 @@ from grpc_reflection.v1alpha import reflection
 from kvmesh.discovery.client import Backoff
 from kvmesh.discovery.etcd import EtcdUnavailable, Registrar
 from kvmesh.discovery.hosts import advertised_host
+from kvmesh.discovery.security import EtcdCredentials
 from kvmesh.errors import KvmeshError
 from kvmesh.grpc_errors import ErrorStatus
 from kvmesh.metrics import MetricsServer, serve_metrics
@@ -209,10 +210,17 @@ class ServiceHost:
                 )
                 await asyncio.sleep(delay_s)
 
-    async def register(self, endpoints: Sequence[str], key: str, value: str, ttl_s: float) -> None:
+    async def register(
+        self,
+        endpoints: Sequence[str],
+        key: str,
+        value: str,
+        ttl_s: float,
+        credentials: EtcdCredentials | None = None,
+    ) -> None:
         """Puts ``key = value`` in etcd under a lease kept alive until ``stop()``; retried
-        until etcd answers (``until_etcd``)."""
-        registrar = Registrar(list(endpoints), key, value, ttl_s=ttl_s)
+        until etcd answers (``until_etcd``). ``credentials``: etcd TLS and user."""
+        registrar = Registrar(list(endpoints), key, value, ttl_s=ttl_s, credentials=credentials)
         await self.until_etcd(registrar.start)
         self.registrar = registrar
 

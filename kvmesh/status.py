@@ -28,6 +28,7 @@ from kvmesh.discovery.keys import (
     routers_prefix,
     workers_prefix,
 )
+from kvmesh.discovery.security import EtcdCredentials
 from kvmesh.kv_wire import TIER_PB
 from kvmesh.tls import Tls, open_channel
 
@@ -194,11 +195,14 @@ async def _router(rec: RouterRecord, timeout_s: float, tls: Tls | None) -> Route
 
 
 async def read_records(
-    endpoints: Sequence[str], cluster: str, timeout_s: float
+    endpoints: Sequence[str],
+    cluster: str,
+    timeout_s: float,
+    credentials: EtcdCredentials | None = None,
 ) -> tuple[dict[str, bytes], str]:
     """Every key under the cluster's prefix, and the endpoint that answered. Raises
     ``EtcdUnavailable`` if no endpoint answers within ``timeout_s``."""
-    conn = RotatingClient(endpoints, timeout_s)
+    conn = RotatingClient(endpoints, timeout_s, credentials)
     prefix = cluster_prefix(cluster)
     try:
         listing = await conn.call_within(
@@ -210,12 +214,16 @@ async def read_records(
 
 
 async def gather(
-    endpoints: Sequence[str], cluster: str, timeout_s: float = 2.0, tls: Tls | None = None
+    endpoints: Sequence[str],
+    cluster: str,
+    timeout_s: float = 2.0,
+    tls: Tls | None = None,
+    etcd_credentials: EtcdCredentials | None = None,
 ) -> ClusterStatus:
     """The cluster's status: etcd's records, each service asked in parallel within
-    ``timeout_s`` (over TLS with ``tls``: the mesh's CA and a client certificate). Raises
-    ``EtcdUnavailable`` only if etcd does not answer."""
-    records, etcd = await read_records(endpoints, cluster, timeout_s)
+    ``timeout_s`` (over TLS with ``tls``: the mesh's CA and a client certificate; etcd with
+    ``etcd_credentials``). Raises ``EtcdUnavailable`` only if etcd does not answer."""
+    records, etcd = await read_records(endpoints, cluster, timeout_s, etcd_credentials)
     workers: list[WorkerRecord] = []
     kvmanagers: list[KvManagerRecord] = []
     routers: list[RouterRecord] = []

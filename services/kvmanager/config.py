@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvmesh.discovery.endpoints import check_etcd_settings
+from kvmesh.discovery.security import EtcdSecurity
 from kvmesh.settings import setting
 from kvmesh.telemetry import Exporter
 from kvmesh.tls import TlsConfig
@@ -39,6 +40,11 @@ class KvManagerConfig:
         5.0,
         "longest wait between attempts to reach etcd while starting (retried until it answers; "
         "health NOT_SERVING meanwhile), seconds",
+    )
+    etcd_security: EtcdSecurity = setting(
+        factory=EtcdSecurity,
+        doc="TLS and user of the etcd client (docs/etcd.md#tls-and-authentication)",
+        prefix="etcd-",
     )
     store: StoreConfig = setting(
         factory=StoreConfig, doc="tier budgets, the disk directory, the write policy", prefix=""
@@ -76,3 +82,4 @@ class KvManagerConfig:
 
     def __post_init__(self) -> None:
         check_etcd_settings(self.etcd_endpoints, self.etcd_retry_max_s)
+        self.etcd_security.check_endpoints(self.etcd_endpoints)

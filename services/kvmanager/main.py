@@ -90,7 +90,7 @@ def _data_plane_config(peer: PeerConfig, host: str, tls: Tls | None) -> DataPlan
         port=peer.data_plane_port,
         max_streams=peer.max_streams,
         stall_timeout_s=peer.stall_timeout_s,
-        ssl_context=tls.server_ssl_context() if tls is not None else None,
+        ssl_context=tls.server_ssl_context() if tls is not None and peer.data_plane_tls else None,
     )
 
 
@@ -106,6 +106,7 @@ async def start_kvmanager(
     kvmanager_id = check_name("kvmanager id", config.kvmanager_id or node)
     check_name("cluster", config.cluster)
     tls = config.tls.load()  # bad certificate files fail the start before anything runs
+    etcd = config.etcd_security.load()
     epoch = uuid.uuid4().hex
     hubs = LayoutHubs(kvmanager_id, epoch, config.event_buffer_batches, config.event_queue_batches)
     bind = Bind(
@@ -135,7 +136,12 @@ async def start_kvmanager(
 
         host.bind_port()  # the address peers are told to call back at
         directory = PeerDirectory(
-            kvmanager_id, config.etcd_endpoints, config.cluster, client_interceptors(), tls=tls
+            kvmanager_id,
+            config.etcd_endpoints,
+            config.cluster,
+            client_interceptors(),
+            tls=tls,
+            etcd=etcd,
         )
         host.callback(directory.close)
         peers = PeerService(
@@ -174,6 +180,7 @@ async def start_kvmanager(
                 kvmanager_key(config.cluster, kvmanager_id),
                 record.to_json(),
                 config.etcd_ttl_s,
+                etcd,
             )
         await host.until_etcd(directory.start)
 

@@ -86,6 +86,7 @@ async def start_router(config: RouterConfig) -> RunningRouter:
     """Starts a router on this loop; a step that fails undoes the ones before it."""
     began = time.monotonic()
     tls = config.tls.load()  # bad certificate files fail the start before anything runs
+    etcd = config.etcd_security.load()
     workers = WorkerSet(config.cluster, linger_s=config.unregistered_linger_s)
     pool = WorkerPool(workers, load_interval_s=config.load_interval_s, tls=tls)
     executor = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tokenize")
@@ -154,6 +155,7 @@ async def start_router(config: RouterConfig) -> RunningRouter:
         on_snapshot=lambda items: on_change(workers.apply_snapshot(items)),
         on_put=lambda k, v: on_change(workers.apply_put(k, v)),
         on_delete=lambda k: on_change(workers.apply_delete(k)),
+        credentials=etcd,
     )
     kvmanager_watcher = PrefixWatcher(
         list(config.etcd_endpoints),
@@ -161,6 +163,7 @@ async def start_router(config: RouterConfig) -> RunningRouter:
         on_snapshot=tier_sync.on_snapshot,
         on_put=tier_sync.on_put,
         on_delete=tier_sync.on_delete,
+        credentials=etcd,
     )
     http = None
     async with host.starting():  # health NOT_SERVING, new requests refused, until the end
@@ -227,6 +230,7 @@ async def start_router(config: RouterConfig) -> RunningRouter:
             router_key(config.cluster, router_id),
             record.to_json(),
             config.etcd_ttl_s,
+            etcd,
         )
         servicer.not_ready = ""
     log.info(

@@ -10,6 +10,7 @@ from typing import Any
 from kvmesh.cpus import parse_cpu_list
 from kvmesh.discovery.endpoints import check_etcd_settings
 from kvmesh.discovery.keys import Role
+from kvmesh.discovery.security import EtcdSecurity
 from kvmesh.settings import setting
 from kvmesh.telemetry import Exporter
 from kvmesh.tls import TlsConfig
@@ -258,6 +259,11 @@ class WorkerConfig:
         "longest wait between attempts to reach etcd while starting (retried until it answers; "
         "health NOT_SERVING meanwhile), seconds",
     )
+    etcd_security: EtcdSecurity = setting(
+        factory=EtcdSecurity,
+        doc="TLS and user of the etcd client (docs/etcd.md#tls-and-authentication)",
+        prefix="etcd-",
+    )
     role: Role = setting(Role.BOTH, "prefill, decode or both")
     node: str = setting("", "node (host) name in the etcd record; empty: this host's name")
     # Published as WorkerRecord.kv_layout: routers count that kvmanager's blocks as its lower
@@ -310,3 +316,4 @@ class WorkerConfig:
 
     def __post_init__(self) -> None:
         check_etcd_settings(self.etcd_endpoints, self.etcd_retry_max_s)
+        self.etcd_security.check_endpoints(self.etcd_endpoints)

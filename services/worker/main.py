@@ -122,6 +122,7 @@ async def serve(config: WorkerConfig) -> None:
 
     stop = signal_event()  # a signal during the engine's start: stop once it is up
     config.tls.load()  # bad certificate files fail the start before the engine loads
+    config.etcd_security.load()
     if config.engine_kind == "simulated":
         engine = simulated_engine(config)
     else:

@@ -166,6 +166,7 @@ async def start_worker(config: WorkerConfig, engine: Engine) -> RunningWorker:
                 worker_key(config.cluster, config.role, worker_id),
                 record.to_json(),
                 config.etcd_ttl_s,
+                config.etcd_security.load(),
             )
         worker = RunningWorker(
             worker_id=worker_id,

@@ -190,9 +190,15 @@ async def test_a_tls_client_to_a_plaintext_data_plane_fails_cleanly(start, pki: 
     assert time.monotonic() - began < 1.5
 
 
-async def test_two_kvmanagers_fetch_from_each_other_over_tls(pki: Pki) -> None:
+@pytest.mark.parametrize(
+    "data_plane_tls", [True, False], ids=["tls-data-plane", "plain-data-plane"]
+)
+async def test_two_kvmanagers_fetch_from_each_other_over_tls(
+    pki: Pki, data_plane_tls: bool
+) -> None:
     """FetchFromPeer end to end: OpenFetch over mutual-TLS gRPC, the blocks over the TLS data
-    plane, into the fetcher's CPU tier, byte-exact."""
+    plane (or, the holder with --no-data-plane-tls, in plaintext: the fetcher follows what the
+    holder's OpenFetch answer says), into the fetcher's CPU tier, byte-exact."""
     tls_cfg = TlsConfig(
         cert_file=pki.node.cert_file, key_file=pki.node.key_file, ca_file=pki.ca_file
     )
@@ -203,7 +209,7 @@ async def test_two_kvmanagers_fetch_from_each_other_over_tls(pki: Pki) -> None:
             node=name,
             etcd_endpoints=(),
             store=StoreConfig(cpu_bytes=64 << 20),
-            peer=PeerConfig(data_plane_port=0),
+            peer=PeerConfig(data_plane_port=0, data_plane_tls=data_plane_tls),
             metrics_port=-1,
             drain_grace_s=0.5,
             tls=tls_cfg,
@@ -217,7 +223,7 @@ async def test_two_kvmanagers_fetch_from_each_other_over_tls(pki: Pki) -> None:
     a, b = await start_kvmanager(config("kvm-a")), await start_kvmanager(config("kvm-b"))
     tls = tls_cfg.load()
     try:
-        assert a.data_plane is not None and a.data_plane.config.ssl_context is not None
+        assert a.data_plane is not None and a.data_plane.tls is data_plane_tls
         async with open_channel(a.address, tls) as ca, open_channel(b.address, tls) as cb:
             sa, sb = kvmanager_pb2_grpc.KvManagerStub(ca), kvmanager_pb2_grpc.KvManagerStub(cb)
             put = kvmanager_pb2.PutBlocksRequest(

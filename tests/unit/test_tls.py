@@ -176,3 +176,27 @@ def test_every_service_takes_the_tls_flags_and_the_worker_hands_them_to_its_conn
     assert tls is not None and tls.cert_chain == pki.node.cert_file.read_bytes()
     plain = worker_args(["--engine", "simulated", "--kvmanager", "127.0.0.1:7"], {})
     assert "tls" not in (plain.engine.kv_transfer_config or {})["kv_connector_extra_config"]
+
+
+def test_every_service_takes_the_etcd_tls_and_user_flags(pki: Pki) -> None:
+    from services.kvmanager.main import parse_args as kvmanager_args
+    from services.router.main import parse_args as router_args
+    from services.worker.main import parse_args as worker_args
+
+    args = [
+        "--etcd", "127.0.0.1:2379", "--etcd-ca-file", str(pki.ca_file),
+        "--etcd-cert-file", str(pki.node.cert_file), "--etcd-key-file", str(pki.node.key_file),
+        "--etcd-user", "kvmesh",
+    ]  # fmt: skip
+    for parse, env in (
+        (router_args, "KVMESH_ROUTER_ETCD_PASSWORD"),
+        (kvmanager_args, "KVMESH_KVMANAGER_ETCD_PASSWORD"),
+        (lambda a, e: worker_args(["--engine", "simulated", *a], e), "KVMESH_WORKER_ETCD_PASSWORD"),
+    ):
+        sec = parse(args, {env: "s3cret"}).etcd_security
+        assert (sec.ca_file, sec.cert_file, sec.user) == (pki.ca_file, pki.node.cert_file, "kvmesh")
+        creds = sec.load()
+        assert creds is not None and creds.password == "s3cret" and creds.tls is not None
+        assert "s3cret" not in repr(sec) and "s3cret" not in repr(creds)
+    with pytest.raises(SystemExit):  # a user without a password: a usage error, exit 2
+        router_args(args, {})

@@ -10,6 +10,7 @@ import grpc
 
 from kvmesh.discovery.etcd import PrefixWatcher
 from kvmesh.discovery.keys import KvManagerRecord, kvmanagers_prefix
+from kvmesh.discovery.security import EtcdCredentials
 from kvmesh.errors import InvalidArgument
 from kvmesh.tls import Tls, open_channel
 
@@ -30,8 +31,10 @@ class PeerDirectory:
         cluster: str,
         interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
         tls: Tls | None = None,
+        etcd: EtcdCredentials | None = None,
     ) -> None:
         self._self_id = self_id
+        self._etcd = etcd
         self._tls = tls  # peers' channels: mutual TLS with this kvmanager's certificate
         self._interceptors = list(interceptors)
         self._endpoints = list(endpoints)
@@ -44,7 +47,12 @@ class PeerDirectory:
         if not self._endpoints:
             return
         self._watcher = PrefixWatcher(
-            self._endpoints, self._prefix, self._on_snapshot, self._on_put, self._on_delete
+            self._endpoints,
+            self._prefix,
+            self._on_snapshot,
+            self._on_put,
+            self._on_delete,
+            credentials=self._etcd,
         )
         await self._watcher.start()
 

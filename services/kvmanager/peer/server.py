@@ -149,6 +149,11 @@ class DataPlaneServer:
             else None
         )
 
+    @property
+    def tls(self) -> bool:
+        """Clients redeem tickets here over TLS."""
+        return self.config.ssl_context is not None
+
     async def start(self) -> None:
         lsock = socket.create_server((self.config.host, self.config.port), backlog=128)
         lsock.setblocking(False)

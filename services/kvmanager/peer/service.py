@@ -150,7 +150,13 @@ class PeerService:
         self.stats.tickets_issued += 1
         parent = self._store.parent_of(layout, run[0])
         return FetchGrant(
-            self.data_plane_address, ticket.token, tuple(run), parent, layout_key, ttl
+            self.data_plane_address,
+            ticket.token,
+            tuple(run),
+            parent,
+            layout_key,
+            ttl,
+            self._data_plane.tls,
         )
 
     # -- fetching side
@@ -226,6 +232,11 @@ class PeerService:
                 f"{what} has no usable data plane address ({grant.data_plane_address!r})"
             )
         host, port = parts
+        if grant.data_plane_tls and self._ssl is None:
+            raise PeerFetchFailed(
+                f"{what}'s data plane speaks TLS and this kvmanager has no certificate: give it "
+                "--tls-cert-file, --tls-key-file and --tls-ca-file as the mesh's"
+            )
         ticket = Ticket(grant.token, layout.key, grant.block_hashes, 0.0)
         block_bytes = layout.block_bytes
 
@@ -272,7 +283,7 @@ class PeerService:
                 allocate=self._store.allocate,
                 window_bytes=self._config.window_bytes,
                 max_block_bytes=block_bytes,
-                ssl_context=self._ssl,
+                ssl_context=self._ssl if grant.data_plane_tls else None,
                 server_hostname=self._tls.server_hostname(host) if self._tls is not None else None,
             )
         except FetchDeadlineExceeded as exc:
@@ -307,5 +318,11 @@ class PeerService:
             raise PeerFetchFailed(f"{what} granted a ticket that does not match the request")
         parent = BlockHash(resp.parent_hash) if resp.HasField("parent_hash") else None
         return FetchGrant(
-            resp.data_plane_address, resp.token, granted, parent, resp.layout_key, resp.ttl_s
+            resp.data_plane_address,
+            resp.token,
+            granted,
+            parent,
+            resp.layout_key,
+            resp.ttl_s,
+            resp.data_plane_tls,
         )
