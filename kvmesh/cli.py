@@ -123,6 +123,14 @@ def _add_mesh_flags(p: argparse.ArgumentParser, default_port: int) -> None:
         "KV index; one process uses one core (default %(default)s)",
     )
     p.add_argument(
+        "--tls-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="mutual TLS on every hop with DIR's ca.pem, node.pem and node.key, made there when "
+        "missing (needs the cryptography package; docs/deploy.md#tls) (default: plaintext)",
+    )
+    p.add_argument(
         "--no-cpu-binding",
         action="store_true",
         help="do not give each engine cores of its own (default: engines' compute threads are "
@@ -348,6 +356,7 @@ def _mesh_spec(a: argparse.Namespace):  # type: ignore[no-untyped-def]
         allowed_methods=a.allowed_methods,
         allowed_headers=a.allowed_headers,
         allow_credentials=a.allow_credentials,
+        tls_dir=a.tls_dir.resolve() if a.tls_dir is not None else None,
     )
 
 
@@ -370,9 +379,15 @@ def cmd_up(a: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     mesh.start()
+    files = mesh.tls_files()
+    tls_flags = (
+        f" --tls-ca-file {files[2]} --tls-cert-file {files[0]} --tls-key-file {files[1]}"
+        if files
+        else ""
+    )
     print(
         f"kvmesh up: ready in {time.monotonic() - t0:.1f} s\n"
-        f'  router  {mesh.router_address}   (try: kvmesh generate --router {mesh.router_address} "Hello")\n'
+        f'  router  {mesh.router_address}   (try: kvmesh generate --router {mesh.router_address}{tls_flags} "Hello")\n'
         f"  openai  {mesh.http_base_url}   (OpenAI-compatible: base_url for any OpenAI client)\n"
         f"  etcd    {','.join(mesh.etcd_endpoints)}\n"
         f"  workers {', '.join(w.ready.get('address', '?') for w in mesh.workers)}\n"
@@ -419,7 +434,7 @@ def cmd_demo(a: argparse.Namespace) -> int:
         )
 
         async def ask() -> None:
-            async with RouterClient(mesh.router_address) as client:
+            async with RouterClient(mesh.router_address, tls=mesh.client_tls()) as client:
                 await client.wait_for_models()
                 print(f"\nuser> {a.question}\nassistant> ", end="", flush=True)
                 req = make_request(a.question, chat=True, max_tokens=a.max_tokens, temperature=0.0)

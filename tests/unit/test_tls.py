@@ -200,3 +200,40 @@ def test_every_service_takes_the_etcd_tls_and_user_flags(pki: Pki) -> None:
         assert "s3cret" not in repr(sec) and "s3cret" not in repr(creds)
     with pytest.raises(SystemExit):  # a user without a password: a usage error, exit 2
         router_args(args, {})
+
+
+def test_kvmesh_up_tls_dir_makes_certificates_and_hands_them_to_every_child(
+    tmp_path: Path,
+) -> None:
+    from kvmesh.cli import _mesh_spec, parse_args
+    from kvmesh.launcher import Mesh
+    from services.kvmanager.main import parse_args as kvmanager_args
+    from services.router.main import parse_args as router_args
+    from services.worker.main import parse_args as worker_args
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    certs = tmp_path / "certs"
+    a = parse_args(
+        ["up", "--model", str(model), "--etcd", "127.0.0.1:2379", "--tls-dir", str(certs)]
+    )
+    mesh = Mesh(_mesh_spec(a))
+    built: dict[str, list[str]] = {}
+    mesh._spawn = lambda name, module, args, tag: built.__setitem__(module, args)  # type: ignore[method-assign,assignment,func-returns-value]
+    mesh.ensure_certificates()
+    want = TlsConfig(
+        cert_file=certs / "node.pem", key_file=certs / "node.key", ca_file=certs / "ca.pem"
+    )
+    assert want.load() is not None  # made, and they load
+    mesh.start_router()
+    mesh.start_kvmanager()
+    mesh.start_worker("worker-0")
+    assert router_args(built["services.router.main"], {}).tls == want
+    assert kvmanager_args(built["services.kvmanager.main"], {}).tls == want
+    worker = built["services.worker.main"]
+    assert worker_args(["--engine", "simulated", *worker[2:]], {}).tls == want
+    assert mesh.client_tls() is not None
+    before = (certs / "ca.pem").read_bytes()
+    mesh.ensure_certificates()  # kept: a second `kvmesh up` uses the same CA
+    assert (certs / "ca.pem").read_bytes() == before
