@@ -237,3 +237,22 @@ def test_kvmesh_up_tls_dir_makes_certificates_and_hands_them_to_every_child(
     before = (certs / "ca.pem").read_bytes()
     mesh.ensure_certificates()  # kept: a second `kvmesh up` uses the same CA
     assert (certs / "ca.pem").read_bytes() == before
+
+
+def test_the_cli_clients_take_tls_flags(pki: Pki, tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    from kvmesh.cli import _client_tls, _etcd_credentials, parse_args
+
+    a = parse_args(["generate", "hi", "--tls-ca-file", str(pki.ca_file)])
+    tls = _client_tls(a)
+    assert tls is not None and tls.cert_chain is None and tls.root_certs is not None
+    assert _client_tls(parse_args(["generate", "hi"])) is None
+    s = parse_args(
+        ["status", "--tls-ca-file", str(pki.ca_file), "--etcd-ca-file", str(pki.ca_file)]
+    )
+    creds = _etcd_credentials(s)
+    assert creds is not None and creds.tls is not None and _client_tls(s) is not None
+    bad = parse_args(["generate", "hi", "--tls-ca-file", str(tmp_path / "none.pem")])
+    with pytest.raises(SystemExit) as err:
+        _client_tls(bad)
+    assert err.value.code == 2
+    assert "none.pem: cannot read it" in capsys.readouterr().err
