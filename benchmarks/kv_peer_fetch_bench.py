@@ -1,6 +1,7 @@
-"""Peer fetch end to end between two kvmanager daemons on loopback, beside gRPC GetBlocks.
+"""Peer fetch end to end between two kvmanager daemons on loopback, beside gRPC GetBlocks;
+with ``--tls``, plaintext and mutual TLS side by side in the same run.
 
-    .venv/bin/python benchmarks/kv_peer_fetch_bench.py [--total-mib 128] [--repeats 3]
+    .venv/bin/python benchmarks/kv_peer_fetch_bench.py [--total-mib 128] [--repeats 3] [--tls]
 
 Two real daemons run as child processes (``python -m services.kvmanager.main``, no etcd): A holds
 the blocks, B fetches them. This process fills A over gRPC PutBlocks, then per block size
@@ -16,6 +17,13 @@ Every repeat uses a fresh layout (so B never holds the blocks yet); A and B are 
 GB/s is payload bytes / wall time (1 GB = 1e9 bytes), median over the repeats; "CPU s/GB" is
 the CPU time (all threads) of the serving daemon A and of the receiving side (B for
 FetchFromPeer, this process for GetBlocks) per GB moved. Prints a markdown table.
+
+``--tls``: a second pair of daemons runs with mutual TLS on every plane (gRPC and the data
+plane; certificates made by this script in a temporary directory, ``kvmesh/tlsgen.py``), this
+process calling them over TLS too, and a third pair with ``--no-data-plane-tls`` (mutual TLS on
+gRPC, the blocks in plaintext: FetchFromPeer only). Every repeat times every (path, transport)
+cell of a block size back to back, so the transports see the same machine; a second table puts
+them side by side (mTLS / plaintext).
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import asyncio
 import os
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -34,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import grpc
 
+from kvmesh.tls import Tls, TlsConfig, open_channel
 from kvmesh.v1 import kvmanager_pb2, kvmanager_pb2_grpc
 from services.kvmanager.peer.wire import preferred_algo
 
@@ -69,16 +79,26 @@ class Daemon:
         return (int(fields_[11]) + int(fields_[12])) / _TICK  # utime + stime
 
 
-async def start_daemon(name: str, cpu_bytes: int) -> Daemon:
+async def start_daemon(
+    name: str, cpu_bytes: int, tls: TlsConfig | None = None, data_plane_tls: bool = True
+) -> Daemon:
+    tls_args = []
+    if tls is not None:
+        tls_args = [
+            "--tls-cert-file", str(tls.cert_file), "--tls-key-file", str(tls.key_file),
+            "--tls-ca-file", str(tls.ca_file),
+            "--data-plane-tls" if data_plane_tls else "--no-data-plane-tls",
+        ]  # fmt: skip
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "services.kvmanager.main", "--kvmanager-id", name, "--node", name,
         "--etcd", "", "--metrics-port", "-1", "--cpu-bytes", str(cpu_bytes), "--cpu-populate", "start",
-        "--log-level", "WARNING", cwd=ROOT, stdout=asyncio.subprocess.PIPE,
+        "--log-level", "WARNING", *tls_args, cwd=ROOT, stdout=asyncio.subprocess.PIPE,
     )  # fmt: skip
     assert proc.stdout is not None
     line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
     fields_ = dict(kv.split("=", 1) for kv in line.split()[1:])
-    channel = grpc.aio.insecure_channel(fields_["address"], options=_OPTIONS)
+    loaded: Tls | None = tls.load() if tls is not None else None
+    channel = open_channel(fields_["address"], loaded, options=_OPTIONS)
     return Daemon(proc, fields_["address"], kvmanager_pb2_grpc.KvManagerStub(channel), channel)
 
 
@@ -131,32 +151,58 @@ async def get_blocks(a: Daemon, lay: kvmanager_pb2.KvLayout, hashes: list[int]) 
     assert got == len(hashes)
 
 
+PATHS = ("FetchFromPeer (data plane)", "gRPC GetBlocks")
+MTLS = "mTLS"
+MTLS_CONTROL = "mTLS control plane, plaintext data plane"
+
+
 async def _main(args: argparse.Namespace) -> None:
     total = args.total_mib * MiB
     runs = args.repeats + 1  # + a warm-up per size
     a_bytes = len(SIZES) * runs * total + 64 * MiB
-    a, b = await asyncio.gather(
-        start_daemon("bench-a", a_bytes), start_daemon("bench-b", 2 * total + 64 * MiB)
-    )
+    b_bytes = 2 * total + 64 * MiB
+    modes = ["plaintext", *([MTLS, MTLS_CONTROL] if args.tls else [])]
+    tls_cfg: TlsConfig | None = None
+    certs = tempfile.TemporaryDirectory(prefix="kvmesh-bench-tls-")
+    if args.tls:
+        from kvmesh.tlsgen import make_pki
+
+        pki = make_pki(Path(certs.name))
+        tls_cfg = TlsConfig(
+            cert_file=pki.node.cert_file, key_file=pki.node.key_file, ca_file=pki.ca_file
+        )
+    pairs: dict[str, tuple[Daemon, Daemon]] = {}
+    for i, mode in enumerate(modes):
+        cfg = tls_cfg if mode != "plaintext" else None
+        dp_tls = mode != MTLS_CONTROL
+        a, b = await asyncio.gather(
+            start_daemon(f"bench-a-{i}", a_bytes, cfg, dp_tls),
+            start_daemon(f"bench-b-{i}", b_bytes, cfg, dp_tls),
+        )
+        pairs[mode] = (a, b)
     try:
         t0 = time.perf_counter()
-        layouts: dict[tuple[int, int], tuple[kvmanager_pb2.KvLayout, list[int]]] = {}
-        for r in range(runs):
-            for size in SIZES:
-                lay = layout(size, f"{size}-{r}")
-                layouts[size, r] = (lay, await fill(a, lay, size, total // size))
+        layouts: dict[tuple[str, int, int], tuple[kvmanager_pb2.KvLayout, list[int]]] = {}
+        for mode, (a, _) in pairs.items():
+            for r in range(runs):
+                for size in SIZES:
+                    lay = layout(size, f"{size}-{r}")
+                    layouts[mode, size, r] = (lay, await fill(a, lay, size, total // size))
         fill_s = time.perf_counter() - t0
         cells = {
-            (path, size): Cell(path, size)
+            (path, mode, size): Cell(path, size)
             for size in SIZES
-            for path in ("FetchFromPeer (data plane)", "gRPC GetBlocks")
+            for path in PATHS
+            for mode in modes
+            if mode != MTLS_CONTROL or path == PATHS[0]  # GetBlocks: as with mTLS
         }
         for r in range(runs):
             for size in SIZES:
-                lay, hashes = layouts[size, r]
-                for (path, sz), cell in cells.items():
+                for (path, mode, sz), cell in cells.items():
                     if sz != size:
                         continue
+                    a, b = pairs[mode]
+                    lay, hashes = layouts[mode, size, r]
                     me = time.process_time()
                     a_cpu, b_cpu = a.cpu_s(), b.cpu_s()
                     t = time.perf_counter()
@@ -178,10 +224,12 @@ async def _main(args: argparse.Namespace) -> None:
                     cell.serve_cpu.append((a.cpu_s() - a_cpu) / gb)
                     cell.recv_cpu.append(recv / gb)
     finally:
-        for d in (a, b):
-            await d.channel.close()
-            d.proc.terminate()
-        await asyncio.gather(a.proc.wait(), b.proc.wait())
+        for a, b in pairs.values():
+            for d in (a, b):
+                await d.channel.close()
+                d.proc.terminate()
+            await asyncio.gather(a.proc.wait(), b.proc.wait())
+        certs.cleanup()
 
     print(
         f"\n{args.total_mib} MiB per cell, median of {args.repeats} round-robin repeats"
@@ -195,22 +243,53 @@ async def _main(args: argparse.Namespace) -> None:
     )
     print("|---|---|---|---|---|---|---|---|")
     for size in SIZES:
-        base = statistics.median(cells["gRPC GetBlocks", size].gbps)
-        for path in ("FetchFromPeer (data plane)", "gRPC GetBlocks"):
-            c = cells[path, size]
-            med = statistics.median(c.gbps)
+        base = statistics.median(cells["gRPC GetBlocks", "plaintext", size].gbps)
+        for mode in modes:
+            for path in PATHS:
+                if (path, mode, size) not in cells:
+                    continue
+                c = cells[path, mode, size]
+                med = statistics.median(c.gbps)
+                name = path if mode == "plaintext" else f"{path}, {mode}"
+                print(
+                    f"| {name} | {_size(size)} | {statistics.median(c.blocks_s):,.0f}"
+                    f" | {med:.2f} | {max(c.gbps):.2f} | {med / base:.2f}"
+                    f" | {statistics.median(c.serve_cpu):.2f}"
+                    f" | {statistics.median(c.recv_cpu):.2f} |"
+                )
+    if not args.tls:
+        return
+    print(
+        "\n| path | block | plaintext GB/s | mTLS GB/s | mTLS / plaintext (median)"
+        " | per-repeat ratios | serving CPU s/GB plain / mTLS | receiving CPU s/GB plain / mTLS |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for path, mode in ((PATHS[0], MTLS), (PATHS[0], MTLS_CONTROL), (PATHS[1], MTLS)):
+        for size in SIZES:
+            p, t = cells[path, "plaintext", size], cells[path, mode, size]
+            ratios = [tt / pp for pp, tt in zip(p.gbps, t.gbps, strict=True)]
+            name = path if mode == MTLS else f"{path}, {mode}"
             print(
-                f"| {path} | {size // KiB if size < MiB else size // MiB}"
-                f" {'KiB' if size < MiB else 'MiB'} | {statistics.median(c.blocks_s):,.0f}"
-                f" | {med:.2f} | {max(c.gbps):.2f} | {med / base:.2f}"
-                f" | {statistics.median(c.serve_cpu):.2f} | {statistics.median(c.recv_cpu):.2f} |"
+                f"| {name} | {_size(size)} | {statistics.median(p.gbps):.2f}"
+                f" | {statistics.median(t.gbps):.2f}"
+                f" | {statistics.median(t.gbps) / statistics.median(p.gbps):.2f}"
+                f" | {', '.join(f'{x:.2f}' for x in ratios)}"
+                f" | {statistics.median(p.serve_cpu):.2f} / {statistics.median(t.serve_cpu):.2f}"
+                f" | {statistics.median(p.recv_cpu):.2f} / {statistics.median(t.recv_cpu):.2f} |"
             )
+
+
+def _size(size: int) -> str:
+    return f"{size // KiB} KiB" if size < MiB else f"{size // MiB} MiB"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--total-mib", type=int, default=128, help="payload per cell (MiB)")
     parser.add_argument("--repeats", type=int, default=3, help="round-robin repeats")
+    parser.add_argument(
+        "--tls", action="store_true", help="also a pair of daemons on mutual TLS, side by side"
+    )
     asyncio.run(_main(parser.parse_args()))
 
 

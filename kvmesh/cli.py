@@ -19,9 +19,13 @@ import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvmesh.models import MODEL_NAMES, ModelNotFound, resolve_model
 from kvmesh.units import parse_bytes
+
+if TYPE_CHECKING:  # kvmesh.tls imports grpc: the CLI imports it where a command needs it
+    from kvmesh.tls import Tls
 
 DEFAULT_ROUTER = "127.0.0.1:50051"
 # kvmesh.telemetry.Exporter's values, without importing grpc and OpenTelemetry to build the parser.
@@ -126,6 +130,14 @@ def _add_mesh_flags(p: argparse.ArgumentParser, default_port: int) -> None:
         default=1,
         help="router processes sharing the router's ports (SO_REUSEPORT), each with its own "
         "KV index; one process uses one core (default %(default)s)",
+    )
+    p.add_argument(
+        "--tls-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="mutual TLS on every hop with DIR's ca.pem, node.pem and node.key, made there when "
+        "missing (needs the cryptography package; docs/deploy.md#tls) (default: plaintext)",
     )
     p.add_argument(
         "--no-cpu-binding",
@@ -365,6 +377,7 @@ def _mesh_spec(a: argparse.Namespace):  # type: ignore[no-untyped-def]
         allowed_methods=a.allowed_methods,
         allowed_headers=a.allowed_headers,
         allow_credentials=a.allow_credentials,
+        tls_dir=a.tls_dir.resolve() if a.tls_dir is not None else None,
     )
 
 
@@ -387,9 +400,15 @@ def cmd_up(a: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     mesh.start()
+    files = mesh.tls_files()
+    tls_flags = (
+        f" --tls-ca-file {files[2]} --tls-cert-file {files[0]} --tls-key-file {files[1]}"
+        if files
+        else ""
+    )
     print(
         f"kvmesh up: ready in {time.monotonic() - t0:.1f} s\n"
-        f'  router  {mesh.router_address}   (try: kvmesh generate --router {mesh.router_address} "Hello")\n'
+        f'  router  {mesh.router_address}   (try: kvmesh generate --router {mesh.router_address}{tls_flags} "Hello")\n'
         f"  openai  {mesh.http_base_url}   (OpenAI-compatible: base_url for any OpenAI client)\n"
         f"  etcd    {','.join(mesh.etcd_endpoints)}\n"
         f"  workers {', '.join(w.ready.get('address', '?') for w in mesh.workers)}\n"
@@ -436,7 +455,7 @@ def cmd_demo(a: argparse.Namespace) -> int:
         )
 
         async def ask() -> None:
-            async with RouterClient(mesh.router_address) as client:
+            async with RouterClient(mesh.router_address, tls=mesh.client_tls()) as client:
                 await client.wait_for_models()
                 print(f"\nuser> {a.question}\nassistant> ", end="", flush=True)
                 req = make_request(a.question, chat=True, max_tokens=a.max_tokens, temperature=0.0)
@@ -482,7 +501,10 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
     async def run() -> int:
         key = a.api_key or os.environ.get("KVMESH_API_KEY", "")
-        async with RouterClient(a.router, max_attempts=a.max_attempts, api_key=key) as client:
+        tls = _client_tls(a)
+        async with RouterClient(
+            a.router, max_attempts=a.max_attempts, api_key=key, tls=tls
+        ) as client:
             try:
                 c = await client.complete(
                     req,
@@ -558,7 +580,39 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--timeout-s", type=float, default=120.0, help="deadline for the whole request, seconds"
     )
+    _add_tls_client_flags(p)
     p.set_defaults(func=cmd_generate)
+
+
+def _add_tls_client_flags(p: argparse.ArgumentParser) -> None:
+    """Flags of a client to TLS services (``kvmesh/tls.py``): the mesh's CA, and a client
+    certificate for services that ask one (mutual TLS)."""
+    g = p.add_argument_group("TLS (docs/deploy.md#tls)")
+    g.add_argument("--tls-ca-file", type=Path, help="PEM CA the services' certificates chain to")
+    g.add_argument("--tls-cert-file", type=Path, help="PEM client certificate (mutual TLS)")
+    g.add_argument("--tls-key-file", type=Path, help="PEM private key of --tls-cert-file")
+    g.add_argument(
+        "--tls-server-name",
+        default="",
+        help="name the services' certificates carry, if not the host",
+    )
+
+
+def _client_tls(a: argparse.Namespace) -> Tls | None:
+    """The TLS of ``_add_tls_client_flags``' flags; a bad file exits 2 with its name."""
+    from kvmesh.errors import InvalidArgument
+    from kvmesh.tls import TlsConfig
+
+    try:
+        return TlsConfig(
+            cert_file=a.tls_cert_file,
+            key_file=a.tls_key_file,
+            ca_file=a.tls_ca_file,
+            server_name=a.tls_server_name,
+        ).load(serving=False)
+    except InvalidArgument as exc:
+        print(f"kvmesh: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def cmd_status(a: argparse.Namespace) -> int:
@@ -569,7 +623,9 @@ def cmd_status(a: argparse.Namespace) -> int:
 
     endpoints = [x.strip() for x in a.etcd.split(",") if x.strip()]
     try:
-        status = asyncio.run(gather(endpoints, a.cluster, a.timeout_s))
+        status = asyncio.run(
+            gather(endpoints, a.cluster, a.timeout_s, _client_tls(a), _etcd_credentials(a))
+        )
     except (EtcdUnavailable, ValueError) as exc:
         print(f"kvmesh status: {exc}", file=sys.stderr)
         return 1
@@ -602,7 +658,42 @@ def _add_status(sub: argparse._SubParsersAction) -> None:
         default=2.0,
         help="deadline for etcd and for each service, seconds (default %(default)s)",
     )
+    _add_tls_client_flags(p)
+    g = p.add_argument_group("etcd TLS and user (docs/etcd.md#tls-and-authentication)")
+    g.add_argument("--etcd-ca-file", type=Path, help="PEM CA of etcd's certificate: TLS")
+    g.add_argument("--etcd-cert-file", type=Path, help="PEM client certificate for etcd")
+    g.add_argument("--etcd-key-file", type=Path, help="PEM private key of --etcd-cert-file")
+    g.add_argument("--etcd-server-name", default="", help="name in etcd's certificate")
+    g.add_argument(
+        "--etcd-user",
+        default="",
+        help="etcd user; its password from --etcd-password-file or $KVMESH_ETCD_PASSWORD",
+    )
+    g.add_argument("--etcd-password-file", type=Path, help="file holding --etcd-user's password")
     p.set_defaults(func=cmd_status)
+
+
+def _etcd_credentials(a: argparse.Namespace):  # type: ignore[no-untyped-def]
+    """The etcd TLS and user of ``kvmesh status``' flags; a bad file exits 2 naming it."""
+    from kvmesh.discovery.security import EtcdSecurity
+    from kvmesh.errors import InvalidArgument
+
+    try:
+        security = EtcdSecurity(
+            ca_file=a.etcd_ca_file,
+            cert_file=a.etcd_cert_file,
+            key_file=a.etcd_key_file,
+            server_name=a.etcd_server_name,
+            user=a.etcd_user,
+            password=os.environ.get("KVMESH_ETCD_PASSWORD", "")
+            if a.etcd_user and a.etcd_password_file is None
+            else "",
+            password_file=a.etcd_password_file,
+        )
+        return security.load()
+    except InvalidArgument as exc:
+        print(f"kvmesh status: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -19,6 +19,7 @@ from enum import StrEnum
 
 import grpc
 
+from kvmesh.tls import Tls, open_channel
 from kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -236,9 +237,12 @@ class RouterClient:
         max_attempts: int | None = None,
         service_config: str = SERVICE_CONFIG,
         api_key: str = "",
+        tls: Tls | None = None,
     ) -> None:
         """``api_key``: sent with every call (``authorization: Bearer``) to a router that
-        checks keys (``--api-keys-file``; docs/tenants.md); empty: none."""
+        checks keys (``--api-keys-file``; docs/tenants.md); empty: none. ``tls``: the
+        routers' TLS (``kvmesh/tls.py``: their CA, and a client certificate for a router that
+        asks one); None: plaintext."""
         self.targets = router_targets(address)
         self.address = self.targets[0]
         # Generate attempts per request, over all routers; None: DEFAULT_ATTEMPTS when there
@@ -247,8 +251,7 @@ class RouterClient:
         options = [("grpc.service_config", service_config), ("grpc.enable_retries", 1)]
         interceptors = [_UnaryKey(api_key), _StreamKey(api_key)] if api_key else None
         self._channels = [
-            grpc.aio.insecure_channel(t, options=options, interceptors=interceptors)
-            for t in self.targets
+            open_channel(t, tls, options=options, interceptors=interceptors) for t in self.targets
         ]
         for ch in self._channels[1:]:
             ch.get_state(try_to_connect=True)  # connected before it has to take over

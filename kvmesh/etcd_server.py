@@ -5,6 +5,10 @@ The API is synchronous: starting takes a fraction of a second. Async callers use
 ``astop`` and ``arestart``, which run the same code in a worker thread so the event loop keeps
 serving while etcd boots or shuts down.
 
+With ``tls`` (``EtcdServerTls``) the client port speaks TLS, and with its CA etcd asks every
+client for a certificate from it (``--client-cert-auth``): what tests of the services' etcd TLS
+options run against. ``enable_auth`` turns etcd's users on.
+
 Layout of ``data_dir``::
 
     <data_dir>/etcd/      etcd's own data directory (member/)
@@ -20,13 +24,15 @@ import random
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
 import urllib.error
 import urllib.request
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
@@ -38,6 +44,16 @@ INSTALL_HINT = (
 )
 _ADDR_IN_USE = "address already in use"
 _PORT_ATTEMPTS = 5  # fresh port pairs tried when a port is taken between picking and binding
+
+
+@dataclass(frozen=True, slots=True)
+class EtcdServerTls:
+    """TLS of a ``LocalEtcd``'s client port."""
+
+    cert_file: Path  # etcd's certificate (also shown as the client certificate of the health
+    key_file: Path  # probe: give it client use too)
+    ca_file: Path  # clients' certificates must chain to it
+    client_cert_auth: bool = True  # refuse clients without one
 
 
 class EtcdStartError(RuntimeError):
@@ -112,8 +128,10 @@ class LocalEtcd:
         quota_backend_bytes: int = 64 * 1024 * 1024,
         snapshot_count: int = 5000,
         extra_args: Sequence[str] = (),
+        tls: EtcdServerTls | None = None,
     ) -> None:
         self.binary = find_etcd_binary(binary)
+        self.tls = tls
         self._owns_dir = data_dir is None
         self.data_dir = Path(
             tempfile.mkdtemp(prefix="kvmesh-etcd-") if data_dir is None else data_dir
@@ -145,7 +163,7 @@ class LocalEtcd:
 
     @property
     def client_url(self) -> str:
-        return f"http://{self.endpoint}"
+        return f"{'https' if self.tls is not None else 'http'}://{self.endpoint}"
 
     @property
     def log_path(self) -> Path:
@@ -275,8 +293,15 @@ class LocalEtcd:
         return busy
 
     def _command(self) -> list[str]:
-        client_url = f"http://{self.host}:{self.client_port}"
+        client_url = self.client_url
         peer_url = f"http://{self.host}:{self.peer_port}"
+        tls_args: list[str] = []
+        if self.tls is not None:
+            tls_args = [
+                "--cert-file", str(self.tls.cert_file), "--key-file", str(self.tls.key_file),
+                "--trusted-ca-file", str(self.tls.ca_file),
+                *(["--client-cert-auth"] if self.tls.client_cert_auth else []),
+            ]  # fmt: skip
         return [
             self.binary,
             "--name",
@@ -311,6 +336,7 @@ class LocalEtcd:
             "warn",
             "--log-outputs",
             "stderr",
+            *tls_args,
             *self.extra_args,
         ]
 
@@ -330,7 +356,12 @@ class LocalEtcd:
 
     def _wait_healthy(self) -> None:
         assert self._proc is not None
-        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # no http_proxy
+        handlers: list[urllib.request.BaseHandler] = [urllib.request.ProxyHandler({})]  # no proxy
+        if self.tls is not None:
+            ctx = ssl.create_default_context(cafile=str(self.tls.ca_file))
+            ctx.load_cert_chain(self.tls.cert_file, self.tls.key_file)
+            handlers.append(urllib.request.HTTPSHandler(context=ctx))
+        opener = urllib.request.build_opener(*handlers)
         deadline = time.monotonic() + self.start_timeout_s
         last = "no answer yet"
         while time.monotonic() < deadline:
@@ -373,6 +404,46 @@ class LocalEtcd:
             self._finalizer.detach()
             self._finalizer = None
         self._proc = None
+
+
+async def enable_auth(
+    endpoint: str,
+    root_password: str,
+    users: Mapping[str, str],
+    prefix: str = "/kvmesh/",
+    channel_credentials: object | None = None,
+) -> None:
+    """Turns on etcd's users: ``root`` (what etcd requires first) and each of ``users`` (name
+    -> password) with read and write under ``prefix``. ``channel_credentials``: a
+    ``grpc.ChannelCredentials`` for a TLS etcd."""
+    import grpc
+    from aetcd import rpc
+
+    async with (
+        grpc.aio.secure_channel(endpoint, channel_credentials)  # type: ignore[arg-type]
+        if channel_credentials is not None
+        else grpc.aio.insecure_channel(endpoint)
+    ) as channel:
+        auth = rpc.AuthStub(channel)
+        await auth.UserAdd(rpc.AuthUserAddRequest(name="root", password=root_password), timeout=5)
+        await auth.UserGrantRole(rpc.AuthUserGrantRoleRequest(user="root", role="root"), timeout=5)
+        end = prefix[:-1] + chr(ord(prefix[-1]) + 1)
+        await auth.RoleAdd(rpc.AuthRoleAddRequest(name="kvmesh"), timeout=5)
+        await auth.RoleGrantPermission(
+            rpc.AuthRoleGrantPermissionRequest(
+                name="kvmesh",
+                perm=rpc.Permission(
+                    permType=rpc.Permission.READWRITE, key=prefix.encode(), range_end=end.encode()
+                ),
+            ),
+            timeout=5,
+        )
+        for name, password in users.items():
+            await auth.UserAdd(rpc.AuthUserAddRequest(name=name, password=password), timeout=5)
+            await auth.UserGrantRole(
+                rpc.AuthUserGrantRoleRequest(user=name, role="kvmesh"), timeout=5
+            )
+        await auth.AuthEnable(rpc.AuthEnableRequest(), timeout=5)
 
 
 def _kill_quietly(proc: subprocess.Popen[bytes]) -> None:

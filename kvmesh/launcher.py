@@ -13,6 +13,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -25,6 +26,7 @@ from typing import Any
 
 from kvmesh.cpus import available_cpus, format_cpu_list, plan_cpus
 from kvmesh.etcd_server import LocalEtcd
+from kvmesh.tls import Tls, TlsConfig
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +84,10 @@ class MeshSpec:
     allowed_methods: str = ""
     allowed_headers: str = ""
     allow_credentials: bool = False
+    # Mutual TLS on every hop (docs/deploy.md#tls): every child gets DIR's node.pem, node.key
+    # and ca.pem as --tls-cert-file/--tls-key-file/--tls-ca-file, made there (kvmesh/tlsgen.py)
+    # when missing. None: plaintext.
+    tls_dir: Path | None = None
 
 
 @dataclass
@@ -136,6 +142,7 @@ class Mesh:
 
     def start(self) -> None:
         try:
+            self.ensure_certificates()
             if not self.spec.etcd_endpoints:
                 self.etcd = LocalEtcd(data_dir=self.log_dir / "etcd")
                 self.etcd.start()
@@ -195,6 +202,39 @@ class Mesh:
             *(["--otlp-endpoint", endpoint] if endpoint else []),
         ]  # fmt: skip
 
+    def tls_files(self) -> tuple[Path, Path, Path] | None:
+        """(certificate, key, CA) every child uses; None without ``tls_dir``."""
+        d = self.spec.tls_dir
+        return None if d is None else (d / "node.pem", d / "node.key", d / "ca.pem")
+
+    def tls_args(self) -> list[str]:
+        """The TLS flags every child gets; none without ``tls_dir``."""
+        files = self.tls_files()
+        if files is None:
+            return []
+        cert, key, ca = files
+        return ["--tls-cert-file", str(cert), "--tls-key-file", str(key), "--tls-ca-file", str(ca)]
+
+    def client_tls(self) -> Tls | None:
+        """What a client of this mesh (``RouterClient``) connects with."""
+        files = self.tls_files()
+        if files is None:
+            return None
+        cert, key, ca = files
+        return TlsConfig(cert_file=cert, key_file=key, ca_file=ca).load()
+
+    def ensure_certificates(self) -> None:
+        """Makes a CA and one node certificate in ``tls_dir`` unless it holds them."""
+        files = self.tls_files()
+        if files is None or all(f.exists() for f in files):
+            return
+        from kvmesh.tlsgen import DEFAULT_HOSTS, make_pki
+
+        assert self.spec.tls_dir is not None
+        hosts = dict.fromkeys((*DEFAULT_HOSTS, self.spec.router_host, socket.gethostname()))
+        make_pki(self.spec.tls_dir, list(hosts), ca_name="kvmesh up CA")
+        log.info("made a CA and a node certificate in %s", self.spec.tls_dir)
+
     def cpu_args(self, name: str) -> list[str]:
         """A worker's --compute-cpus / --service-cpus from the mesh's CPU plan."""
         plan = self.cpu_plan
@@ -223,6 +263,7 @@ class Mesh:
             *(["--served-model-name", spec.served_model_name] if spec.served_model_name else []),
             *(["--kvmanager", self.kvmanager.ready["address"]] if self.kvmanager else []),
             *self.trace_args(),
+            *self.tls_args(),
             *self.cpu_args(name),
             *spec.worker_args,
             *extra_args,
@@ -276,6 +317,7 @@ class Mesh:
             *(["--allowed-headers", spec.allowed_headers] if spec.allowed_headers else []),
             *(["--allow-credentials"] if spec.allow_credentials else []),
             *self.trace_args(),
+            *self.tls_args(),
             *spec.router_args,
             *extra_args,
         ]  # fmt: skip
@@ -298,6 +340,7 @@ class Mesh:
             "--cpu-bytes", str(spec.kvmanager_cpu_bytes),
             *disk,
             *self.trace_args(),
+            *self.tls_args(),
             *spec.kvmanager_args,
         ]  # fmt: skip
         return self._pinned(self._spawn(name, "services.kvmanager.main", args, KVMANAGER_READY))

@@ -1,7 +1,7 @@
 """One service process's gRPC host, shared by the router, the worker and the kvmanager.
 
 A ``ServiceHost`` owns what every service runs around its servicer: the ``grpc.aio`` server
-(the tracing interceptor when tracing is on, and the error interceptor that maps domain errors
+(plaintext, or TLS / mutual TLS with a ``kvmesh.tls.Tls``; the tracing interceptor when tracing is on, and the error interceptor that maps domain errors
 through ``kvmesh.grpc_errors``' one table), health, reflection, the etcd record, the Prometheus
 ``/metrics`` server and one task refreshing the gauges. Everything a service starts besides
 (watchers, stores, a data plane, an HTTP front door) is entered on the host's
@@ -52,10 +52,12 @@ from grpc_reflection.v1alpha import reflection
 from kvmesh.discovery.client import Backoff
 from kvmesh.discovery.etcd import EtcdUnavailable, Registrar
 from kvmesh.discovery.hosts import advertised_host
+from kvmesh.discovery.security import EtcdCredentials
 from kvmesh.errors import KvmeshError
 from kvmesh.grpc_errors import ErrorStatus
 from kvmesh.metrics import MetricsServer, serve_metrics
 from kvmesh.telemetry import server_interceptors
+from kvmesh.tls import Tls
 
 log = logging.getLogger(__name__)
 
@@ -89,13 +91,17 @@ class ServiceHost:
         drain_grace_s: float,
         etcd_retry_max_s: float = 5.0,
         interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+        tls: Tls | None = None,
     ) -> None:
         """``interceptors`` run inside ``ErrorStatus`` (what they raise is mapped by its table),
-        e.g. the router's API keys (``services/router/auth.py``)."""
+        e.g. the router's API keys (``services/router/auth.py``). ``tls``: serve TLS with it
+        (mutual TLS when it has a CA and requires client certificates; ``kvmesh/tls.py``);
+        None: plaintext."""
         if not etcd_retry_max_s > 0:
             raise ValueError(f"etcd_retry_max_s must be > 0 seconds, got {etcd_retry_max_s}")
         self.service_names = tuple(service_names)
         self.bind = bind
+        self.tls = tls
         self.drain_grace_s = drain_grace_s
         self.etcd_retry_max_s = etcd_retry_max_s  # longest wait between start-up attempts
         self.server = grpc.aio.server(
@@ -150,7 +156,10 @@ class ServiceHost:
         if not self.port:
             address = f"{self.bind.host}:{self.bind.port}"
             try:
-                self.port = self.server.add_insecure_port(address)
+                if self.tls is None:
+                    self.port = self.server.add_insecure_port(address)
+                else:
+                    self.port = self.server.add_secure_port(address, self.tls.server_credentials())
             except RuntimeError:  # grpc says only "Failed to bind": the OS's words for it
                 raise OSError(
                     errno.EADDRINUSE,
@@ -201,10 +210,17 @@ class ServiceHost:
                 )
                 await asyncio.sleep(delay_s)
 
-    async def register(self, endpoints: Sequence[str], key: str, value: str, ttl_s: float) -> None:
+    async def register(
+        self,
+        endpoints: Sequence[str],
+        key: str,
+        value: str,
+        ttl_s: float,
+        credentials: EtcdCredentials | None = None,
+    ) -> None:
         """Puts ``key = value`` in etcd under a lease kept alive until ``stop()``; retried
-        until etcd answers (``until_etcd``)."""
-        registrar = Registrar(list(endpoints), key, value, ttl_s=ttl_s)
+        until etcd answers (``until_etcd``). ``credentials``: etcd TLS and user."""
+        registrar = Registrar(list(endpoints), key, value, ttl_s=ttl_s, credentials=credentials)
         await self.until_etcd(registrar.start)
         self.registrar = registrar
 

@@ -28,7 +28,9 @@ from kvmesh.discovery.keys import (
     routers_prefix,
     workers_prefix,
 )
+from kvmesh.discovery.security import EtcdCredentials
 from kvmesh.kv_wire import TIER_PB
+from kvmesh.tls import Tls, open_channel
 
 log = logging.getLogger(__name__)
 
@@ -109,15 +111,18 @@ def _describe(exc: BaseException) -> str:
 
 
 async def _ask(
-    address: str, timeout_s: float, call: Callable[[grpc.aio.Channel], Awaitable[T]]
+    address: str,
+    timeout_s: float,
+    call: Callable[[grpc.aio.Channel], Awaitable[T]],
+    tls: Tls | None,
 ) -> T:
     """One exchange with ``address`` on its own channel, bounded end to end by ``timeout_s``."""
     async with asyncio.timeout(timeout_s):
-        async with grpc.aio.insecure_channel(address) as channel:
+        async with open_channel(address, tls) as channel:
             return await call(channel)
 
 
-async def _worker(rec: WorkerRecord, timeout_s: float) -> WorkerStatus:
+async def _worker(rec: WorkerRecord, timeout_s: float, tls: Tls | None) -> WorkerStatus:
     from kvmesh.v1 import worker_pb2, worker_pb2_grpc
 
     base = WorkerStatus(
@@ -137,7 +142,7 @@ async def _worker(rec: WorkerRecord, timeout_s: float) -> WorkerStatus:
         )
 
     try:
-        load, info = await _ask(rec.address, timeout_s, call)
+        load, info = await _ask(rec.address, timeout_s, call, tls)
     except Exception as exc:
         return replace(base, error=_describe(exc))
     if info.worker_id != rec.worker_id:
@@ -154,7 +159,7 @@ async def _worker(rec: WorkerRecord, timeout_s: float) -> WorkerStatus:
     )
 
 
-async def _kvmanager(rec: KvManagerRecord, timeout_s: float) -> KvManagerStatus:
+async def _kvmanager(rec: KvManagerRecord, timeout_s: float, tls: Tls | None) -> KvManagerStatus:
     from kvmesh.v1 import kvmanager_pb2, kvmanager_pb2_grpc
 
     base = KvManagerStatus(kvmanager_id=rec.kvmanager_id, node=rec.node, address=rec.address)
@@ -164,7 +169,7 @@ async def _kvmanager(rec: KvManagerRecord, timeout_s: float) -> KvManagerStatus:
         return await stub.GetInfo(kvmanager_pb2.KvManagerInfoRequest(), timeout=timeout_s)
 
     try:
-        info = await _ask(rec.address, timeout_s, call)
+        info = await _ask(rec.address, timeout_s, call, tls)
     except Exception as exc:
         return replace(base, error=_describe(exc))
     tiers = tuple(
@@ -174,7 +179,7 @@ async def _kvmanager(rec: KvManagerRecord, timeout_s: float) -> KvManagerStatus:
     return replace(base, reachable=True, tiers=tiers)
 
 
-async def _router(rec: RouterRecord, timeout_s: float) -> RouterStatus:
+async def _router(rec: RouterRecord, timeout_s: float, tls: Tls | None) -> RouterStatus:
     base = RouterStatus(router_id=rec.router_id, address=rec.address, version=rec.version)
 
     async def call(channel: grpc.aio.Channel) -> Any:
@@ -182,7 +187,7 @@ async def _router(rec: RouterRecord, timeout_s: float) -> RouterStatus:
         return await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
 
     try:
-        reply = await _ask(rec.address, timeout_s, call)
+        reply = await _ask(rec.address, timeout_s, call, tls)
     except Exception as exc:
         return replace(base, error=_describe(exc))
     serving = reply.status == health_pb2.HealthCheckResponse.SERVING
@@ -190,11 +195,14 @@ async def _router(rec: RouterRecord, timeout_s: float) -> RouterStatus:
 
 
 async def read_records(
-    endpoints: Sequence[str], cluster: str, timeout_s: float
+    endpoints: Sequence[str],
+    cluster: str,
+    timeout_s: float,
+    credentials: EtcdCredentials | None = None,
 ) -> tuple[dict[str, bytes], str]:
     """Every key under the cluster's prefix, and the endpoint that answered. Raises
     ``EtcdUnavailable`` if no endpoint answers within ``timeout_s``."""
-    conn = RotatingClient(endpoints, timeout_s)
+    conn = RotatingClient(endpoints, timeout_s, credentials)
     prefix = cluster_prefix(cluster)
     try:
         listing = await conn.call_within(
@@ -205,10 +213,17 @@ async def read_records(
         await conn.close()
 
 
-async def gather(endpoints: Sequence[str], cluster: str, timeout_s: float = 2.0) -> ClusterStatus:
+async def gather(
+    endpoints: Sequence[str],
+    cluster: str,
+    timeout_s: float = 2.0,
+    tls: Tls | None = None,
+    etcd_credentials: EtcdCredentials | None = None,
+) -> ClusterStatus:
     """The cluster's status: etcd's records, each service asked in parallel within
-    ``timeout_s``. Raises ``EtcdUnavailable`` only if etcd does not answer."""
-    records, etcd = await read_records(endpoints, cluster, timeout_s)
+    ``timeout_s`` (over TLS with ``tls``: the mesh's CA and a client certificate; etcd with
+    ``etcd_credentials``). Raises ``EtcdUnavailable`` only if etcd does not answer."""
+    records, etcd = await read_records(endpoints, cluster, timeout_s, etcd_credentials)
     workers: list[WorkerRecord] = []
     kvmanagers: list[KvManagerRecord] = []
     routers: list[RouterRecord] = []
@@ -225,9 +240,9 @@ async def gather(endpoints: Sequence[str], cluster: str, timeout_s: float = 2.0)
             log.warning("unreadable record %s: %s", key, exc)
             bad.append(key)
     w, k, r = await asyncio.gather(
-        asyncio.gather(*(_worker(x, timeout_s) for x in workers)),
-        asyncio.gather(*(_kvmanager(x, timeout_s) for x in kvmanagers)),
-        asyncio.gather(*(_router(x, timeout_s) for x in routers)),
+        asyncio.gather(*(_worker(x, timeout_s, tls) for x in workers)),
+        asyncio.gather(*(_kvmanager(x, timeout_s, tls) for x in kvmanagers)),
+        asyncio.gather(*(_router(x, timeout_s, tls) for x in routers)),
     )
     return ClusterStatus(
         cluster=cluster,

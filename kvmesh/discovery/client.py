@@ -13,13 +13,18 @@ import logging
 import random
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import aetcd
 import grpc
+from aetcd import rpc as etcd_rpc
+from aetcd import watcher as etcd_watcher
+from aetcd.client import _handle_errors
 
 from kvmesh.discovery.endpoints import Endpoint, parse_endpoint, parse_endpoints
+from kvmesh.discovery.security import EtcdCredentials
 from kvmesh.errors import Unavailable
+from kvmesh.tls import Tls
 
 __all__ = [
     "RETRYABLE",
@@ -86,13 +91,22 @@ class Backoff:
 
 
 class RotatingClient:
-    """One aetcd client at a time, on one of the endpoints; ``rotate()`` moves to the next."""
+    """One aetcd client at a time, on one of the endpoints; ``rotate()`` moves to the next.
+    ``credentials``: TLS and an etcd user (``security.EtcdSecurity.load``); None: plaintext,
+    no user. A client is made afresh after any failure, so an expired auth token is replaced
+    by the next one's ``Authenticate``."""
 
-    def __init__(self, endpoints: Sequence[str], op_timeout_s: float) -> None:
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        op_timeout_s: float,
+        credentials: EtcdCredentials | None = None,
+    ) -> None:
         if op_timeout_s <= 0:
             raise ValueError(f"op_timeout_s must be > 0, got {op_timeout_s}")
         self.endpoints = parse_endpoints(endpoints)
         self.op_timeout_s = op_timeout_s
+        self.credentials = credentials
         self._index = 0
         self._client: aetcd.Client | None = None
 
@@ -103,10 +117,25 @@ class RotatingClient:
     def client(self) -> aetcd.Client:
         """The current client, created on first use (aetcd connects lazily, without I/O)."""
         if self._client is None:
-            ep = self.endpoint
-            self._client = aetcd.Client(
-                host=ep.host, port=ep.port, timeout=self.op_timeout_s, options=_CHANNEL_OPTIONS
-            )
+            ep, cred = self.endpoint, self.credentials
+            user = {"username": cred.user, "password": cred.password} if cred and cred.user else {}
+            if cred is not None and cred.tls is not None:
+                self._client = _TlsClient(
+                    cred.tls,
+                    host=ep.host,
+                    port=ep.port,
+                    timeout=self.op_timeout_s,
+                    options=_CHANNEL_OPTIONS,
+                    **user,
+                )
+            else:
+                self._client = aetcd.Client(
+                    host=ep.host,
+                    port=ep.port,
+                    timeout=self.op_timeout_s,
+                    options=_CHANNEL_OPTIONS,
+                    **user,
+                )
         return self._client
 
     async def call(
@@ -133,7 +162,10 @@ class RotatingClient:
                 async with asyncio.timeout(max(remaining, 0.01)):
                     return await fn(self.client())
             except RETRYABLE as exc:
-                last = exc
+                # An attempt cut short by the deadline says less than the error before it
+                # (authentication failed, certificate refused): keep that one.
+                if last is None or not isinstance(exc, TimeoutError):
+                    last = exc
             if time.monotonic() + 0.05 >= deadline:
                 break
             await self.rotate()
@@ -158,6 +190,48 @@ class RotatingClient:
                 await client.close()
         except Exception as exc:  # closing a broken client must not break the caller
             log.debug("closing etcd client for %s: %s", self.endpoint, describe_error(exc))
+
+
+class _TlsClient(aetcd.Client):  # type: ignore[misc]
+    """``aetcd.Client`` on a TLS channel: aetcd 1.0 opens only plaintext ones. ``connect`` is
+    aetcd's own, with ``secure_channel`` (then, with a user, the same ``Authenticate`` call
+    for the token every later call carries)."""
+
+    def __init__(self, tls: Tls, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._tls = tls
+
+    @_handle_errors  # gRPC errors -> aetcd's ClientError kinds, as aetcd's own connect
+    async def connect(self) -> None:
+        if self._connected.is_set():
+            return
+        if self._is_connecting:  # type: ignore[has-type]  # another task connects: wait
+            await asyncio.wait_for(self._connected.wait(), self._connect_wait_timeout)
+            return
+        try:
+            self._is_connecting = True
+            target = f"{self._host}:{self._port}"
+            options = [*self._options.items(), *self._tls.channel_options()]
+            self.channel = grpc.aio.secure_channel(
+                target, self._tls.channel_credentials(), options=options
+            )
+            if self._username is not None and self._password is not None:
+                self.auth_stub = etcd_rpc.AuthStub(self.channel)
+                resp = await self.auth_stub.Authenticate(
+                    etcd_rpc.AuthenticateRequest(name=self._username, password=self._password),
+                    timeout=self._timeout,
+                )
+                self.metadata = (("token", resp.token),)
+            self.kvstub = etcd_rpc.KVStub(self.channel)
+            self.clusterstub = etcd_rpc.ClusterStub(self.channel)
+            self.leasestub = etcd_rpc.LeaseStub(self.channel)
+            self.maintenancestub = etcd_rpc.MaintenanceStub(self.channel)
+            self._watcher = etcd_watcher.Watcher(
+                etcd_rpc.WatchStub(self.channel), timeout=self._timeout, metadata=self.metadata
+            )
+            self._connected.set()
+        finally:
+            self._is_connecting = False
 
 
 def describe_error(exc: BaseException) -> str:

@@ -25,6 +25,7 @@ from kvmesh.discovery.client import (
     describe_error,
     stop_task,
 )
+from kvmesh.discovery.security import EtcdCredentials
 
 log = logging.getLogger(__name__)
 
@@ -39,12 +40,13 @@ class Registrar:
         value: str,
         ttl_s: float = 10.0,
         op_timeout_s: float = 5.0,
+        credentials: EtcdCredentials | None = None,
     ) -> None:
         if ttl_s < 1:
             raise ValueError(f"ttl_s must be >= 1 (etcd leases are whole seconds), got {ttl_s}")
         if not key:
             raise ValueError("key must not be empty")
-        self._conn = RotatingClient(endpoints, op_timeout_s)
+        self._conn = RotatingClient(endpoints, op_timeout_s, credentials)
         self._key = key
         self._value = value
         self._lease_ttl = math.ceil(ttl_s)  # what etcd is asked for: whole seconds

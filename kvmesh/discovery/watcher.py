@@ -20,6 +20,7 @@ from types import TracebackType
 import aetcd
 
 from kvmesh.discovery.client import RETRYABLE, Backoff, RotatingClient, describe_error, stop_task
+from kvmesh.discovery.security import EtcdCredentials
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +40,11 @@ class PrefixWatcher:
         on_put: PutCallback,
         on_delete: DeleteCallback,
         op_timeout_s: float = 5.0,
+        credentials: EtcdCredentials | None = None,
     ) -> None:
         if not prefix:
             raise ValueError("prefix must not be empty (it would watch the whole of etcd)")
-        self._conn = RotatingClient(endpoints, op_timeout_s)
+        self._conn = RotatingClient(endpoints, op_timeout_s, credentials)
         self._prefix = prefix
         self._on_snapshot = on_snapshot
         self._on_put = on_put

@@ -190,20 +190,22 @@ class OpenFetchRequest(_message.Message):
     def __init__(self, layout: _Optional[_Union[KvLayout, _Mapping]] = ..., layout_key: _Optional[str] = ..., block_hashes: _Optional[_Iterable[int]] = ..., ttl_s: _Optional[float] = ...) -> None: ...
 
 class OpenFetchResponse(_message.Message):
-    __slots__ = ("data_plane_address", "token", "block_hashes", "parent_hash", "layout_key", "ttl_s")
+    __slots__ = ("data_plane_address", "token", "block_hashes", "parent_hash", "layout_key", "ttl_s", "data_plane_tls")
     DATA_PLANE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_KEY_FIELD_NUMBER: _ClassVar[int]
     TTL_S_FIELD_NUMBER: _ClassVar[int]
+    DATA_PLANE_TLS_FIELD_NUMBER: _ClassVar[int]
     data_plane_address: str
     token: bytes
     block_hashes: _containers.RepeatedScalarFieldContainer[int]
     parent_hash: int
     layout_key: str
     ttl_s: float
-    def __init__(self, data_plane_address: _Optional[str] = ..., token: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[int]] = ..., parent_hash: _Optional[int] = ..., layout_key: _Optional[str] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+    data_plane_tls: bool
+    def __init__(self, data_plane_address: _Optional[str] = ..., token: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[int]] = ..., parent_hash: _Optional[int] = ..., layout_key: _Optional[str] = ..., ttl_s: _Optional[float] = ..., data_plane_tls: bool = ...) -> None: ...
 
 class FetchFromPeerRequest(_message.Message):
     __slots__ = ("layout", "block_hashes", "peer_kvmanager_id", "peer_address")

@@ -7,8 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvmesh.discovery.endpoints import check_etcd_settings
+from kvmesh.discovery.security import EtcdSecurity
 from kvmesh.settings import setting
 from kvmesh.telemetry import Exporter
+from kvmesh.tls import TlsConfig
 
 from .core.config import PeerConfig, StoreConfig
 from .shm import ShmConfig
@@ -39,6 +41,11 @@ class KvManagerConfig:
         "longest wait between attempts to reach etcd while starting (retried until it answers; "
         "health NOT_SERVING meanwhile), seconds",
     )
+    etcd_security: EtcdSecurity = setting(
+        factory=EtcdSecurity,
+        doc="TLS and user of the etcd client (docs/etcd.md#tls-and-authentication)",
+        prefix="etcd-",
+    )
     store: StoreConfig = setting(
         factory=StoreConfig, doc="tier budgets, the disk directory, the write policy", prefix=""
     )
@@ -56,6 +63,12 @@ class KvManagerConfig:
         1024, "tier event batches queued per subscriber; one further behind is cut off"
     )
     drain_grace_s: float = setting(5.0, "on SIGTERM, seconds given to calls in flight")
+    tls: TlsConfig = setting(
+        factory=TlsConfig,
+        doc="TLS of the gRPC port, the data plane and the calls to peer kvmanagers "
+        "(kvmesh/tls.py; docs/deploy.md#tls)",
+        prefix="tls-",
+    )
     metrics_host: str = setting("127.0.0.1", "address of the Prometheus /metrics endpoint")
     metrics_port: int = setting(0, "Prometheus /metrics port; 0: the OS picks, -1: off")
     metrics_refresh_s: float = setting(
@@ -69,3 +82,4 @@ class KvManagerConfig:
 
     def __post_init__(self) -> None:
         check_etcd_settings(self.etcd_endpoints, self.etcd_retry_max_s)
+        self.etcd_security.check_endpoints(self.etcd_endpoints)

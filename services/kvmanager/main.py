@@ -28,6 +28,7 @@ from kvmesh.metrics import MetricsServer
 from kvmesh.service import Bind, ServiceHost, run, signal_event, start_or_stop
 from kvmesh.settings import add_config_flags, load_config
 from kvmesh.telemetry import client_interceptors, setup_logging, setup_tracing
+from kvmesh.tls import Tls
 from kvmesh.v1 import kvmanager_pb2, kvmanager_pb2_grpc
 
 from .config import KvManagerConfig, PeerConfig
@@ -83,12 +84,13 @@ class RunningKvManager:
         log.info("kvmanager %s stopped", self.kvmanager_id)
 
 
-def _data_plane_config(peer: PeerConfig, host: str) -> DataPlaneConfig:
+def _data_plane_config(peer: PeerConfig, host: str, tls: Tls | None) -> DataPlaneConfig:
     return DataPlaneConfig(
         host=peer.data_plane_host or host,
         port=peer.data_plane_port,
         max_streams=peer.max_streams,
         stall_timeout_s=peer.stall_timeout_s,
+        ssl_context=tls.server_ssl_context() if tls is not None and peer.data_plane_tls else None,
     )
 
 
@@ -103,6 +105,8 @@ async def start_kvmanager(
     node = config.node or node_name()
     kvmanager_id = check_name("kvmanager id", config.kvmanager_id or node)
     check_name("cluster", config.cluster)
+    tls = config.tls.load()  # bad certificate files fail the start before anything runs
+    etcd = config.etcd_security.load()
     epoch = uuid.uuid4().hex
     hubs = LayoutHubs(kvmanager_id, epoch, config.event_buffer_batches, config.event_queue_batches)
     bind = Bind(
@@ -112,7 +116,9 @@ async def start_kvmanager(
         config.max_message_bytes,
         config.max_message_bytes,
     )
-    host = ServiceHost((SERVICE_NAME,), bind, config.drain_grace_s, config.etcd_retry_max_s)
+    host = ServiceHost(
+        (SERVICE_NAME,), bind, config.drain_grace_s, config.etcd_retry_max_s, tls=tls
+    )
     data_plane: DataPlaneServer | None = None
     data_plane_address = ""
     metrics = KvManagerMetrics()
@@ -123,17 +129,24 @@ async def start_kvmanager(
             source: BlockSource = StoreBlockSource(store)
             if wrap_source is not None:
                 source = wrap_source(source)
-            data_plane = DataPlaneServer(source, _data_plane_config(config.peer, config.host))
+            data_plane = DataPlaneServer(source, _data_plane_config(config.peer, config.host, tls))
 
         def info() -> kvmanager_pb2.KvManagerInfo:
             return _info(store, kvmanager_id, node, epoch, data_plane_address)
 
         host.bind_port()  # the address peers are told to call back at
         directory = PeerDirectory(
-            kvmanager_id, config.etcd_endpoints, config.cluster, client_interceptors()
+            kvmanager_id,
+            config.etcd_endpoints,
+            config.cluster,
+            client_interceptors(),
+            tls=tls,
+            etcd=etcd,
         )
         host.callback(directory.close)
-        peers = PeerService(kvmanager_id, host.address, store, data_plane, directory, config.peer)
+        peers = PeerService(
+            kvmanager_id, host.address, store, data_plane, directory, config.peer, tls
+        )
         shm = ShmRegistry(config.shm)
         host.callback(shm.close)  # again after the grace: attaches that arrived meanwhile
         servicer = KvManagerServicer(
@@ -167,6 +180,7 @@ async def start_kvmanager(
                 kvmanager_key(config.cluster, kvmanager_id),
                 record.to_json(),
                 config.etcd_ttl_s,
+                etcd,
             )
         await host.until_etcd(directory.start)
 

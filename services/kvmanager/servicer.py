@@ -289,6 +289,7 @@ class KvManagerServicer(kvmanager_pb2_grpc.KvManagerServicer):
             block_hashes=grant.block_hashes,
             layout_key=grant.layout_key,
             ttl_s=grant.ttl_s,
+            data_plane_tls=grant.data_plane_tls,
         )
         if grant.parent_hash is not None:
             resp.parent_hash = grant.parent_hash

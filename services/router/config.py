@@ -7,9 +7,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvmesh.discovery.endpoints import check_etcd_settings
+from kvmesh.discovery.security import EtcdSecurity
 from kvmesh.errors import InvalidArgument
 from kvmesh.settings import parse_pair, setting
 from kvmesh.telemetry import Exporter
+from kvmesh.tls import TlsConfig
 
 from .core.disagg import DisaggConfig
 from .http.cors import CorsPolicy
@@ -34,6 +36,11 @@ class RouterConfig:
         5.0,
         "longest wait between attempts to reach etcd while starting (retried until it answers; "
         "health NOT_SERVING meanwhile), seconds",
+    )
+    etcd_security: EtcdSecurity = setting(
+        factory=EtcdSecurity,
+        doc="TLS and user of the etcd client (docs/etcd.md#tls-and-authentication)",
+        prefix="etcd-",
     )
     ready_timeout_s: float = setting(
         10.0,
@@ -149,6 +156,12 @@ class RouterConfig:
     cors: CorsPolicy = setting(
         factory=CorsPolicy, doc="CORS of the HTTP API (http/cors.py), as vLLM's flags", prefix=""
     )
+    tls: TlsConfig = setting(
+        factory=TlsConfig,
+        doc="TLS of the gRPC and HTTP ports and of the calls to workers and kvmanagers "
+        "(kvmesh/tls.py; docs/deploy.md#tls)",
+        prefix="tls-",
+    )
     metrics_host: str = setting("127.0.0.1", "address of the Prometheus /metrics endpoint")
     metrics_port: int = setting(
         0, "Prometheus /metrics port; 0: the OS picks (printed at start), -1: off"
@@ -164,6 +177,7 @@ class RouterConfig:
 
     def __post_init__(self) -> None:
         check_etcd_settings(self.etcd_endpoints, self.etcd_retry_max_s)
+        self.etcd_security.check_endpoints(self.etcd_endpoints)
         if not self.ready_timeout_s >= 0:
             raise InvalidArgument(f"--ready-timeout-s is {self.ready_timeout_s}; use >= 0 seconds")
         if self.peer_hint_min_blocks < 1:

@@ -45,6 +45,7 @@ from kvmesh.kv.events import (
 )
 from kvmesh.kv_wire import KV_RESUMED_KEY, KV_SEQ_KEY, kv_batch_from_pb
 from kvmesh.telemetry import client_interceptors
+from kvmesh.tls import Tls, open_channel
 from kvmesh.v1 import worker_pb2, worker_pb2_grpc
 
 from .connections import ConnectionMap
@@ -140,6 +141,7 @@ class KvEventSubscriber(Generic[S]):
         backoff_s: Sequence[float] = BACKOFF_S,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
         watch: WatchFactory = worker_events,
+        tls: Tls | None = None,
     ) -> None:
         self.source_id = source_id
         self.address = address
@@ -148,8 +150,9 @@ class KvEventSubscriber(Generic[S]):
         self._on_lost = on_lost
         self._on_live = on_live
         self._backoff_s = tuple(backoff_s) or (0.0,)
-        self._channel = grpc.aio.insecure_channel(
+        self._channel = open_channel(
             address,
+            tls,
             options=channel_options(max_message_bytes),
             interceptors=client_interceptors(),
         )
@@ -283,8 +286,10 @@ class KvEventSync:
         on_live: OnWorker | None = None,
         backoff_s: Sequence[float] = BACKOFF_S,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
+        tls: Tls | None = None,
     ) -> None:
         self._on_batch = on_batch
+        self._tls = tls
         self._on_lost = on_lost
         self._on_live = on_live
         self._backoff_s = tuple(backoff_s)
@@ -317,6 +322,7 @@ class KvEventSync:
                 self._live,
                 self._backoff_s,
                 self._max_message_bytes,
+                tls=self._tls,
             )
             self._subscribers.put(rec.worker_id, rec.address, sub)
             sub.start()

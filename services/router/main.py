@@ -28,6 +28,7 @@ from kvmesh.metrics import MetricsServer
 from kvmesh.service import Bind, ServiceHost, run, signal_event, start_or_stop
 from kvmesh.settings import add_config_flags, load_config
 from kvmesh.telemetry import setup_logging, setup_tracing
+from kvmesh.tls import Tls
 from kvmesh.v1 import router_pb2, router_pb2_grpc
 
 from .auth import ApiKeys, KeySource
@@ -100,8 +101,10 @@ async def start_router(
     """Starts a router on this loop; a step that fails undoes the ones before it.
     ``local_workers``: workers in this process (``services/node``), their data path a call."""
     began = time.monotonic()
+    tls = config.tls.load()  # bad certificate files fail the start before anything runs
+    etcd = config.etcd_security.load()
     workers = WorkerSet(config.cluster, linger_s=config.unregistered_linger_s)
-    pool = WorkerPool(workers, load_interval_s=config.load_interval_s, local=local_workers)
+    pool = WorkerPool(workers, load_interval_s=config.load_interval_s, tls=tls, local=local_workers)
     executor = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tokenize")
     tokenizers = Tokenizers(executor, config.tokenizer_overrides)
     hasher = PromptHasher(config.hash_algo, config.hash_seed)
@@ -110,8 +113,9 @@ async def start_router(
         on_batch=lambda batch: index.apply(batch).needs_resync,
         on_lost=index.mark_degraded,
         on_live=index.mark_live,
+        tls=tls,
     )
-    tier_sync = TierSync(config.cluster, index, lambda: (v.record for v in workers.all()))
+    tier_sync = TierSync(config.cluster, index, lambda: (v.record for v in workers.all()), tls=tls)
     policy = make_policy(config.policy, index=index)
     metrics = RouterMetrics()
     peers = PeerHints(index, PeerHintConfig(config.peer_hints, config.peer_hint_min_blocks))
@@ -143,6 +147,7 @@ async def start_router(
         config.drain_grace_s,
         config.etcd_retry_max_s,
         interceptors=[ApiKeys(keys)] if keys is not None else (),
+        tls=tls,
     )
     router_pb2_grpc.add_RouterServicer_to_server(servicer, host.server)
     host.on_draining.append(lambda: setattr(servicer, "draining", True))
@@ -166,6 +171,7 @@ async def start_router(
         on_snapshot=lambda items: on_change(workers.apply_snapshot(items)),
         on_put=lambda k, v: on_change(workers.apply_put(k, v)),
         on_delete=lambda k: on_change(workers.apply_delete(k)),
+        credentials=etcd,
     )
     kvmanager_watcher = PrefixWatcher(
         list(config.etcd_endpoints),
@@ -173,6 +179,7 @@ async def start_router(
         on_snapshot=tier_sync.on_snapshot,
         on_put=tier_sync.on_put,
         on_delete=tier_sync.on_delete,
+        credentials=etcd,
     )
     http = None
     async with host.starting():  # health NOT_SERVING, new requests refused, until the end
@@ -195,7 +202,7 @@ async def start_router(
         host.refresh_every(config.metrics_refresh_s, refresh)
         host.refresh_every(1.0, lambda: on_change(workers.expire_unregistered()))
         if config.http_port >= 0:  # up early: its /health says why the router is not ready
-            http = _front_door(config, servicer, workers, metrics, keys)
+            http = _front_door(config, servicer, workers, metrics, keys, tls)
             await http.start()
             host.callback(http.close)
         await host.until_etcd(watcher.start)
@@ -239,6 +246,7 @@ async def start_router(
             router_key(config.cluster, router_id),
             record.to_json(),
             config.etcd_ttl_s,
+            etcd,
         )
         servicer.not_ready = ""
     log.info(
@@ -288,6 +296,7 @@ def _front_door(
     workers: WorkerSet,
     metrics: RouterMetrics,
     keys: KeySource | None,
+    tls: Tls | None,
 ) -> OpenAIServer:
     """The OpenAI-compatible HTTP API, calling this router's servicer in-process (no loopback
     gRPC hop)."""
@@ -307,6 +316,7 @@ def _front_door(
         vllm_versions=lambda: (
             v.record.vllm_version for v in workers.all() if v.serving and v.record.vllm_version
         ),
+        ssl_context=tls.server_ssl_context() if tls is not None else None,
     )
 
 

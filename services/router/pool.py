@@ -11,6 +11,7 @@ import grpc
 
 from kvmesh.discovery.keys import WorkerId
 from kvmesh.telemetry import client_interceptors
+from kvmesh.tls import Tls, open_channel
 from kvmesh.v1 import worker_pb2, worker_pb2_grpc
 
 from .connections import ConnectionMap
@@ -31,9 +32,11 @@ class WorkerPool:
         self,
         workers: WorkerSet,
         load_interval_s: float = 0.25,
+        tls: Tls | None = None,
         local: Mapping[WorkerId, ServeStream] | None = None,
     ) -> None:
         self._workers = workers
+        self._tls = tls  # the channels' TLS (mutual with the router's certificate); None: off
         self._load_interval_s = load_interval_s
         self._local = dict(local or {})
         self._conns: ConnectionMap[WorkerId, _Conn] = ConnectionMap(_close_later)
@@ -46,7 +49,7 @@ class WorkerPool:
             if self._conns.address(rec.worker_id) == rec.address:
                 continue
             self._drop(rec.worker_id)
-            channel = grpc.aio.insecure_channel(rec.address, interceptors=client_interceptors())
+            channel = open_channel(rec.address, self._tls, interceptors=client_interceptors())
             task = asyncio.create_task(
                 self._watch_load(rec.worker_id, channel), name=f"load-{rec.worker_id}"
             )

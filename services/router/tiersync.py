@@ -19,6 +19,7 @@ import grpc
 
 from kvmesh.discovery.keys import WorkerRecord
 from kvmesh.kv.events import KvEventBatch
+from kvmesh.tls import Tls
 from kvmesh.v1 import kvmanager_pb2, kvmanager_pb2_grpc
 
 from .connections import ConnectionMap
@@ -62,7 +63,9 @@ class TierSync:
         workers: Callable[[], Iterable[WorkerRecord]],
         backoff_s: Sequence[float] = BACKOFF_S,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
+        tls: Tls | None = None,
     ) -> None:
+        self._tls = tls
         self.kvmanagers = KvManagerSet(cluster)
         self._index = index
         self._workers = workers
@@ -122,6 +125,7 @@ class TierSync:
             backoff_s=self._backoff_s,
             max_message_bytes=self._max_message_bytes,
             watch=tier_events(stream.layout_key),
+            tls=self._tls,
         )
         self._streams.put(sid, stream.address, sub)
         sub.start()

@@ -10,8 +10,10 @@ from typing import Any
 from kvmesh.cpus import parse_cpu_list
 from kvmesh.discovery.endpoints import check_etcd_settings
 from kvmesh.discovery.keys import Role
+from kvmesh.discovery.security import EtcdSecurity
 from kvmesh.settings import setting
 from kvmesh.telemetry import Exporter
+from kvmesh.tls import TlsConfig
 
 MIB = 1 << 20
 
@@ -257,6 +259,11 @@ class WorkerConfig:
         "longest wait between attempts to reach etcd while starting (retried until it answers; "
         "health NOT_SERVING meanwhile), seconds",
     )
+    etcd_security: EtcdSecurity = setting(
+        factory=EtcdSecurity,
+        doc="TLS and user of the etcd client (docs/etcd.md#tls-and-authentication)",
+        prefix="etcd-",
+    )
     role: Role = setting(Role.BOTH, "prefill, decode or both")
     node: str = setting("", "node (host) name in the etcd record; empty: this host's name")
     # Published as WorkerRecord.kv_layout: routers count that kvmanager's blocks as its lower
@@ -288,6 +295,12 @@ class WorkerConfig:
     kv_event_queue_batches: int = setting(
         1024, "live KV event batches queued per subscriber before it is cut off"
     )
+    tls: TlsConfig = setting(
+        factory=TlsConfig,
+        doc="TLS of the gRPC port and of the engine's calls to --kvmanager (kvmesh/tls.py; "
+        "docs/deploy.md#tls)",
+        prefix="tls-",
+    )
     metrics_host: str = setting("127.0.0.1", "address of the Prometheus /metrics endpoint")
     metrics_port: int = setting(
         0, "Prometheus /metrics port; 0: the OS picks (printed in the ready line), -1: off"
@@ -303,3 +316,4 @@ class WorkerConfig:
 
     def __post_init__(self) -> None:
         check_etcd_settings(self.etcd_endpoints, self.etcd_retry_max_s)
+        self.etcd_security.check_endpoints(self.etcd_endpoints)

@@ -70,7 +70,9 @@ def parse_args(argv: list[str] | None, environ: Mapping[str, str] | None = None)
     if "core-drain-s" not in given:  # the engine core drains as long as the worker does
         engine = dataclasses.replace(engine, core_drain_s=math.ceil(config.drain_grace_s))
     if config.kvmanager:
-        transfer = kv_transfer_config(config.kvmanager, store="kvmanager")
+        # The engine's connector calls the kvmanager with the worker's certificate.
+        tls = {"tls": config.tls.to_extra()} if config.tls.enabled else {}
+        transfer = kv_transfer_config(config.kvmanager, store="kvmanager", **tls)
         engine = dataclasses.replace(engine, kv_transfer_config=transfer)
     return dataclasses.replace(config, engine=engine)
 
@@ -117,7 +119,10 @@ def simulated_engine(config: WorkerConfig):  # type: ignore[no-untyped-def]
 
 
 async def start_engine(config: WorkerConfig) -> Engine:
-    """The worker's engine, started: the simulator, or vLLM (imported only then: seconds)."""
+    """The worker's engine, started: the simulator, or vLLM (imported only then: seconds).
+    Bad certificate files fail the start first, before the engine loads."""
+    config.tls.load()
+    config.etcd_security.load()
     if config.engine_kind == "simulated":
         return simulated_engine(config)  # type: ignore[no-any-return]
     from .engine import VllmEngine

@@ -117,7 +117,7 @@ async def start_worker(config: WorkerConfig, engine: Engine) -> RunningWorker:
     max_send = max(config.max_request_bytes, config.kv_snapshot_max_bytes)
     bind = Bind(config.host, config.port, config.advertise_host, config.max_request_bytes, max_send)
     # The in-flight requests had their grace in drain(); the server's is for the rest.
-    host = ServiceHost((SERVICE_NAME,), bind, 1.0, config.etcd_retry_max_s)
+    host = ServiceHost((SERVICE_NAME,), bind, 1.0, config.etcd_retry_max_s, tls=config.tls.load())
     info = engine.info
     metrics = WorkerMetrics(model=info.model, spec_positions=info.num_speculative_tokens)
     async with host.starting():
@@ -166,6 +166,7 @@ async def start_worker(config: WorkerConfig, engine: Engine) -> RunningWorker:
                 worker_key(config.cluster, config.role, worker_id),
                 record.to_json(),
                 config.etcd_ttl_s,
+                config.etcd_security.load(),
             )
         worker = RunningWorker(
             worker_id=worker_id,

@@ -71,6 +71,12 @@ class PeerConfig:
         "peer fetches served at once; more are refused (the peer recomputes)",
         flag="data-plane-max-streams",
     )
+    data_plane_tls: bool = setting(
+        True,
+        "with --tls-*, the data plane speaks mutual TLS too; off: block bytes in plaintext, "
+        "guarded by the single-use tickets of the mutual-TLS control plane (about twice the "
+        "throughput on 2 cores: BENCHMARKS.md; for a trusted or already encrypted network)",
+    )
     ticket_ttl_s: float = setting(
         30.0,
         "default (and at most 10x) life of a granted, unredeemed ticket, seconds",

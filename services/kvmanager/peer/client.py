@@ -7,6 +7,11 @@ verifying its checksum on that same thread. The loop only hands verified blocks 
 ``on_block``. Flow control is TCP's plus a bounded window (``core.RecvWindow``): the thread
 stops reading the socket while ``window_bytes`` of verified blocks wait for ``on_block``.
 
+Over TLS (``ssl_context``: the mesh's CA, and this kvmanager's certificate for mutual TLS)
+the same thread does the handshake and reads with plain ``recv_into`` (TLS decrypts every byte
+into the buffer anyway; an ``SSLSocket`` takes no ``MSG_*`` flags); a failed handshake or a
+certificate the CA did not sign is a ``StreamBroken`` saying so.
+
 Failure semantics: ``on_block`` sees only whole blocks whose checksum matched, in order. Any
 failure (peer gone, stall, deadline, bad checksum, protocol violation) raises a
 ``PeerFetchError`` carrying how many blocks were delivered before it; nothing else escapes, and
@@ -20,6 +25,7 @@ import collections
 import contextlib
 import inspect
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -30,7 +36,7 @@ from kvmesh.kv.events import BlockHash
 
 from . import wire
 from .core import RecvWindow, Ticket
-from .sockets import Buffer, byte_view, conn_shutdown, set_sock_timeout
+from .sockets import Buffer, byte_view, conn_shutdown, readable_now, set_sock_timeout
 from .wire import Checksum, ChecksumAlgo, ChecksumSet, FrameKind, Status
 
 # ---------------------------------------------------------------------------------------------
@@ -117,6 +123,8 @@ async def fetch_blocks(
     window_bytes: int = 16 << 20,
     max_block_bytes: int = 1 << 30,
     accept: ChecksumSet | None = None,
+    ssl_context: ssl.SSLContext | None = None,
+    server_hostname: str | None = None,
 ) -> FetchResult:
     """Fetches the ticket's blocks from the data plane at ``host:port``.
 
@@ -130,6 +138,8 @@ async def fetch_blocks(
     place by the kernel (``FetchedBlock.payload()`` hands it out without a copy).
     ``deadline_s`` bounds the whole fetch; ``stall_timeout_s`` each wait for the peer.
     ``accept`` lists the checksums this side verifies (default: all it can compute).
+    ``ssl_context``: over TLS (``kvmesh.tls.Tls.client_ssl_context``), the server's certificate
+    checked for ``server_hostname`` (default ``host``); None: plaintext.
 
     Returns a ``FetchResult``. Raises a ``PeerFetchError`` on any failure of the peer or the
     stream, after having delivered only whole verified blocks (``exc.delivered`` of them). An
@@ -151,6 +161,8 @@ async def fetch_blocks(
         window_bytes=window_bytes,
         max_block_bytes=max_block_bytes,
         accept=wire.available_algos() if accept is None else accept,
+        ssl_context=ssl_context,
+        server_hostname=server_hostname or host,
     )
     delivered = nbytes = 0
     missing: list[BlockHash] = []
@@ -211,8 +223,13 @@ class _Receiver:
         window_bytes: int,
         max_block_bytes: int,
         accept: ChecksumSet,
+        ssl_context: ssl.SSLContext | None = None,
+        server_hostname: str = "",
     ) -> None:
         self._loop = loop
+        self._ssl = ssl_context
+        self._server_hostname = server_hostname
+        self._tls = False  # the stream's socket is an SSLSocket (timeouts by settimeout)
         self._peer = f"{host}:{port}"
         self._addr = (host, port)
         self._ticket = ticket
@@ -311,6 +328,8 @@ class _Receiver:
             return exc  # ours already, or from allocate: unchanged
         if self._stopped:
             return StreamBroken(f"fetch from {self._peer} stopped")
+        if isinstance(exc, ssl.SSLError):
+            return StreamBroken(f"TLS with {self._peer} failed: {exc}")
         if isinstance(exc, TimeoutError):  # socket.timeout
             if self._deadline_bound:
                 return FetchDeadlineExceeded(f"fetch from {self._peer} passed its deadline")
@@ -326,16 +345,26 @@ class _Receiver:
         self._deadline_bound = left < self._stall
         return min(self._stall, left)
 
-    def _recv_exact(self, sock: socket.socket, view: memoryview) -> None:
-        """Fills ``view``: one blocking ``recv_into(MSG_WAITALL)`` unless the peer is slow."""
-        got, size = 0, view.nbytes
-        while got < size:
-            timeout = self._timeout()
-            if timeout != self._rcvtimeo:
+    def _arm(self, sock: socket.socket) -> None:
+        """Bounds the next blocking read by the stall timeout and the deadline (plain:
+        SO_RCVTIMEO, set only when it changes; TLS: the socket's timeout)."""
+        timeout = self._timeout()
+        if timeout != self._rcvtimeo:
+            if self._tls:
+                sock.settimeout(timeout)
+            else:
                 set_sock_timeout(sock, socket.SO_RCVTIMEO, timeout)
-                self._rcvtimeo = timeout
+            self._rcvtimeo = timeout
+
+    def _recv_exact(self, sock: socket.socket, view: memoryview) -> None:
+        """Fills ``view``: one blocking ``recv_into(MSG_WAITALL)`` unless the peer is slow
+        (TLS: one ``recv_into`` per TLS record)."""
+        got, size = 0, view.nbytes
+        flags = 0 if self._tls else socket.MSG_WAITALL
+        while got < size:
+            self._arm(sock)
             try:
-                n = sock.recv_into(view[got:], size - got, socket.MSG_WAITALL)
+                n = sock.recv_into(view[got:], size - got, flags)
             except BlockingIOError:  # SO_RCVTIMEO ran out before a single byte came
                 raise TimeoutError("no bytes") from None
             if not n:
@@ -345,7 +374,12 @@ class _Receiver:
     def _recv_header(self, sock: socket.socket, view: memoryview) -> None:
         """Fills a frame header; when it is not there yet (the peer paused between frames),
         first hands the loop the blocks queued so far, so a stalled peer does not hold back
-        blocks already verified. No extra system call while the peer keeps up."""
+        blocks already verified. No extra system call while the peer keeps up (TLS: one poll)."""
+        if self._tls:
+            if not readable_now(sock):
+                self._flush()
+            self._recv_exact(sock, view)
+            return
         got = 0
         with contextlib.suppress(BlockingIOError):
             got = sock.recv_into(view, view.nbytes, socket.MSG_DONTWAIT)
@@ -373,8 +407,19 @@ class _Receiver:
                 return
             self._sock = sock
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self._ssl is not None:  # the handshake, bounded by the connect's timeout
+            sock = self._ssl.wrap_socket(sock, server_hostname=self._server_hostname)
+            with self._sock_lock:
+                if self._stopped:
+                    sock.close()
+                    return
+                self._sock = sock
+            self._tls = True
         sock.sendall(wire.pack_request(wire.Request(self._ticket.token, self._accept)))
-        sock.settimeout(None)  # blocking; SO_RCVTIMEO bounds each wait
+        if self._tls:
+            self._rcvtimeo = sock.gettimeout() or 0.0
+        else:
+            sock.settimeout(None)  # blocking; SO_RCVTIMEO bounds each wait
 
         head = memoryview(bytearray(wire.STREAM_HEADER_SIZE))
         self._recv_exact(sock, head)
@@ -438,11 +483,12 @@ class _Receiver:
     def _recv_bytes(self, sock: socket.socket, size: int) -> bytes:
         """A payload as a new ``bytes`` the kernel writes into (``recv`` with ``MSG_WAITALL``
         allocates it and receives in place: no copy). A peer that is slow mid-block costs one
-        copy to reassemble it."""
-        timeout = self._timeout()
-        if timeout != self._rcvtimeo:
-            set_sock_timeout(sock, socket.SO_RCVTIMEO, timeout)
-            self._rcvtimeo = timeout
+        copy to reassemble it (TLS: always one copy)."""
+        if self._tls:
+            buf = bytearray(size)
+            self._recv_exact(sock, memoryview(buf))
+            return bytes(buf)
+        self._arm(sock)
         try:
             data = sock.recv(size, socket.MSG_WAITALL)
         except BlockingIOError:  # SO_RCVTIMEO ran out before a single byte came

@@ -186,6 +186,7 @@ class FetchGrant:
     parent_hash: BlockHash | None
     layout_key: str
     ttl_s: float
+    data_plane_tls: bool = False  # redeem the ticket over TLS
 
 
 def grant_matches(asked: Sequence[BlockHash], granted: Sequence[BlockHash], token: bytes) -> bool:

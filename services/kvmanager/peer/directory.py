@@ -10,7 +10,9 @@ import grpc
 
 from kvmesh.discovery.etcd import PrefixWatcher
 from kvmesh.discovery.keys import KvManagerRecord, kvmanagers_prefix
+from kvmesh.discovery.security import EtcdCredentials
 from kvmesh.errors import InvalidArgument
+from kvmesh.tls import Tls, open_channel
 
 from ..core.errors import PeerNotFound
 from .core import PeerRef
@@ -28,8 +30,12 @@ class PeerDirectory:
         endpoints: Sequence[str],
         cluster: str,
         interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
+        tls: Tls | None = None,
+        etcd: EtcdCredentials | None = None,
     ) -> None:
         self._self_id = self_id
+        self._etcd = etcd
+        self._tls = tls  # peers' channels: mutual TLS with this kvmanager's certificate
         self._interceptors = list(interceptors)
         self._endpoints = list(endpoints)
         self._prefix = kvmanagers_prefix(cluster)
@@ -41,7 +47,12 @@ class PeerDirectory:
         if not self._endpoints:
             return
         self._watcher = PrefixWatcher(
-            self._endpoints, self._prefix, self._on_snapshot, self._on_put, self._on_delete
+            self._endpoints,
+            self._prefix,
+            self._on_snapshot,
+            self._on_put,
+            self._on_delete,
+            credentials=self._etcd,
         )
         await self._watcher.start()
 
@@ -72,7 +83,7 @@ class PeerDirectory:
     def channel(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)
         if ch is None:
-            ch = grpc.aio.insecure_channel(address, interceptors=self._interceptors)
+            ch = open_channel(address, self._tls, interceptors=self._interceptors)
             self._channels[address] = ch
         return ch
 

@@ -8,6 +8,13 @@ a 32-byte frame header (hash, length, checksum) followed by the payload, in the 
 The wire format lives in ``wire.py``; the protocol and measurements in
 docs/kvmanager-dataplane.md.
 
+With ``DataPlaneConfig.ssl_context`` the data plane runs over TLS (mutual TLS when the
+context requires client certificates: only holders of a certificate from the mesh's CA connect
+at all, and a ticket still names what they may read). The TLS handshake and the request are
+read on a thread of a small pool (a blocking ``SSLSocket``; the loop cannot drive one without
+asyncio's streams, which would put every byte through the loop), and the stream's thread
+writes with ``sendall`` (TLS copies and encrypts every byte anyway; ``sockets.send_buffers``).
+
 Bulk bytes never cross the event loop. Each stream has its own thread doing blocking
 ``sendmsg`` (which releases the GIL): it hands the kernel the store's own buffers (the headers
 and payloads of a batch of blocks gathered in one call, no concatenation, nothing copied in
@@ -26,9 +33,11 @@ import logging
 import queue
 import secrets
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -41,8 +50,9 @@ from .sockets import (
     Buffer,
     byte_view,
     conn_shutdown,
-    sendmsg_all,
-    set_sock_timeout,
+    recv_exact_blocking,
+    send_buffers,
+    set_send_timeout,
     sock_recv_exact,
 )
 from .wire import Checksum, ChecksumAlgo, ChecksumSet, FrameHeader, FrameKind, Status
@@ -98,6 +108,9 @@ class DataPlaneConfig:
     checksum: ChecksumAlgo | None = None  # computed when the store has none; None: BLAKE3_64
     # when installed, else CRC32 (a client that lacks it gets CRC32)
     socket_buffer_bytes: int = 0  # SO_SNDBUF of each stream; 0 keeps the kernel's autotuning
+    # TLS (kvmesh.tls.Tls.server_ssl_context: mutual when it requires client certificates);
+    # None: plaintext.
+    ssl_context: ssl.SSLContext | None = None
 
 
 @dataclass(slots=True)
@@ -108,6 +121,7 @@ class DataPlaneStats:
     blocks_missing: int = 0
     bytes_sent: int = 0
     aborted: int = 0  # streams that ended early (client gone, stall, source error, shutdown)
+    tls_failed: int = 0  # connections whose TLS handshake (or request under it) failed
 
 
 class DataPlaneServer:
@@ -128,6 +142,17 @@ class DataPlaneServer:
         self._closing = False
         self.host = self.config.host
         self.port = self.config.port
+        # TLS handshakes and requests, one blocking thread each (bounded by request_timeout_s).
+        self._tls_pool = (
+            ThreadPoolExecutor(max(2, self.config.max_streams), thread_name_prefix="kvdp-tls")
+            if self.config.ssl_context is not None
+            else None
+        )
+
+    @property
+    def tls(self) -> bool:
+        """Clients redeem tickets here over TLS."""
+        return self.config.ssl_context is not None
 
     async def start(self) -> None:
         lsock = socket.create_server((self.config.host, self.config.port), backlog=128)
@@ -154,6 +179,8 @@ class DataPlaneServer:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if self._tls_pool is not None:  # a handshake still running ends on its own timeout
+            self._tls_pool.shutdown(wait=False, cancel_futures=True)
 
     # -- tickets (called by the gRPC control plane, on the loop)
 
@@ -197,11 +224,19 @@ class DataPlaneServer:
                     socket.SOL_SOCKET, socket.SO_SNDBUF, self.config.socket_buffer_bytes
                 )
             loop = asyncio.get_running_loop()
-            try:
-                async with asyncio.timeout(self.config.request_timeout_s):
-                    raw = await sock_recv_exact(loop, conn, wire.REQUEST_SIZE)
-            except (TimeoutError, OSError, EOFError):
-                return  # a stranger or a dead client; nothing to answer
+            if self._tls_pool is not None:
+                owned_by_thread = True  # the handshake's thread closes it if it fails
+                accepted = await self._tls_accept(conn)
+                if accepted is None:
+                    return  # refused by TLS (no or a foreign certificate), or silent
+                conn, raw = accepted
+                owned_by_thread = False
+            else:
+                try:
+                    async with asyncio.timeout(self.config.request_timeout_s):
+                        raw = await sock_recv_exact(loop, conn, wire.REQUEST_SIZE)
+                except (TimeoutError, OSError, EOFError):
+                    return  # a stranger or a dead client; nothing to answer
             try:
                 req = wire.unpack_request(raw)
             except wire.WireError as exc:
@@ -226,7 +261,7 @@ class DataPlaneServer:
             self._active += 1
             try:
                 header = wire.pack_stream_header(wire.StreamHeader(Status.OK, len(ticket.hashes)))
-                await loop.sock_sendall(conn, header)
+                await self._send(loop, conn, header)
                 owned_by_thread = True
                 await self._stream(loop, conn, ticket, req.accepted, algo)
             finally:
@@ -243,7 +278,39 @@ class DataPlaneServer:
         self.stats.refused += 1
         with contextlib.suppress(OSError):
             async with asyncio.timeout(self.config.request_timeout_s):
-                await loop.sock_sendall(conn, wire.pack_stream_header(wire.StreamHeader(status)))
+                await self._send(loop, conn, wire.pack_stream_header(wire.StreamHeader(status)))
+
+    async def _send(
+        self, loop: asyncio.AbstractEventLoop, conn: socket.socket, data: bytes
+    ) -> None:
+        """A small message from the loop (a stream header): on a TLS socket by a pool thread
+        (bounded by the socket's timeout, ``request_timeout_s``)."""
+        if self._tls_pool is not None:
+            await loop.run_in_executor(self._tls_pool, conn.sendall, data)
+        else:
+            await loop.sock_sendall(conn, data)
+
+    async def _tls_accept(self, conn: socket.socket) -> tuple[ssl.SSLSocket, bytes] | None:
+        """The TLS handshake and the request, on a pool thread that owns ``conn`` until it
+        returns; None (the socket closed) when either fails or takes past
+        ``request_timeout_s``."""
+        assert self._tls_pool is not None and self.config.ssl_context is not None
+        ctx, timeout_s = self.config.ssl_context, self.config.request_timeout_s
+        fut = self._tls_pool.submit(_tls_handshake, ctx, conn, timeout_s)
+        try:
+            got = await asyncio.wrap_future(fut)
+        except asyncio.CancelledError:  # the server closes: the thread's socket with it
+            if fut.cancel():  # not started: the socket is still the loop's
+                conn.close()
+            else:
+                conn_shutdown(conn)
+                fut.add_done_callback(_close_accepted)
+            raise
+        if isinstance(got, BaseException):
+            self.stats.tls_failed += 1
+            log.info("data plane: TLS with a client failed: %s", got)
+            return None
+        return got
 
     async def _stream(
         self,
@@ -382,8 +449,7 @@ class _SendThread:
     def _run(self) -> None:
         sock = self._sock
         try:
-            sock.settimeout(None)  # blocking; SO_SNDTIMEO bounds each wait
-            set_sock_timeout(sock, socket.SO_SNDTIMEO, self._stall)
+            set_send_timeout(sock, self._stall)  # blocking; each wait bounded
             while (batch := self._queue.get()) is not None:
                 if self.error is None:
                     try:
@@ -394,7 +460,7 @@ class _SendThread:
                 self._call(self._sent, batch, self.error is None)
             if self.error is None:
                 with contextlib.suppress(OSError):
-                    sock.shutdown(socket.SHUT_WR)  # a clean end of stream
+                    socket.socket.shutdown(sock, socket.SHUT_WR)  # a clean end (TLS: under it)
         finally:
             sock.close()
             self._call(_set_result, self.done)
@@ -417,11 +483,38 @@ class _SendThread:
                 FrameKind.BLOCK, item.index, item.block_hash, data.nbytes, algo, value
             )
             bufs += (wire.pack_frame_header(header), data)
-        sendmsg_all(sock, bufs)
+        send_buffers(sock, bufs)
 
     def _call(self, fn: Callable[..., None], *args: object) -> None:
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting
             self._loop.call_soon_threadsafe(fn, *args)
+
+
+def _tls_handshake(
+    ctx: ssl.SSLContext, conn: socket.socket, timeout_s: float
+) -> tuple[ssl.SSLSocket, bytes] | BaseException:
+    """On a pool thread: the server's TLS handshake, then the request under it, within
+    ``timeout_s``; the error (the socket closed) when either fails."""
+    deadline = time.monotonic() + timeout_s
+    try:
+        conn.setblocking(True)
+        conn.settimeout(timeout_s)
+        tls = ctx.wrap_socket(conn, server_side=True)  # closes itself if the handshake fails
+    except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+        conn.close()
+        return exc
+    try:
+        return tls, recv_exact_blocking(tls, wire.REQUEST_SIZE, deadline)
+    except (OSError, EOFError, ValueError) as exc:
+        tls.close()
+        return exc
+
+
+def _close_accepted(fut: Future[tuple[ssl.SSLSocket, bytes] | BaseException]) -> None:
+    with contextlib.suppress(BaseException):
+        got = fut.result()
+        if isinstance(got, tuple):
+            got[0].close()
 
 
 def _set_result(fut: asyncio.Future[None]) -> None:

@@ -31,6 +31,7 @@ from kvmesh.kv.events import BlockHash, Tier
 from kvmesh.kv.layout import KvLayout, check_block_hash
 from kvmesh.kv_wire import layout_to_pb
 from kvmesh.telemetry import tracer
+from kvmesh.tls import Tls
 from kvmesh.v1 import kvmanager_pb2, kvmanager_pb2_grpc
 
 from ..core.config import PeerConfig
@@ -114,8 +115,13 @@ class PeerService:
         data_plane: DataPlaneServer | None,
         directory: PeerDirectory,
         config: PeerConfig,
+        tls: Tls | None = None,
     ) -> None:
+        """``tls``: fetch from peers' data planes over TLS with this kvmanager's certificate
+        (the peers' gRPC channels take it from ``directory``); None: plaintext."""
         self._id = kvmanager_id
+        self._tls = tls
+        self._ssl = tls.client_ssl_context() if tls is not None else None  # one, reused
         self._address = address
         self._store = store
         self._data_plane = data_plane
@@ -144,7 +150,13 @@ class PeerService:
         self.stats.tickets_issued += 1
         parent = self._store.parent_of(layout, run[0])
         return FetchGrant(
-            self.data_plane_address, ticket.token, tuple(run), parent, layout_key, ttl
+            self.data_plane_address,
+            ticket.token,
+            tuple(run),
+            parent,
+            layout_key,
+            ttl,
+            self._data_plane.tls,
         )
 
     # -- fetching side
@@ -220,6 +232,11 @@ class PeerService:
                 f"{what} has no usable data plane address ({grant.data_plane_address!r})"
             )
         host, port = parts
+        if grant.data_plane_tls and self._ssl is None:
+            raise PeerFetchFailed(
+                f"{what}'s data plane speaks TLS and this kvmanager has no certificate: give it "
+                "--tls-cert-file, --tls-key-file and --tls-ca-file as the mesh's"
+            )
         ticket = Ticket(grant.token, layout.key, grant.block_hashes, 0.0)
         block_bytes = layout.block_bytes
 
@@ -266,6 +283,8 @@ class PeerService:
                 allocate=self._store.allocate,
                 window_bytes=self._config.window_bytes,
                 max_block_bytes=block_bytes,
+                ssl_context=self._ssl if grant.data_plane_tls else None,
+                server_hostname=self._tls.server_hostname(host) if self._tls is not None else None,
             )
         except FetchDeadlineExceeded as exc:
             raise progress.timed_out(what, granted, str(exc)) from None
@@ -299,5 +318,11 @@ class PeerService:
             raise PeerFetchFailed(f"{what} granted a ticket that does not match the request")
         parent = BlockHash(resp.parent_hash) if resp.HasField("parent_hash") else None
         return FetchGrant(
-            resp.data_plane_address, resp.token, granted, parent, resp.layout_key, resp.ttl_s
+            resp.data_plane_address,
+            resp.token,
+            granted,
+            parent,
+            resp.layout_key,
+            resp.ttl_s,
+            resp.data_plane_tls,
         )

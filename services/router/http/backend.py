@@ -16,6 +16,7 @@ from opentelemetry import trace
 from kvmesh import errors
 from kvmesh.grpc_errors import await_status, from_rpc_error
 from kvmesh.telemetry import tracer
+from kvmesh.tls import Tls, open_channel
 from kvmesh.v1 import router_pb2, router_pb2_grpc
 
 _tracer = tracer(__name__)
@@ -80,9 +81,9 @@ class GrpcRouterBackend:
     """kvmesh.v1.Router over a gRPC channel to ``address`` (host:port). Create it on the loop
     that will use it."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, tls: Tls | None = None) -> None:
         self.address = address
-        self._channel = grpc.aio.insecure_channel(address)
+        self._channel = open_channel(address, tls)
         self._stub = router_pb2_grpc.RouterStub(self._channel)
 
     async def generate(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable, Mapping
@@ -18,6 +19,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
 from kvmesh import __version__, errors
+from kvmesh.tls import Tls
 
 from ..core.auth import KeyTable, static_table
 from . import anthropic_http, choices, extensions, parsing, rendering
@@ -125,7 +127,12 @@ class OpenAIServer:
         metrics_registry: CollectorRegistry | None = None,
         unready: Callable[[], str] | None = None,
         vllm_versions: Callable[[], Iterable[str]] | None = None,
+        ssl_context: ssl.SSLContext | None = None,
+        router_tls: Tls | None = None,
     ) -> None:
+        """``ssl_context``: serve HTTPS with it (``kvmesh.tls.Tls.server_ssl_context``, the
+        router's certificate); None: plain HTTP. ``router_tls``: the TLS of the channel to
+        ``router_address`` (``kvmesh/tls.py``)."""
         if backend is None and not router_address:
             raise ValueError("OpenAIServer needs router_address or backend")
         self.router_address = router_address
@@ -149,6 +156,8 @@ class OpenAIServer:
         self._registry = metrics_registry
         self._unready = unready  # why the router cannot take requests now ("": it can)
         self._vllm_versions = vllm_versions
+        self._ssl = ssl_context
+        self._router_tls = router_tls
         self._runner: web.AppRunner | None = None
         self._created = int(time.time())
 
@@ -180,15 +189,21 @@ class OpenAIServer:
 
     async def start(self) -> None:
         if self._backend is None:
-            self._backend = GrpcRouterBackend(self.router_address)
+            self._backend = GrpcRouterBackend(self.router_address, self._router_tls)
         # handler_cancellation: a client that disconnects cancels its handler, which cancels
         # the router call (and so the engine request) even before the first byte is written.
         self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self._port, reuse_port=self._reuse_port or None)
+        site = web.TCPSite(
+            self._runner,
+            self.host,
+            self._port,
+            reuse_port=self._reuse_port or None,
+            ssl_context=self._ssl,
+        )
         await site.start()
         self._port = self._runner.addresses[0][1]  # the bound port, when 0 asked the OS
-        log.info("OpenAI-compatible HTTP on http://%s:%d/v1", self.host, self._port)
+        log.info("OpenAI-compatible HTTP on %s", self.base_url)
 
     async def close(self) -> None:
         if self._runner is not None:
@@ -205,7 +220,8 @@ class OpenAIServer:
     @property
     def base_url(self) -> str:
         """What an OpenAI client takes as ``base_url``."""
-        return f"http://{self.host}:{self._port}/v1"
+        scheme = "https" if self._ssl is not None else "http"
+        return f"{scheme}://{self.host}:{self._port}/v1"
 
     @property
     def backend(self) -> RouterBackend:

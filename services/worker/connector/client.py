@@ -18,9 +18,12 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from kvmesh.kv.events import Tier
+
+if TYPE_CHECKING:  # kvmesh.tls imports grpc: only where a client is made
+    from kvmesh.tls import Tls
 
 BlockBytes = bytes | bytearray | memoryview
 
@@ -124,6 +127,9 @@ class StoreConfig:
     """Offload computed blocks (also needs ``kv_role`` kv_producer or kv_both)."""
     load: bool = True
     """Load blocks from the store (also needs ``kv_role`` kv_consumer or kv_both)."""
+    tls: Mapping[str, str] | None = None
+    """The kvmanager's TLS: ``kvmesh.tls.TlsConfig.to_extra()`` (cert_file, key_file,
+    ca_file, server_name: the worker's certificate, shown for mutual TLS); None: plaintext."""
 
     def __post_init__(self) -> None:
         if self.store not in ("directory", "factory", "kvmanager"):
@@ -138,6 +144,12 @@ class StoreConfig:
             raise ValueError("store 'factory' needs client_factory as 'module:callable'")
         if self.max_pending_save_bytes < 0 or self.remembered_saves < 0:
             raise ValueError("max_pending_save_bytes and remembered_saves must be >= 0")
+
+    def client_tls(self) -> Tls | None:
+        """The checked TLS material of ``tls`` (None: plaintext)."""
+        from kvmesh.tls import TlsConfig
+
+        return TlsConfig.from_extra(dict(self.tls or {})).load(serving=False)
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> StoreConfig:
@@ -162,7 +174,7 @@ def make_client(config: StoreConfig) -> KvBlockClient:
     if config.store == "kvmanager":
         from .kvmanager_client import KvManagerBlockClient
 
-        return KvManagerBlockClient(config.store_path)
+        return KvManagerBlockClient(config.store_path, tls=config.client_tls())
     module_name, _, attr = config.client_factory.partition(":")
     factory: Callable[[StoreConfig], KvBlockClient] = getattr(
         importlib.import_module(module_name), attr

@@ -37,6 +37,7 @@ import grpc
 from kvmesh.kv.events import Tier
 from kvmesh.kv.layout import KvLayout
 from kvmesh.kv_wire import TIER_OF, layout_to_pb
+from kvmesh.tls import Tls, open_blocking_channel
 from kvmesh.v1 import kvmanager_pb2, kvmanager_pb2_grpc
 
 from .client import BlockBytes, SaveChain, StoreConfig
@@ -138,13 +139,17 @@ class KvManagerBlockClient:
         save_timeout_s: float = 30.0,
         shm_bytes: int = SHM_BYTES,
         shm_dir: Path = SHM_DIR,
+        tls: Tls | None = None,
     ) -> None:
+        """``tls``: mutual TLS to the kvmanager with the worker's certificate (``kvmesh/tls.py``;
+        shared memory works the same over it); None: plaintext."""
         self.address = address
         self._lookup_timeout_s = lookup_timeout_s
         self._load_timeout_s = load_timeout_s
         self._save_timeout_s = save_timeout_s
-        self._channel = grpc.insecure_channel(
+        self._channel = open_blocking_channel(
             address,
+            tls,
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -173,7 +178,7 @@ class KvManagerBlockClient:
         kvmanager's host:port."""
         if not config.store_path:
             raise ValueError("the kvmanager client needs store_path = the kvmanager's host:port")
-        return cls(config.store_path)
+        return cls(config.store_path, tls=config.client_tls())
 
     def wait_shm(self, timeout_s: float) -> bool:
         """Starts attaching a shared-memory segment if that has not started, and waits until

@@ -34,6 +34,7 @@ from typing import Any
 
 import grpc
 
+from kvmesh.tls import Tls, open_blocking_channel
 from kvmesh.v1 import kvmanager_pb2, kvmanager_pb2_grpc
 
 from .client import StoreConfig
@@ -255,9 +256,10 @@ class KvManagerFetcher:
         handoff_wait_s: float = 0.0,
         handoff_poll_s: float = 0.01,
         clock: Callable[[], float] = time.monotonic,
+        tls: Tls | None = None,
     ) -> None:
         self.address = address
-        self._channel = grpc.insecure_channel(address, options=RECONNECT_OPTIONS)
+        self._channel = open_blocking_channel(address, tls, options=RECONNECT_OPTIONS)
         self._stub = kvmanager_pb2_grpc.KvManagerStub(self._channel)
         self._layouts: dict[str, kvmanager_pb2.KvLayout] = {}
         self._lock = threading.Lock()
@@ -368,5 +370,7 @@ def make_prefetcher(
     address = config.address(store)
     if not config.enabled or not address:
         return None
-    fetcher = KvManagerFetcher(address, config.handoff_wait_s, config.handoff_poll_s)
+    fetcher = KvManagerFetcher(
+        address, config.handoff_wait_s, config.handoff_poll_s, tls=store.client_tls()
+    )
     return PeerPrefetcher(config, fetcher, count, close=fetcher.close)
