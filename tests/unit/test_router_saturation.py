@@ -83,6 +83,14 @@ def test_tokens_per_minute_charge_prompts_first_and_outputs_after() -> None:
     assert rl.check("t", lim, prompt_tokens=10_000) == 0.0
 
 
+def test_a_refund_gives_back_what_a_check_took() -> None:
+    rl = RateLimiter(Clock())
+    lim = Limits(requests_per_minute=1, tokens_per_minute=100)
+    assert rl.check("t", lim, 80) == 0.0
+    rl.refund("t", lim, 80)  # refused by flow control after the check
+    assert rl.check("t", lim, 100) == 0.0
+
+
 def test_no_limits_no_state() -> None:
     rl = RateLimiter(Clock())
     for _ in range(1000):

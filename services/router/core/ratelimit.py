@@ -72,6 +72,13 @@ class RateLimiter:
             tok.level -= prompt_tokens
         return 0.0
 
+    def refund(self, tenant: str, limits: Limits, prompt_tokens: int = 0) -> None:
+        """Gives back what a passed ``check`` took: the request was refused after it."""
+        if limits.requests_per_minute > 0 and (b := self._requests.get(tenant)) is not None:
+            b.level = min(b.level + 1.0, float(limits.requests_per_minute))
+        if limits.tokens_per_minute > 0 and (b := self._tokens.get(tenant)) is not None:
+            b.level = min(b.level + prompt_tokens, float(limits.tokens_per_minute))
+
     def charge(self, tenant: str, limits: Limits, output_tokens: int) -> None:
         """The output tokens of a request that ended."""
         if limits.tokens_per_minute > 0 and output_tokens > 0:
