@@ -82,24 +82,33 @@ class Mesh:
         return total(scrape(self.router.metrics_server.url), name, **labels)
 
 
-@pytest.fixture(scope="module")
-async def mesh(etcd, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Mesh]:
-    name = "admission"
-    key_file = tmp_path_factory.mktemp("keys") / "keys.yaml"
-    key_file.write_text(yaml.safe_dump(key_tree()))
-    endpoints = tuple(etcd.endpoints)
-    engine = SimulatedEngine(
+def one_at_a_time(by_priority: bool = False) -> SimulatedEngine:
+    """A simulated engine running one request at a time (the rest wait in its queue)."""
+    return SimulatedEngine(
         SimEngineConfig(
-            worker=SimWorkerConfig(capacity_blocks=4096, block_size=32, max_running=1),
+            worker=SimWorkerConfig(
+                capacity_blocks=4096,
+                block_size=32,
+                max_running=1,
+                priority_scheduling=by_priority,
+            ),
             model="sim",
             max_model_len=4096,
             vocab_size=1000,
         ),
         hasher=functools.partial(block_hashes, cfg=HashConfig(block_size=32)),
     )
+
+
+@pytest.fixture(scope="module")
+async def mesh(etcd, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Mesh]:
+    name = "admission"
+    key_file = tmp_path_factory.mktemp("keys") / "keys.yaml"
+    key_file.write_text(yaml.safe_dump(key_tree()))
+    endpoints = tuple(etcd.endpoints)
     worker = await start_worker(
         WorkerConfig(worker_id="sim-a", cluster=name, etcd_endpoints=endpoints, drain_grace_s=1),
-        engine,
+        one_at_a_time(),
     )
     router = await start_router(
         RouterConfig(
@@ -309,3 +318,44 @@ async def test_no_worker_is_unavailable_with_retry_after(etcd) -> None:
         assert exc.value.status_code == 503 and exc.value.response.headers["retry-after"] == "3"
     finally:
         await router.stop()
+
+
+async def test_the_band_reaches_an_engine_that_schedules_by_priority(etcd) -> None:
+    """Flow control off: every request goes to the worker at once and waits in its engine's
+    queue. An engine with priority scheduling (the simulator's, as vLLM's
+    ``scheduling_policy="priority"``) gets each request's priority from the router and runs a
+    higher one before the lower ones queued earlier."""
+    name = "admission-engine-priority"
+    endpoints = tuple(etcd.endpoints)
+    worker = await start_worker(
+        WorkerConfig(worker_id="sim-p", cluster=name, etcd_endpoints=endpoints, drain_grace_s=1),
+        one_at_a_time(by_priority=True),
+    )
+    router = await start_router(
+        RouterConfig(cluster=name, etcd_endpoints=endpoints, drain_grace_s=1.0)
+    )
+    log: list[tuple[str, float]] = []
+
+    async def first_token(tag: str, priority: int) -> None:
+        call = stub.Generate(
+            make_request(prompt(), max_tokens=TOKENS, ignore_eos=True, priority=priority),
+            timeout=60,
+        )
+        async for msg in call:
+            if msg.token_ids and all(t != tag for t, _ in log):
+                log.append((tag, time.monotonic()))
+
+    try:
+        await eventually(lambda: len(router.workers) > 0, what="the worker is known")
+        assert router.servicer.admission is None  # off by default
+        async with grpc.aio.insecure_channel(router.address) as channel:
+            stub = router_pb2_grpc.RouterStub(channel)
+            tasks = []
+            for i, (tag, prio) in enumerate([("low0", 0), ("low1", 0), ("low2", 0), ("hi", 7)]):
+                tasks.append(asyncio.ensure_future(first_token(tag, prio)))
+                await eventually(lambda i=i: router.servicer.in_flight == i + 1, what=f"{tag} sent")
+            await asyncio.gather(*tasks)
+        assert [t for t, _ in sorted(log, key=lambda e: e[1])] == ["low0", "hi", "low1", "low2"]
+    finally:
+        await router.stop()
+        await worker.stop()

@@ -391,7 +391,9 @@ class SimulatedEngine:
             if hit is not None:
                 output = output[: hit + 1]
                 stop_reason = str(output[hit])
-        sim = SimRequest(request.request_id, hashes, n_prompt, len(output), external)
+        sim = SimRequest(
+            request.request_id, hashes, n_prompt, len(output), external, request.priority
+        )
         if self._worker.blocks_needed(sim) > self._worker.config.capacity_blocks:
             raise errors.InvalidArgument(
                 f"prompt ({n_prompt} tokens) + output ({len(output)} tokens) exceeds the "
