@@ -73,7 +73,7 @@ class AdmissionGate:
         if cap.workers == 0:
             self._count_rejected(model, priority, tenant, Reason.NO_WORKER)
             raise self._no_worker(model)
-        rejection = self.flow.precheck(model, priority, cap.free_slots)
+        rejection = self.flow.precheck(model, tenant, priority, cap.free_slots)
         if rejection is not None:
             self._count_rejected(model, priority, tenant, rejection.reason)
             raise errors.ResourceExhausted(rejection.message, rejection.retry_after_s)

@@ -256,6 +256,22 @@ def test_a_full_band_refuses_with_a_retry_after_from_the_drain_rate() -> None:
     assert f.arrive("b", priority=1).state is State.QUEUED
 
 
+def test_a_full_band_shares_its_room_between_tenants() -> None:
+    """A flooding tenant fills its band's queue; another tenant's arrival takes the flooder's
+    newest place (longest queue drop), so both keep waiting requests and share the fleet."""
+    f = Fleet(slots=1, queue_max_requests=4)
+    f.arrive("flood")
+    flood = [f.arrive("flood") for _ in range(4)]
+    other = f.arrive("other")
+    assert other.state is State.QUEUED
+    assert flood[-1].state is State.REJECTED and flood[-1].rejection is not None
+    assert flood[-1].rejection.reason is Reason.QUEUE_FULL
+    assert "tenant 'flood' held the most of it" in flood[-1].rejection.message
+    assert f.arrive("other").state is State.QUEUED  # flood 2, other 2 now
+    assert f.arrive("other").state is State.REJECTED  # other would hold more than flood
+    assert f.arrive("flood").state is State.REJECTED  # equal shares: refused outright
+
+
 def test_retry_after_without_a_measured_rate_is_the_ttl_clamped() -> None:
     f = Fleet(slots=1, queue_max_requests=1, queue_ttl_s=200.0, retry_after_max_s=60.0)
     f.arrive("a")
@@ -306,14 +322,15 @@ def test_a_request_that_would_wait_past_its_ttl_is_refused_at_once() -> None:
 
 def test_the_precheck_refuses_a_full_band_before_any_work() -> None:
     f = Fleet(slots=1, queue_max_requests=2)
-    assert f.fc.precheck(M, 0, 0) is None
+    assert f.fc.precheck(M, "a", 0, 0) is None
     f.arrive("a")
     f.arrive("a")
-    assert f.fc.precheck(M, 0, 0) is None
+    assert f.fc.precheck(M, "a", 0, 0) is None
     f.arrive("a")
-    r = f.fc.precheck(M, 0, 0)
+    r = f.fc.precheck(M, "a", 0, 0)
     assert r is not None and r.reason is Reason.QUEUE_FULL
-    assert f.fc.precheck(M, 1, 0) is None
+    assert f.fc.precheck(M, "a", 1, 0) is None  # another band
+    assert f.fc.precheck(M, "b", 0, 0) is None  # another tenant may take a's newest place
 
 
 # ---- leaving ----------------------------------------------------------------------------------

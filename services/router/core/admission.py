@@ -21,7 +21,8 @@ queued request on.
 
 Nothing waits while the fleet has room (``free_slots`` > 0) and no request of the same or a
 higher band waits: the fast path. Otherwise a request waits in its band's bounded queue, at
-most ``queue_ttl_s`` (or its deadline). Refusals carry a ``retry_after_s`` from the queue's
+most ``queue_ttl_s`` (or its deadline); a full queue's room is shared by tenants too (an
+arrival of a tenant holding fewer places takes the newest place of the largest holder). Refusals carry a ``retry_after_s`` from the queue's
 measured drain rate: (requests ahead + 1) / completions per second. A higher band's request
 may pre-empt a lower band's that has not started: one granted but not yet running goes back to
 its queue (at its place); when every queue together is full, the newest waiting request of the
@@ -307,7 +308,7 @@ class FlowControl:
         self._seq = 0
 
     # ---- arrivals --------------------------------------------------------------------------
-    def precheck(self, model: str, priority: int, free_slots: int) -> Rejection | None:
+    def precheck(self, model: str, tenant: str, priority: int, free_slots: int) -> Rejection | None:
         """The refusal a request of this band would get now for a full queue, before its
         prompt is tokenized (cheap: no cost is needed); None: it may come in."""
         flow = self._flows.get(model)
@@ -316,9 +317,19 @@ class FlowControl:
         if free_slots - len(flow.granted) > 0 and not flow.queued_at_or_above(priority):
             return None
         band = flow.bands.get(priority)
-        if band is not None and band.queued >= self.config.queue_max_requests:
+        if band is None or band.queued < self.config.queue_max_requests:
+            return None
+        if self._hog(band, tenant) is None:
             return self._full(flow, priority)
         return None
+
+    @staticmethod
+    def _hog(band: _Band, tenant: str) -> str | None:
+        """The tenant whose newest waiting request ``tenant``'s arrival may take the place of
+        in a full band: the largest holder, when it holds more than ``tenant`` would."""
+        hog = max(band.queues, key=lambda n: (len(band.queues[n]), n))
+        mine = len(band.queues.get(tenant, ()))
+        return hog if len(band.queues[hog]) > mine + 1 else None
 
     def arrive(
         self,
@@ -360,7 +371,22 @@ class FlowControl:
             return t, []
         changed: list[Ticket] = []
         if band.queued >= cfg.queue_max_requests:
-            return self._refuse(flow, band, t, self._full(flow, priority)), changed
+            # The queue's room is shared fairly too: a tenant holding fewer of its places than
+            # the largest holder takes that one's newest (longest queue drop); else refused.
+            hog = self._hog(band, tenant)
+            if hog is None:
+                return self._refuse(flow, band, t, self._full(flow, priority)), changed
+            displaced = band.queues[hog][-1]
+            self._dequeue(flow, displaced)
+            self._reject(
+                displaced,
+                Reason.QUEUE_FULL,
+                f"the queue of priority {priority} is full ({cfg.queue_max_requests} waiting) "
+                f"and tenant {hog!r} held the most of it: its newest request made room for "
+                "another tenant's; retry after the Retry-After",
+                self._retry_after(flow, priority, now),
+            )
+            changed.append(displaced)
         if flow.queued >= cfg.queue_max_total:
             victim = self._newest_below(flow, priority)
             if victim is None:

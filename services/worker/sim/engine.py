@@ -264,7 +264,8 @@ class SimulatedEngine:
             prefix_cache_queried_tokens=s.prefix_queried_tokens,
             prefix_cache_hit_tokens=s.prefix_hit_tokens,
             prefill_computed_tokens=s.prefill_computed_tokens,
-            prefill_s=s.prefill_s,
+            # Wall seconds, as an engine measures them (the model counts virtual ones).
+            prefill_s=s.prefill_s / self._config.speedup,
         )
 
     def add_load_listener(self, listener: Callable[[], None]) -> None:
