@@ -6,6 +6,8 @@ Messages say what to fix: which field, what range, what was received.
 
 from __future__ import annotations
 
+import math
+
 
 class KvmeshError(Exception):
     """Base of every error we raise on purpose."""
@@ -37,12 +39,34 @@ class NotFound(KvmeshError):
 
 
 class Unavailable(KvmeshError):
-    """Nothing can serve this now (no worker, draining, peer down); retry later."""
+    """Nothing can serve this now (no worker, draining, peer down); retry later.
+    ``retry_after_s``, when set, says when: it travels as the gRPC status's ``retry-after``
+    trailing metadata and the HTTP ``Retry-After`` header (``kvmesh.grpc_errors``)."""
+
+    def __init__(self, message: str = "", retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class ResourceExhausted(KvmeshError):
-    """The request is too large or the service is saturated."""
+    """The request is too large or the service is saturated (flow control's queue is full,
+    the wait ran out, a tenant's rate limit); ``retry_after_s`` as for ``Unavailable``."""
+
+    def __init__(self, message: str = "", retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class DeadlineExceeded(KvmeshError):
     """The caller's deadline passed before the work finished."""
+
+
+def retry_after_of(exc: BaseException) -> int | None:
+    """The whole seconds to wait an error names (``retry_after_s`` of ``Unavailable`` /
+    ``ResourceExhausted``), rounded up and at least 1 as HTTP's Retry-After; None: none."""
+    seconds = getattr(exc, "retry_after_s", None)
+    if not isinstance(seconds, int | float) or isinstance(seconds, bool):
+        return None
+    if not math.isfinite(seconds):
+        return None
+    return max(math.ceil(seconds), 1)

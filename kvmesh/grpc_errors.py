@@ -31,6 +31,9 @@ ERROR_OF: dict[grpc.StatusCode, type[errors.KvmeshError]] = {v: k for k, v in ST
 # Trailing metadata of an INVALID_ARGUMENT status: the request field at fault
 # (``errors.InvalidArgument.field``), e.g. ``sampling.temperature``.
 FIELD_KEY = "kvmesh-field"
+# Trailing metadata of a RESOURCE_EXHAUSTED or UNAVAILABLE status: seconds to wait before
+# retrying, whole seconds as HTTP's Retry-After (``retry_after_s`` of the domain error).
+RETRY_AFTER_KEY = "retry-after"
 
 
 def status_for(exc: BaseException) -> grpc.StatusCode:
@@ -47,10 +50,21 @@ async def abort_with(
     errors become INTERNAL with the request id and no stack trace on the wire (the trace goes
     to the log)."""
     code, message = status_of(exc, request_id, method)
-    field = field_of(exc)
-    await context.abort(code, message, ((FIELD_KEY, field),) if field else ())
+    await context.abort(code, message, trailers_of(exc))
     # abort() always raises; its stub is not typed NoReturn, so the one such line lives here.
     raise RuntimeError("grpc.aio ServicerContext.abort() returned")
+
+
+def trailers_of(exc: BaseException) -> tuple[tuple[str, str], ...]:
+    """The trailing metadata a domain error's status carries: its field, its retry-after."""
+    out: list[tuple[str, str]] = []
+    field = field_of(exc)
+    if field:
+        out.append((FIELD_KEY, field))
+    retry = errors.retry_after_of(exc)
+    if retry is not None:
+        out.append((RETRY_AFTER_KEY, str(retry)))
+    return tuple(out)
 
 
 def field_of(exc: BaseException) -> str:
@@ -80,13 +94,19 @@ def from_rpc_error(exc: grpc.aio.AioRpcError) -> errors.KvmeshError | None:
         return None
     details = exc.details() or exc.code().name
     if issubclass(cls, errors.InvalidArgument):
-        return cls(details, field=_field(exc))
+        return cls(details, field=_trailer(exc, FIELD_KEY))
+    if issubclass(cls, errors.Unavailable | errors.ResourceExhausted):
+        retry = _trailer(exc, RETRY_AFTER_KEY)
+        try:
+            return cls(details, float(retry) if retry else None)
+        except ValueError:
+            return cls(details)
     return cls(details)
 
 
-def _field(exc: grpc.aio.AioRpcError) -> str | None:
+def _trailer(exc: grpc.aio.AioRpcError, name: str) -> str | None:
     for key, value in exc.trailing_metadata() or ():
-        if key == FIELD_KEY and isinstance(value, str) and value:
+        if key == name and isinstance(value, str) and value:
             return value
     return None
 

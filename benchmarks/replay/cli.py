@@ -39,6 +39,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     """Adds ``bench`` with its subcommands: ``replay`` (here), ``tiers``, ``disagg``, ``serve``."""
     from benchmarks.chaos import cli as chaos_cli
     from benchmarks.disagg import cli as disagg_cli
+    from benchmarks.priority import cli as priority_cli
     from benchmarks.serve import cli as serve_cli
     from benchmarks.serve import streams as streams_cli
     from benchmarks.tiers import cli as tiers_cli
@@ -111,6 +112,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve_cli.add_parser(sub)
     streams_cli.add_parser(sub)
     chaos_cli.add_parser(sub)
+    priority_cli.add_parser(sub)
 
 
 def _requests(a: argparse.Namespace) -> Iterable:  # type: ignore[type-arg]

@@ -128,6 +128,7 @@ class AttemptRunner:
                 sampling=sampling,
                 kv_source=handoff if handoff is not None else kv_source_pb(decision.peer),
                 cache_salt=route.cache_salt,
+                priority=route.priority,
             ),
             max(deadline - time.monotonic(), 0.001),
         )

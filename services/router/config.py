@@ -13,6 +13,7 @@ from kvmesh.settings import parse_pair, setting
 from kvmesh.telemetry import Exporter
 from kvmesh.tls import TlsConfig
 
+from .core.admission import AdmissionConfig
 from .core.disagg import DisaggConfig
 from .http.cors import CorsPolicy
 
@@ -65,6 +66,11 @@ class RouterConfig:
         factory=DisaggConfig,
         doc="prefill/decode disaggregation (core/disagg.py; docs/disaggregation.md)",
         prefix="disagg-",
+    )
+    admission: AdmissionConfig = setting(
+        factory=AdmissionConfig,
+        doc="flow control in front of the scheduler (core/admission.py; docs/tenants.md)",
+        prefix="admission-",
     )
     hash_algo: str = setting("sha256", "block hash algorithm; the workers' vLLM setting")
     hash_seed: str | None = setting(

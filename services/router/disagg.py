@@ -84,6 +84,7 @@ async def run_prefill(
             prompt_token_ids=route.prompt_token_ids,
             sampling=one_token(sampling),
             cache_salt=route.cache_salt,  # the decode worker fetches the blocks by its hashes
+            priority=route.priority,
         ),
         timeout=max(timeout_s, 0.001),
     )

@@ -135,6 +135,8 @@ async def start_router(
     )
     # The key file first: a bad one fails the start before anything listens.
     key_file, keys = await _api_keys(config)
+    if keys is not None:
+        servicer.use_keys(keys)  # flow control's per-tenant rate limits
     host = ServiceHost(
         (SERVICE_NAME,),
         Bind(

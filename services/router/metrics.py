@@ -88,10 +88,70 @@ class _StreamGauges:
             self.resyncs.labels(*labels).set(s.resyncs)
 
 
+class AdmissionMetrics:
+    """Flow control's (``--admission``; docs/tenants.md). ``band`` is the request's priority;
+    ``tenant`` a key file's tenant name (bounded by the file), ``-`` on an open router (where a
+    tenant is whatever a client claims)."""
+
+    def __init__(self, r: CollectorRegistry) -> None:
+        labels = ["model", "band", "tenant"]
+        self.queue_depth = Gauge(
+            "kvmesh_router_admission_queue_depth",
+            "Requests waiting in flow control's queues while the workers are saturated, by "
+            "model, priority band and tenant (refreshed while requests wait).",
+            labels,
+            registry=r,
+        )
+        self.wait_seconds = Histogram(
+            "kvmesh_router_admission_wait_seconds",
+            "Time requests waited in flow control before they were routed (0: at once).",
+            labels,
+            buckets=TTFT_BUCKETS_S,
+            registry=r,
+        )
+        self.admitted = Counter(
+            "kvmesh_router_admission_admitted",
+            "Requests flow control let through, by how: immediate (the fleet had room) or "
+            "queued (after a wait).",
+            [*labels, "how"],
+            registry=r,
+        )
+        self.rejected = Counter(
+            "kvmesh_router_admission_rejected",
+            "Requests flow control refused, by reason: queue-full, queue-ttl, predicted-wait, "
+            "preempted (while queued, for a higher band), rate-limit, no-worker, deadline, "
+            "draining.",
+            [*labels, "reason"],
+            registry=r,
+        )
+        self.preempted = Counter(
+            "kvmesh_router_admission_preempted",
+            "Granted requests that had not started, put back in their queue for a higher band.",
+            labels,
+            registry=r,
+        )
+        self.tenant_tokens = Counter(
+            "kvmesh_router_tenant_tokens",
+            "Tokens served per tenant, by kind: prompt-uncached (prefilled by an engine), "
+            "prompt-cached (served from a cache), output.",
+            ["model", "tenant", "kind"],
+            registry=r,
+        )
+        self._depth_labels: set[tuple[str, str, str]] = set()
+
+    def refresh_depths(self, depths: Mapping[tuple[str, str, str], int]) -> None:
+        for gone in self._depth_labels - depths.keys():
+            self.queue_depth.remove(*gone)
+        self._depth_labels = set(depths)
+        for labels, n in depths.items():
+            self.queue_depth.labels(*labels).set(n)
+
+
 class RouterMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = r = registry or CollectorRegistry()
         self.etcd = EtcdGauges(r, "kvmesh_router", "router")
+        self.admission = AdmissionMetrics(r)
         self.requests = Counter(
             "kvmesh_router_requests",
             "Generate calls ended, by model and gRPC status code (OK, INVALID_ARGUMENT, ...).",

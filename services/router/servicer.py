@@ -21,8 +21,9 @@ from kvmesh.kv.hashing import check_cache_salt
 from kvmesh.sampling import STRUCTURED_FIELD, check_prompt, check_sampling, sampling_from_pb
 from kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
 
+from .admission import AdmissionGate
 from .attempt import Active, AttemptRunner
-from .auth import CALLER
+from .auth import CALLER, KeySource
 from .config import RouterConfig
 from .core import validation
 from .core.disagg import DisaggHandler
@@ -81,8 +82,36 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 self._disagg.config, workers, pool, policy, self.metrics, self._active, self._linked
             ),
         )
-        self.draining = False
+        # Flow control in front of the scheduler (--admission); None: every request is routed
+        # at once, as before.
+        self.admission: AdmissionGate | None = None
+        if config.admission.enabled:
+            self.admission = AdmissionGate(
+                config.admission,
+                workers,
+                policy,
+                self.metrics.admission,
+                keyed=bool(config.api_keys or config.api_keys_file),
+            )
+        self._draining = False
         self.not_ready = ""  # while starting: why new requests are refused ("": ready)
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    @draining.setter
+    def draining(self, value: bool) -> None:
+        """Set when the router starts shutting down: new requests are refused, and so are the
+        ones waiting in flow control (to another router)."""
+        self._draining = value
+        if value and self.admission is not None:
+            self.admission.drain()
+
+    def use_keys(self, keys: KeySource) -> None:
+        """The API key table in force (main.py): flow control's per-tenant rate limits."""
+        if self.admission is not None:
+            self.admission.use_keys(keys)
 
     # ---- Generate -------------------------------------------------------------------------
     def Generate(
@@ -114,6 +143,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         code = "OK"
         finished = False  # the final chunk was handed out
         forced: ForcedChoice | None = None
+        admission = self.admission
+        ticket = None  # its place in flow control, once admitted
+        usage: common_pb2.Usage | None = None  # the final chunk's
+        prompt_tokens = 0
         try:
             if rid in self._active:
                 raise errors.InvalidArgument(
@@ -128,6 +161,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             model = self._workers.model(request.model)
             model_name = model.name
             request_span.set_attribute("model", model_name)
+            if admission is not None:  # a full queue refuses before the prompt is tokenized
+                admission.precheck(model.name, request.tenant, request.priority)
             sampling = sampling_from_pb(request.sampling)
             check_sampling(sampling, model.vocab_size)
             check_cache_salt(request.cache_salt)  # the tenant's with API keys (auth.py)
@@ -169,15 +204,29 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 resume.time_to_first_token_s,
             )
             replay = Replay.from_client(len(ids), resume) if resume.token_ids else None
+            if admission is not None:
+                prompt_tokens = route.prompt_tokens
+                left_s = (
+                    self._config.default_timeout_s if time_remaining_s is None else time_remaining_s
+                )
+                ticket = await admission.admit(route, sampling.max_tokens, arrived + left_s)
             chunks = self._proxy.run(
                 route, model, sampling_pb, time_remaining_s, arrived, not_resumable, replay
             )
             async with contextlib.aclosing(chunks):
                 async for chunk in chunks:
                     finished = chunk.HasField("finished")
+                    if finished:
+                        usage = chunk.finished.usage
                     yield chunk
         except errors.KvmeshError as exc:
             code = status_for(exc).name
+            if (
+                admission is not None
+                and isinstance(exc, errors.Unavailable)
+                and exc.retry_after_s is None
+            ):  # no worker, draining: say when to come back
+                exc.retry_after_s = admission.config.unavailable_retry_after_s
             log.info("request %s rejected: %s: %s", rid, type(exc).__name__, exc)
             if (
                 forced is not None
@@ -201,6 +250,16 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             code = "INTERNAL"
             raise
         finally:
+            if ticket is not None and admission is not None:
+                if usage is None:  # ended without its final message
+                    admission.release(ticket, prompt_tokens, 0, None)
+                else:
+                    admission.release(
+                        ticket,
+                        usage.prompt_tokens,
+                        usage.cached_prompt_tokens,
+                        usage.completion_tokens,
+                    )
             self.metrics.ended(model_name, code)
 
     async def count_tokens(self, request: router_pb2.GenerateRequest) -> int:

@@ -174,6 +174,12 @@ class EngineConfig:
         True, "reuse KV of shared prompt prefixes", flag="prefix-caching"
     )
     max_num_seqs: int = setting(0, "most requests running at once; 0: vLLM's default")
+    scheduling_policy: str = setting(
+        "fcfs",
+        "vLLM's scheduling policy: fcfs, or priority (its queue ordered by the router's "
+        "priority band, higher first; docs/tenants.md)",
+        choices=("fcfs", "priority"),
+    )
     seed: int = setting(0, "engine-wide random seed (per-request seeds override it)")
     # When a signal reaches the engine core directly (Ctrl-C, or a signal to the whole process
     # group). Unless set, the worker's --drain-grace-s rounded up (main.py).

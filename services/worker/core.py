@@ -44,6 +44,8 @@ class GenerateRequest:
     # vLLM's cache_salt (the tenant's, from the router): in every block hash of the prompt, so
     # blocks, kvmanager keys and KV events are per salt. "": unsalted.
     cache_salt: str = field(default="", repr=False)
+    # The router's priority band (higher first); an engine with priority scheduling orders by it.
+    priority: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -119,6 +119,8 @@ def build_engine_args(
         kwargs["max_model_len"] = config.max_model_len
     if config.max_num_seqs > 0:
         kwargs["max_num_seqs"] = config.max_num_seqs
+    if config.scheduling_policy != "fcfs":
+        kwargs["scheduling_policy"] = config.scheduling_policy
     events = kv_events_config if kv_events_config is not None else config.kv_events_config
     if events is not None:
         from vllm.config import KVEventsConfig
@@ -331,6 +333,8 @@ class VllmEngine:
         self._info = info
         self._kv_events = kv_events
         self._running: set[str] = set()
+        # vLLM refuses a priority unless its scheduler orders by priority (lower first there).
+        self._by_priority = llm.vllm_config.scheduler_config.policy == "priority"
 
     @classmethod
     async def start(cls, config: EngineConfig) -> VllmEngine:
@@ -492,7 +496,12 @@ class VllmEngine:
         prompt_top_n = request.sampling.prompt_logprobs
         self._running.add(rid)
         try:
-            stream = self._llm.generate(engine_input, params, rid)
+            stream = self._llm.generate(
+                engine_input,
+                params,
+                rid,
+                priority=-request.priority if self._by_priority else 0,
+            )
             # aclosing: if our consumer stops early, vLLM's generator is closed right away,
             # which aborts the request in the engine.
             async with contextlib.aclosing(stream):

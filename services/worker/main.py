@@ -105,6 +105,7 @@ def simulated_engine(config: WorkerConfig):  # type: ignore[no-untyped-def]
             capacity_blocks=config.sim_capacity_blocks,
             block_size=e.block_size,
             max_running=config.sim_max_running,
+            priority_scheduling=e.scheduling_policy == "priority",
         ),
         speedup=config.sim_speedup,
         model=e.served_model_name or "simulated",

@@ -62,6 +62,7 @@ def request_from_pb(r: worker_pb2.WorkerGenerateRequest) -> GenerateRequest:
         sampling=sampling_from_pb(r.sampling),
         kv_source=source,
         cache_salt=r.cache_salt,
+        priority=r.priority,
     )
 
 

@@ -27,6 +27,7 @@ from services.router.core.auth import (
     static_table,
     tenant_of_key,
 )
+from services.router.core.ratelimit import Limits
 from services.router.keyfile import read_key_file
 
 SEARCH_KEY, BATCH_KEY = "sk-search-1", "sk-batch-1"
@@ -60,6 +61,23 @@ def test_parsed_table(table: KeyTable):
     assert table.lookup("sk-other") is None and table.lookup("") is None
     assert [t.name for t in table.tenants] == ["batch", "search"]  # retired holds no key
     assert SEARCH_KEY not in repr(table)  # the digests only, never a key
+
+
+def test_rate_limits_per_tenant():
+    tree = {
+        "tenants": {
+            "batch": {
+                "keys": [hash_key(BATCH_KEY)],
+                "requests_per_minute": 60,
+                "tokens_per_minute": 100_000,
+            },
+            "search": {"keys": [hash_key(SEARCH_KEY)]},
+        }
+    }
+    table = parse_key_table(tree, "keys.yaml")
+    assert table.limits() == {"batch": Limits(60, 100_000)}  # search: unlimited
+    tenant = table.lookup(BATCH_KEY)
+    assert tenant is not None and tenant.limits == Limits(60, 100_000)
 
 
 BAD_TREES = [
@@ -100,6 +118,16 @@ BAD_TREES = [
         },
         "tenants.b: key",
         id="one-key-two-tenants",
+    ),
+    pytest.param(
+        {"tenants": {"a": {"keys": [], "requests_per_minute": -1}}},
+        "tenants.a.requests_per_minute: want a whole number >= 0",
+        id="rpm-negative",
+    ),
+    pytest.param(
+        {"tenants": {"a": {"keys": [], "tokens_per_minute": 1.5}}},
+        "tenants.a.tokens_per_minute: want a whole number",
+        id="tpm-float",
     ),
 ]
 

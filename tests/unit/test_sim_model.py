@@ -133,6 +133,22 @@ def test_batch_limit_queues_fifo():
     assert done["d"].admitted_s < done["b"].finish_s
 
 
+def test_priority_scheduling_orders_the_queue_by_priority_then_arrival():
+    cfg = replace(PREFILL_ONLY, capacity_blocks=100, max_running=1, step_s=0.01)
+    order = [("low1", 0), ("low2", 0), ("high1", 5), ("mid", 2), ("high2", 5)]
+    admitted = {}
+    for policy in (False, True):
+        w = SimulatedWorker(replace(cfg, priority_scheduling=policy))
+        w.submit(req("running", (99,), 5, output=3))
+        w.advance_to(0.0)
+        for i, (rid, prio) in enumerate(order):
+            w.submit(replace(req(rid, (10 * i + 1,), 5), priority=prio))
+        done = sorted(w.drain(), key=lambda r: r.admitted_s)
+        admitted[policy] = [r.request_id for r in done if r.request_id != "running"]
+    assert admitted[False] == [rid for rid, _ in order]  # fcfs: as they came
+    assert admitted[True] == ["high1", "high2", "mid", "low1", "low2"]
+
+
 def test_a_full_hit_still_computes_the_last_token():
     w = SimulatedWorker(PREFILL_ONLY)
     run(w, 0, req("a", (1, 2, 3, 4), 16))

@@ -42,6 +42,8 @@ from typing import NewType
 
 from kvmesh.errors import InvalidArgument, PermissionDenied, Unauthenticated
 
+from .ratelimit import Limits
+
 KeyHash = NewType("KeyHash", str)  # SHA-256 hex digest (64 lower-case hex) of an API key
 
 INT32_MAX = 2**31 - 1
@@ -50,7 +52,9 @@ HASH_PREFIX = "sha256:"
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _FILE_FIELDS = frozenset({"tenants", "cache_salt_seed"})
-_TENANT_FIELDS = frozenset({"priority", "keys", "cache_group"})
+_TENANT_FIELDS = frozenset(
+    {"priority", "keys", "cache_group", "requests_per_minute", "tokens_per_minute"}
+)
 # The seed of a file that sets none (and of ``--api-key`` tables): salts then follow from
 # tenant and group names alone, which is isolation still (the router sets every salt; a client
 # can neither send one nor read one), but not secret from whoever knows the names and reaches
@@ -81,6 +85,9 @@ class Tenant:
     cache_group: str = ""  # tenants naming the same group share their prefix cache
     # Its requests' vLLM cache_salt (``derive_cache_salt``); "": none (a table built by hand).
     cache_salt: str = field(default="", repr=False)
+    # Its rate limits (``ratelimit.py``; enforced with --admission): requests and tokens per
+    # minute, 0: unlimited.
+    limits: Limits = field(default_factory=Limits)
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +118,10 @@ class KeyTable:
     by_hash: Mapping[KeyHash, Tenant]
     source: str = ""  # where it came from (the file), for logs
     seeded: bool = False  # the salts come from a cache_salt_seed (not DEFAULT_SALT_SEED)
+
+    def limits(self) -> dict[str, Limits]:
+        """Each limited tenant's rate limits, by name."""
+        return {t.name: t.limits for t in self.by_hash.values() if t.limits.limited}
 
     @property
     def tenants(self) -> tuple[Tenant, ...]:
@@ -196,6 +207,10 @@ def parse_key_table(tree: object, source: str) -> KeyTable:
             _priority(spec.get("priority", 0), where),
             group,
             derive_cache_salt(seed or DEFAULT_SALT_SEED, name, group),
+            Limits(
+                _per_minute(spec.get("requests_per_minute", 0), f"{where}.requests_per_minute"),
+                _per_minute(spec.get("tokens_per_minute", 0), f"{where}.tokens_per_minute"),
+            ),
         )
         for digest in _digests(spec.get("keys"), where):
             other = by_hash.get(digest)
@@ -250,6 +265,12 @@ def _priority(value: object, where: str) -> int:
         raise InvalidArgument(f"{where}.priority: want an integer, got {value!r}")
     if not INT32_MIN <= value <= INT32_MAX:
         raise InvalidArgument(f"{where}.priority: {value} is outside the int32 range")
+    return value
+
+
+def _per_minute(value: object, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidArgument(f"{where}: want a whole number >= 0 (0: unlimited), got {value!r}")
     return value
 
 

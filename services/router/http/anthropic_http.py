@@ -20,7 +20,13 @@ from . import anthropic, parsing, rendering
 from .anthropic_stream import EventStream, MessageCollector, sse_event
 from .auth import identity_of
 from .backend import RouterBackend, count_tokens
-from .errors import BadRequest, MethodNotAllowed, PayloadTooLarge, UnknownRoute
+from .errors import (
+    BadRequest,
+    MethodNotAllowed,
+    PayloadTooLarge,
+    UnknownRoute,
+    retry_after_headers,
+)
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +45,9 @@ def error_response(exc: BaseException, request_id: str = "") -> web.Response:
     status, body = anthropic.error_body(exc, request_id)
     if status >= 500:
         log.warning("request %s failed: %s: %s", request_id, type(exc).__name__, exc)
-    headers = {"request-id": request_id, "x-request-id": request_id} if request_id else None
+    headers = retry_after_headers(exc)
+    if request_id:
+        headers["request-id"] = headers["x-request-id"] = request_id
     return web.Response(
         status=status, body=_encode(body), content_type="application/json", headers=headers
     )

@@ -79,3 +79,13 @@ def error_body(exc: BaseException, request_id: str = "") -> tuple[int, dict[str,
     return st.status, {
         "error": {"message": message, "type": st.type, "param": param, "code": st.code}
     }
+
+
+def retry_after_headers(exc: BaseException) -> dict[str, str]:
+    """``Retry-After`` (whole seconds) and ``retry-after-ms`` (which the OpenAI SDKs read
+    first) of a refusal that says when to come back (flow control's 429, a 503); else none."""
+    seconds = errors.retry_after_of(exc)
+    if seconds is None:
+        return {}
+    exact = getattr(exc, "retry_after_s", seconds)
+    return {"Retry-After": str(seconds), "retry-after-ms": str(max(round(exact * 1000), 1))}

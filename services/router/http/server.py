@@ -26,7 +26,14 @@ from . import anthropic_http, choices, extensions, parsing, rendering
 from .auth import api_key_middleware, identity_of
 from .backend import GrpcRouterBackend, RouterBackend
 from .cors import CorsPolicy
-from .errors import BadRequest, MethodNotAllowed, PayloadTooLarge, UnknownRoute, error_body
+from .errors import (
+    BadRequest,
+    MethodNotAllowed,
+    PayloadTooLarge,
+    UnknownRoute,
+    error_body,
+    retry_after_headers,
+)
 from .fanout import FanOut
 
 log = logging.getLogger(__name__)
@@ -83,7 +90,10 @@ def error_response(exc: BaseException, request_id: str = "") -> web.Response:
     status, body = error_body(exc, request_id)
     if status >= 500:
         log.warning("request %s failed: %s: %s", request_id, type(exc).__name__, exc)
-    return _json_response(status, body, {"x-request-id": request_id} if request_id else None)
+    headers = retry_after_headers(exc)
+    if request_id:
+        headers["x-request-id"] = request_id
+    return _json_response(status, body, headers or None)
 
 
 def sse(payload: dict[str, Any]) -> bytes:

@@ -264,7 +264,8 @@ class SimulatedEngine:
             prefix_cache_queried_tokens=s.prefix_queried_tokens,
             prefix_cache_hit_tokens=s.prefix_hit_tokens,
             prefill_computed_tokens=s.prefill_computed_tokens,
-            prefill_s=s.prefill_s,
+            # Wall seconds, as an engine measures them (the model counts virtual ones).
+            prefill_s=s.prefill_s / self._config.speedup,
         )
 
     def add_load_listener(self, listener: Callable[[], None]) -> None:
@@ -391,7 +392,9 @@ class SimulatedEngine:
             if hit is not None:
                 output = output[: hit + 1]
                 stop_reason = str(output[hit])
-        sim = SimRequest(request.request_id, hashes, n_prompt, len(output), external)
+        sim = SimRequest(
+            request.request_id, hashes, n_prompt, len(output), external, request.priority
+        )
         if self._worker.blocks_needed(sim) > self._worker.config.capacity_blocks:
             raise errors.InvalidArgument(
                 f"prompt ({n_prompt} tokens) + output ({len(output)} tokens) exceeds the "

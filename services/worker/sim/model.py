@@ -67,6 +67,9 @@ class SimWorkerConfig:
     # charged to the step that admits the request (2e-6: ~64 GB/s for 128 KiB per token).
     load_s_per_token: float = 2e-6
     coalesce_decode_steps: bool = True  # one event for a run of identical decode steps
+    # vLLM's priority scheduling: the queue ordered by SimRequest.priority (higher first, then
+    # arrival); off: FIFO (vLLM's fcfs). Running requests are never pre-empted either way.
+    priority_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if self.capacity_blocks <= 0 or self.block_size <= 0:
@@ -95,6 +98,7 @@ class SimRequest:
     # hand-off from a prefill worker through the node kvmanager), as vLLM's KV connector would:
     # they count as cached, cost ``load_s_per_token``, and are not prefilled.
     external_blocks: int = 0
+    priority: int = 0  # higher first, with ``SimWorkerConfig.priority_scheduling``
 
 
 @dataclass(frozen=True, slots=True)
@@ -270,11 +274,22 @@ class SimulatedWorker:
             min(request.external_blocks, limit),
         )
         self._runs[request.request_id] = run
-        self._waiting.append(run)
+        self._enqueue(run)
         self._in_flight_tokens += request.prompt_tokens + request.output_tokens
         self._waiting_tokens += run.backlog
         self._settle()
         self._interrupt()
+
+    def _enqueue(self, run: _Run) -> None:
+        """FIFO, or behind the last waiting request of the same or a higher priority."""
+        waiting = self._waiting
+        if not self.config.priority_scheduling:
+            waiting.append(run)
+            return
+        at = len(waiting)
+        while at > 0 and waiting[at - 1].req.priority < run.req.priority:
+            at -= 1
+        waiting.insert(at, run)
 
     def abort(self, request_id: str) -> SimResult | None:
         """Drops a request (waiting or running); its blocks are released now. None if unknown."""

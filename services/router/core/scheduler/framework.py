@@ -226,6 +226,22 @@ class Scheduler:
             hook(request, worker_id)
 
     # ---- introspection -------------------------------------------------------------------------
+    def cached_tokens(self, request: RouteRequest, candidates: Sequence[WorkerView]) -> int:
+        """The longest prefix of the request any candidate holds (any tier), in tokens, per the
+        profile's prefix source: what flow control does not charge (0: no prefix source).
+        One index walk, as ``pick``'s."""
+        if self.prefix_source is None or not request.block_hashes or not candidates:
+            return 0
+        ctx = CycleContext(request, candidates, self.ledger, self.prefix_source)
+        matches = ctx.prefix()
+        fallback = request.prompt_tokens // len(request.block_hashes)
+        best = 0
+        for v in candidates:
+            m = matches.get(v.record.worker_id)
+            if m is not None and m.blocks > 0:
+                best = max(best, m.blocks * (v.record.block_size or fallback))
+        return min(best, request.prompt_tokens)
+
     def timings(self) -> dict[str, StageTiming]:
         """Cumulative time per stage (filters, scorers, picker), for metrics."""
         return dict(zip(self.stages, self._timing, strict=True))

@@ -2,7 +2,7 @@
 
 A scheduling cycle runs one profile over the candidates of a request::
 
-    [Admission (flow control: a later stage, not here)]
+    [Admission (flow control: in the servicer, before the cycle; core/admission.py)]
         -> Filter* (narrow the candidates)
         -> Scorer* (a score in [0, 1] per candidate; the framework clamps, weights and sums)
         -> Picker  (choose one, usually the best total)
@@ -17,7 +17,7 @@ from __future__ import annotations
 import random
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvmesh.discovery.keys import WorkerId
 from kvmesh.kv.events import BlockHash
@@ -156,17 +156,20 @@ class Feedback(Protocol):
 
 
 class Admission(Protocol):
-    """Flow control (tenant priorities, fairness, saturation queueing): NOT implemented yet.
+    """Flow control (tenant priorities, fairness, saturation queueing), in *front of* the
+    scheduler, in the servicer: ``await admission.admit(request, ...)`` returns a ticket when
+    the request may be scheduled (or raises ``ResourceExhausted`` / ``Unavailable`` with a
+    ``retry_after_s``, or ``DeadlineExceeded``), and ``release(ticket, ...)`` is called when the
+    request ends. It is async because it may hold a request in a per-band, per-tenant queue
+    while every candidate is saturated; the scheduler itself stays synchronous. The decisions
+    are ``core/admission.py``'s; ``services/router/admission.py`` (``AdmissionGate``) is the
+    implementation. See docs/tenants.md."""
 
-    It plugs in *in front of* the scheduler, in the servicer: ``await admission.admit(request)``
-    returns when the request may be scheduled (or raises ``ResourceExhausted`` /
-    ``DeadlineExceeded``), and ``release`` is called from the same place as ``on_finished``. It
-    is async because it may hold a request in a per-tenant, per-priority queue while every
-    candidate is saturated; the scheduler itself stays synchronous. See docs/routing.md."""
+    async def admit(self, request: RouteRequest, output_tokens: int, deadline_s: float) -> Any: ...
 
-    async def admit(self, request: RouteRequest) -> None: ...
-
-    def release(self, request: RouteRequest) -> None: ...
+    def release(
+        self, ticket: Any, prompt_tokens: int, cached_tokens: int, output_tokens: int | None
+    ) -> None: ...
 
 
 @dataclass(slots=True)

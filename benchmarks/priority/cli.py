@@ -1,0 +1,477 @@
+"""``kvmesh bench priority``: the priority mix on simulated workers, with flow control on and
+off (docs/tenants.md; after llm-d-benchmark's priority-mix harness).
+
+    kvmesh bench priority --workers 2 --burst-x 5
+
+Starts an etcd, ``--workers`` simulated workers (``kvmesh worker --engine simulated``, one
+process each, vLLM's priority scheduling on) and a router with API keys for three tenants
+(benchmarks/priority/workload.py): ``interactive`` (priority 10, a steady rate), ``batch``
+(priority 0, bursting to ``--burst-x`` times the fleet's capacity) and ``flood`` (priority 0,
+cold prompts at the fleet's capacity); the capacity is the simulator's model's
+(``capacity_per_s``). Per router mode (``--admission`` on, then off): a phase with the
+interactive tenant alone, and a phase with all three. Prints per phase and tenant: requests sent, answered,
+refused (429 / RESOURCE_EXHAUSTED) and failed (deadline), TTFT p50 / p99, answered per second,
+uncached prompt tokens and the refusals' latency; then the interactive tenant's TTFT p99 under
+the burst against without it, Jain's index of batch and flood over their uncached tokens served
+during the burst, and how busy the fleet was (share of samples with a running request).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import grpc
+import yaml
+
+from kvmesh.client import make_request
+from kvmesh.etcd_server import LocalEtcd, free_port
+from kvmesh.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from services.router.core.auth import hash_key
+from services.worker.sim.model import SimWorkerConfig
+
+from .workload import (
+    AFTER_WAIT,
+    ARRIVAL,
+    FAILED,
+    OK,
+    REJECTED,
+    Result,
+    TenantLoad,
+    TenantRow,
+    format_rows,
+    jain,
+    percentile,
+    served_between,
+    summarize,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+CLUSTER = "bench-priority"
+PRIORITY = {"interactive": 10, "batch": 0, "flood": 0}
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(
+        "priority",
+        help="priority mix on simulated workers: interactive vs a bursting batch tenant vs a "
+        "cold-prompt flood, flow control on and off",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--sim-max-running", type=int, default=64, help="per simulated engine")
+    p.add_argument(
+        "--sim-speedup",
+        type=float,
+        default=0.25,
+        help="virtual seconds per real second (below 1: a slower model, fewer messages)",
+    )
+    p.add_argument("--burst-x", type=float, default=5.0, help="batch rate / fleet capacity")
+    p.add_argument("--flood-x", type=float, default=1.0, help="flood rate / fleet capacity")
+    p.add_argument("--burst-s", type=float, default=10.0, help="length of the burst")
+    p.add_argument("--interactive-rate", type=float, default=2.0, help="requests per second")
+    p.add_argument("--request-timeout-s", type=float, default=20.0)
+    p.add_argument("--modes", default="admission,off", help="router modes to run: admission, off")
+    p.add_argument(
+        "--router-args",
+        default="--admission-max-waiting 2 --admission-max-prefill-backlog-s 0.1 "
+        "--admission-queue-max-requests 64 --admission-queue-ttl-s 10",
+        help="flags of the router in the admission mode (beside --admission)",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="one JSON object per mode")
+    p.set_defaults(func=run)
+
+
+# ---- the mesh -------------------------------------------------------------------------------
+@dataclass
+class Proc:
+    proc: asyncio.subprocess.Process
+    address: str
+
+
+async def spawn(module: str, args: Sequence[str], log: Path, ready: str) -> Proc:
+    with log.open("wb") as err:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            module,
+            *args,
+            cwd=REPO,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=err,
+        )
+    assert proc.stdout is not None
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        line = (await asyncio.wait_for(proc.stdout.readline(), 120)).decode()
+        if not line:
+            raise RuntimeError(f"{module} exited before it was ready; see {log}")
+        if line.startswith(ready):
+            fields = dict(f.split("=", 1) for f in line.split()[1:] if "=" in f)
+            return Proc(proc, fields["address"])
+    raise RuntimeError(f"{module} not ready in 120 s; see {log}")
+
+
+async def stop(p: Proc) -> None:
+    if p.proc.returncode is None:
+        p.proc.terminate()
+        try:
+            await asyncio.wait_for(p.proc.wait(), 15)
+        except TimeoutError:
+            p.proc.kill()
+            await p.proc.wait()
+
+
+@contextlib.asynccontextmanager
+async def mesh(a: argparse.Namespace, tmp: Path) -> AsyncIterator[tuple[LocalEtcd, list[Proc]]]:
+    with LocalEtcd(data_dir=tmp / "etcd") as etcd:
+        workers: list[Proc] = []
+        try:
+            for i in range(a.workers):
+                workers.append(
+                    await spawn(
+                        "services.worker.main",
+                        [
+                            "--engine=simulated",
+                            f"--sim-max-running={a.sim_max_running}",
+                            f"--sim-speedup={a.sim_speedup}",
+                            "--scheduling-policy=priority",
+                            f"--worker-id=sim-{i}",
+                            f"--cluster={CLUSTER}",
+                            f"--etcd={etcd.endpoint}",
+                            "--metrics-port=-1",
+                            "--log-level=WARNING",
+                        ],
+                        tmp / f"worker-{i}.log",
+                        "KVMESH_WORKER_READY",
+                    )
+                )
+            yield etcd, workers
+        finally:
+            for w in workers:
+                await stop(w)
+
+
+def key_file(tmp: Path) -> Path:
+    path = tmp / "keys.yaml"
+    tree = {
+        "tenants": {
+            name: {"priority": prio, "keys": [hash_key(f"sk-{name}")]}
+            for name, prio in PRIORITY.items()
+        }
+    }
+    path.write_text(yaml.safe_dump(tree))
+    return path
+
+
+async def start_router(etcd: LocalEtcd, tmp: Path, mode: str, extra: str, n: int) -> Proc:
+    args = [
+        f"--cluster={CLUSTER}",
+        f"--etcd={etcd.endpoint}",
+        f"--port={free_port()}",
+        "--http-port=-1",
+        "--metrics-port=-1",
+        f"--api-keys-file={key_file(tmp)}",
+        "--log-level=WARNING",
+    ]
+    if mode == "admission":
+        args += ["--admission", *extra.split()]
+    elif mode not in ("off", "calibrate"):
+        raise ValueError(f"unknown router mode {mode!r}; use admission or off")
+    router = await spawn("services.router.main", args, tmp / f"router-{mode}.log", "KVMESH_")
+    async with grpc.aio.insecure_channel(router.address) as ch:
+        stub = router_pb2_grpc.RouterStub(ch)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            models = await stub.ListModels(
+                router_pb2.ListModelsRequest(),
+                metadata=(("authorization", "Bearer sk-interactive"),),
+                timeout=5,
+            )
+            if models.models and models.models[0].workers == n:
+                return router
+            await asyncio.sleep(0.2)
+    raise RuntimeError(f"the router does not see {n} workers")
+
+
+# ---- the load ---------------------------------------------------------------------------------
+class Load:
+    """Sends requests on one channel and records what each got."""
+
+    def __init__(self, stub: router_pb2_grpc.RouterStub, timeout_s: float, seed: int) -> None:
+        self.stub = stub
+        self.timeout_s = timeout_s
+        self.seed = seed
+        self.t0 = time.monotonic()
+        self.results: list[Result] = []
+        self._n: dict[str, int] = {}
+
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+    async def one(self, load: TenantLoad) -> Result:
+        i = self._n[load.name] = self._n.get(load.name, 0) + 1
+        sent = self.now()
+        first: float | None = None
+        call = self.stub.Generate(
+            make_request(load.prompt(i, self.seed), max_tokens=load.output_tokens, ignore_eos=True),
+            metadata=(("authorization", f"Bearer sk-{load.name}"),),
+            timeout=self.timeout_s,
+        )
+        try:
+            async for msg in call:
+                if first is None and (msg.token_ids or msg.HasField("finished")):
+                    first = self.now() - sent
+                if msg.HasField("finished"):
+                    u = msg.finished.usage
+                    r = Result(
+                        load.name,
+                        sent,
+                        self.now(),
+                        OK,
+                        first,
+                        u.prompt_tokens,
+                        u.cached_prompt_tokens,
+                        u.completion_tokens,
+                        engine_queue_s=u.queue_time_s,
+                        engine_prefill_s=u.prefill_time_s,
+                    )
+                    break
+            else:
+                r = Result(load.name, sent, self.now(), FAILED, detail="no final message")
+        except grpc.aio.AioRpcError as exc:
+            code = exc.code()
+            if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
+                trailers = {k: v for k, v in exc.trailing_metadata() or ()}
+                retry = trailers.get("retry-after")
+                later = ("made room", "pre-empted", "queue TTL")  # core/admission.py's words
+                details = exc.details() or ""
+                r = Result(
+                    load.name,
+                    sent,
+                    self.now(),
+                    REJECTED,
+                    retry_after_s=float(retry) if retry else None,
+                    detail=AFTER_WAIT if any(w in details for w in later) else ARRIVAL,
+                )
+            else:
+                r = Result(load.name, sent, self.now(), FAILED, detail=code.name)
+        self.results.append(r)
+        return r
+
+    async def open_loop(self, loads: Sequence[TenantLoad]) -> None:
+        """Sends every load's requests at their times (from now), then waits for them all."""
+        plan = sorted(((t, load) for load in loads for t in load.arrivals()), key=lambda p: p[0])
+        start = self.now()
+        tasks = []
+        for t, load in plan:
+            delay = start + t - self.now()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.ensure_future(self.one(load)))
+        await asyncio.gather(*tasks)
+
+
+async def settle(workers: Sequence[Proc], timeout_s: float = 60.0) -> None:
+    """Waits until no worker runs or queues anything (the previous phase's requests)."""
+    channels = [grpc.aio.insecure_channel(w.address) for w in workers]
+    stubs = [worker_pb2_grpc.WorkerStub(c) for c in channels]
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            loads = await asyncio.gather(
+                *(s.GetLoad(worker_pb2.GetLoadRequest(), timeout=2) for s in stubs)
+            )
+            if all(ld.in_flight_requests == 0 for ld in loads):
+                return
+            await asyncio.sleep(0.2)
+    finally:
+        for c in channels:
+            await c.close()
+
+
+async def busy_share(workers: Sequence[Proc], seconds: float, every_s: float = 0.1) -> float:
+    """Share of (worker, sample) pairs with a running request over ``seconds``."""
+    channels = [grpc.aio.insecure_channel(w.address) for w in workers]
+    stubs = [worker_pb2_grpc.WorkerStub(c) for c in channels]
+    busy = total = 0
+    end = time.monotonic() + seconds
+    try:
+        while time.monotonic() < end:
+            loads = await asyncio.gather(
+                *(s.GetLoad(worker_pb2.GetLoadRequest(), timeout=2) for s in stubs),
+                return_exceptions=True,
+            )
+            for ld in loads:
+                if isinstance(ld, worker_pb2.WorkerLoad):
+                    total += 1
+                    busy += 1 if ld.running_requests > 0 else 0
+            await asyncio.sleep(every_s)
+    finally:
+        for c in channels:
+            await c.close()
+    return busy / total if total else math.nan
+
+
+# ---- the run ----------------------------------------------------------------------------------
+def tenants(a: argparse.Namespace, capacity_per_s: float) -> dict[str, TenantLoad]:
+    lead = 1.0  # the burst starts this long into the phase
+    phase = a.burst_s + 2 * lead
+    return {
+        "interactive": TenantLoad("interactive", 10, 512, 64, 16, a.interactive_rate, 0, phase),
+        "batch": TenantLoad("batch", 0, 1024, 512, 16, a.burst_x * capacity_per_s, lead, a.burst_s),
+        "flood": TenantLoad("flood", 0, 0, 1024, 16, a.flood_x * capacity_per_s, lead, a.burst_s),
+    }
+
+
+def capacity_per_s(a: argparse.Namespace) -> float:
+    """The fleet's capacity in batch requests per second, from the simulator's model: each
+    engine step spends its token budget on prefill chunks and one token per decoding request,
+    so a request costs its uncached prompt tokens plus its output tokens at the prefill rate
+    (an upper bound: step overheads and attention come on top; the burst phase's answered
+    requests per second say what the fleet really did)."""
+    batch = tenants(a, 1.0)["batch"]
+    per_request_s = SimWorkerConfig().prefill_s_per_token * (batch.new_tokens + batch.output_tokens)
+    return a.workers * a.sim_speedup / per_request_s
+
+
+async def run_mode(
+    a: argparse.Namespace,
+    etcd: LocalEtcd,
+    workers: list[Proc],
+    tmp: Path,
+    mode: str,
+    capacity: float,
+) -> dict[str, Any]:
+    router = await start_router(etcd, tmp, mode, a.router_args, a.workers)
+    plan = tenants(a, capacity)
+    lead = plan["batch"].start_s
+    try:
+        async with grpc.aio.insecure_channel(router.address) as ch:
+            load = Load(router_pb2_grpc.RouterStub(ch), a.request_timeout_s, a.seed)
+            # Every tenant's shared prefix cached on every worker, as in a running mesh.
+            await asyncio.gather(
+                *(load.one(replace(plan[t], rate_per_s=1)) for t in plan for _ in workers)
+            )
+            await settle(workers)
+            rows: list[TenantRow] = []
+            load.results.clear()
+            t0 = load.now()
+            await load.open_loop([plan["interactive"]])
+            alone = [replace(r, sent_s=r.sent_s - t0) for r in load.results]
+            rows += summarize("alone", alone, plan["interactive"].duration_s)
+            await settle(workers)
+            load.results.clear()
+            t1 = load.now()
+            busy = asyncio.ensure_future(_after(lead, busy_share(workers, a.burst_s)))
+            lag = asyncio.ensure_future(_after(lead, loop_lag(a.burst_s)))
+            await load.open_loop(list(plan.values()))
+            burst = [replace(r, sent_s=r.sent_s - t1, end_s=r.end_s - t1) for r in load.results]
+            in_burst = [
+                r for r in burst if r.tenant != "interactive" or lead <= r.sent_s < lead + a.burst_s
+            ]
+            rows += summarize("burst", in_burst, a.burst_s)
+            fleet_busy = await busy
+            client_lag = await lag
+    finally:
+        await stop(router)
+        await settle(workers)
+    p99 = {row.phase: row.ttft_p99_s for row in rows if row.tenant == "interactive"}
+    shares = [served_between(burst, t, lead, lead + a.burst_s) for t in ("batch", "flood")]
+    rejected = [r for r in burst if r.status == REJECTED]
+    failed: dict[str, int] = {}
+    for r in [*alone, *burst]:
+        if r.status == FAILED:
+            key = f"{r.tenant}:{r.detail}"
+            failed[key] = failed.get(key, 0) + 1
+    return {
+        "failed": failed,
+        "mode": mode,
+        "capacity_per_s": capacity,
+        "rows": rows,
+        "interactive_p99_ratio": p99.get("burst", math.nan) / p99.get("alone", math.nan),
+        "jain_batch_flood_uncached": jain(shares),
+        "uncached_batch_flood": shares,
+        "fleet_busy": fleet_busy,
+        "client_loop_lag_p99_s": percentile(client_lag, 99),
+        "reject_p99_s": percentile(
+            [r.end_s - r.sent_s for r in rejected if r.detail == ARRIVAL], 99
+        ),
+        "retry_after_p50_s": percentile(
+            [r.retry_after_s for r in rejected if r.retry_after_s is not None], 50
+        ),
+    }
+
+
+async def loop_lag(seconds: float, every_s: float = 0.01) -> list[float]:
+    """How late this process's event loop wakes a 10 ms sleep, over ``seconds``: the load
+    generator's own delay, which every latency it measures includes."""
+    out = []
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        t = time.monotonic()
+        await asyncio.sleep(every_s)
+        out.append(time.monotonic() - t - every_s)
+    return out
+
+
+async def _after(delay_s: float, coro: Any) -> Any:
+    await asyncio.sleep(delay_s)
+    return await coro
+
+
+async def _main(a: argparse.Namespace) -> list[dict[str, Any]]:
+    out = []
+    with tempfile.TemporaryDirectory(prefix="kvmesh-bench-priority-") as d:
+        tmp = Path(d)
+        async with mesh(a, tmp) as (etcd, workers):
+            capacity = capacity_per_s(a)
+            for mode in [m.strip() for m in a.modes.split(",") if m.strip()]:
+                print(f"running mode {mode} ...", file=sys.stderr, flush=True)
+                out.append(await run_mode(a, etcd, workers, tmp, mode, capacity))
+    return out
+
+
+def run(a: argparse.Namespace) -> int:
+    reports = asyncio.run(_main(a))
+    if a.json:
+        for rep in reports:
+            print(json.dumps({**rep, "rows": [asdict(r) for r in rep["rows"]]}))
+        return 0
+    first = reports[0]
+    print(
+        f"fleet: {a.workers} simulated workers x {a.sim_max_running} running, speedup "
+        f"{a.sim_speedup}; capacity ~{first['capacity_per_s']:.1f} batch requests/s; batch at "
+        f"{a.burst_x:g}x, flood at {a.flood_x:g}x for {a.burst_s:g} s; interactive "
+        f"{a.interactive_rate:g}/s"
+    )
+    for rep in reports:
+        print(f"\n## router: {rep['mode']}\n")
+        print(format_rows(rep["rows"]))
+        print(
+            f"\ninteractive TTFT p99 burst / alone: {rep['interactive_p99_ratio']:.2f}x; "
+            f"Jain (batch, flood) uncached tokens during the burst: "
+            f"{rep['jain_batch_flood_uncached']:.3f} ({rep['uncached_batch_flood'][0]:,} vs "
+            f"{rep['uncached_batch_flood'][1]:,}); fleet busy {rep['fleet_busy']:.0%}; "
+            f"429 at arrival p99 {_ms(rep['reject_p99_s'])}, Retry-After p50 "
+            f"{_ms(rep['retry_after_p50_s'])} (the load generator's own loop lag p99 "
+            f"{_ms(rep['client_loop_lag_p99_s'])})"
+            + (f"; failed: {rep['failed']}" if rep["failed"] else "")
+        )
+    return 0
+
+
+def _ms(x: float) -> str:
+    return "-" if math.isnan(x) else f"{x * 1000:.0f} ms"
