@@ -17,7 +17,12 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import grpc
 
-from kvmesh.discovery.keys import WorkerRecord
+from kvmesh.discovery.keys import (
+    WorkerRecord,
+    kvmanager_from_entry,
+    kvmanager_id_from_key,
+    kvmanager_records,
+)
 from kvmesh.kv.events import KvEventBatch
 from kvmesh.v1 import kvmanager_pb2, kvmanager_pb2_grpc
 
@@ -63,7 +68,8 @@ class TierSync:
         backoff_s: Sequence[float] = BACKOFF_S,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
     ) -> None:
-        self.kvmanagers = KvManagerSet(cluster)
+        self._cluster = cluster
+        self.kvmanagers = KvManagerSet()
         self._index = index
         self._workers = workers
         self._backoff_s = tuple(backoff_s)
@@ -75,16 +81,20 @@ class TierSync:
 
     # ---- etcd (a PrefixWatcher on the kvmanagers prefix) -----------------------------------
     def on_snapshot(self, items: dict[str, str]) -> None:
-        self.kvmanagers.apply_snapshot(items)
+        self.kvmanagers.apply_snapshot(kvmanager_records(self._cluster, items))
         self.refresh()
 
     def on_put(self, key: str, value: str) -> None:
-        self.kvmanagers.apply_put(key, value)
-        self.refresh()
+        record = kvmanager_from_entry(self._cluster, key, value)
+        if record is not None:
+            self.kvmanagers.apply_put(record)
+            self.refresh()
 
     def on_delete(self, key: str) -> None:
-        self.kvmanagers.apply_delete(key)
-        self.refresh()
+        kvmanager_id = kvmanager_id_from_key(self._cluster, key)
+        if kvmanager_id is not None:
+            self.kvmanagers.apply_delete(kvmanager_id)
+            self.refresh()
 
     # ---- the plan ---------------------------------------------------------------------------
     def refresh(self) -> None:
