@@ -49,7 +49,7 @@ def tier_events(layout_key: str) -> WatchFactory:
         stub = kvmanager_pb2_grpc.KvManagerStub(channel)
 
         def open_(epoch: str, from_seq: int) -> EventCall:
-            request = kvmanager_pb2.WatchTierEventsRequest(
+            request = kvmanager_pb2.KvManagerWatchKvEventsRequest(
                 layout_key=layout_key, epoch=epoch, from_seq=from_seq
             )
             return stub.WatchKvEvents(request)
