@@ -93,10 +93,10 @@ def main() -> int:
             index.link(wid, stores[i * len(stores) // len(ids)][0])
     stats = index.stats()
 
-    workers = WorkerSet("bench")
+    workers = WorkerSet()
     for wid in ids:
         rec = WorkerRecord(worker_id=wid, address="x", model="m", model_path="", block_size=BLOCK)
-        workers.apply_put(f"/kvmesh/bench/workers/both/{wid}", rec.to_json())
+        workers.apply_put(rec)
         workers.set_load(
             wid, LoadSnapshot(running_requests=rng.randrange(4), kv_cache_usage=rng.random())
         )

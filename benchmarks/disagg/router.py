@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from benchmarks.replay.traces import ReplayRequest
-from kvmesh.discovery.keys import Role, WorkerId, WorkerRecord, worker_key
+from kvmesh.discovery.keys import Role, WorkerId, WorkerRecord
 from kvmesh.kv.events import KvEvent, KvEventBatch
 from services.router.core.disagg import DisaggConfig, DisaggDecision, DisaggHandler
 from services.router.core.index import KvIndex
@@ -22,7 +22,6 @@ from services.worker.sim.model import SimulatedWorker
 
 EPOCH = "disagg"
 MODEL = "sim"
-CLUSTER = "bench"
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +49,7 @@ class DisaggRouter:
         self.index = KvIndex(IndexConfig(max_blocks=8_000_000))
         self.policy = make_policy(profile, index=self.index, rng=random.Random(seed))
         self.handler = DisaggHandler(config, self.policy)
-        self.workers = WorkerSet(CLUSTER)
+        self.workers = WorkerSet()
         self.roles = tuple(roles)
         self.ids = [WorkerId(f"{r.value}-{i:02d}") for i, r in enumerate(roles)]
         self._slot = {wid: i for i, wid in enumerate(self.ids)}
@@ -66,7 +65,7 @@ class DisaggRouter:
                 node=f"node-{node:02d}",
                 block_size=block_size,
             )
-            self.workers.apply_put(worker_key(CLUSTER, role, wid), rec.to_json())
+            self.workers.apply_put(rec)
             self.index.apply(KvEventBatch(wid, EPOCH, 0, (), snapshot=True))
         self.reasons: dict[str, int] = {}
         self.pending_decode: set[str] = set()  # set by the simulation: hand-offs in transit

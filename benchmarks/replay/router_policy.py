@@ -47,13 +47,13 @@ class RouterPolicy:
         self.name = profile
         self.index = KvIndex(IndexConfig(max_blocks=index_max_blocks))
         self.scheduler = make_policy(profile, index=self.index, rng=random.Random(seed))
-        self.workers = WorkerSet("replay")
+        self.workers = WorkerSet()
         self._ids = [WorkerId(f"sim-{i:03d}") for i in range(workers)]
         self._slot = {wid: i for i, wid in enumerate(self._ids)}
         self._seq = [0] * workers
         for wid in self._ids:
             rec = WorkerRecord(worker_id=wid, address="sim", model=MODEL, model_path="")
-            self.workers.apply_put(f"/kvmesh/replay/workers/both/{wid}", rec.to_json())
+            self.workers.apply_put(rec)
             self.index.apply(KvEventBatch(wid, EPOCH, 0, (), snapshot=True))
         self._stores: list[StoreId] = []
         if workers_per_node > 0:

@@ -13,12 +13,16 @@ etcd deletes its key after the TTL, which every watcher sees as a delete.
 from __future__ import annotations
 
 import json
+import logging
 import re
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from enum import StrEnum
 from typing import NewType
 
 WorkerId = NewType("WorkerId", str)
+
+log = logging.getLogger(__name__)
 
 ROOT = "/kvmesh"
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -160,3 +164,67 @@ class KvManagerRecord:
         data = json.loads(raw)
         known = {f for f in cls.__slots__}  # type: ignore[attr-defined]
         return cls(**{k: v for k, v in data.items() if k in known})
+
+
+# ---- etcd entries (key, value) -> records ---------------------------------------------------
+# A watcher hands these raw entries over; a malformed one is logged and skipped (None) so it
+# never breaks the watch. A key outside the prefix (another cluster, another kind) is None too.
+
+
+def worker_id_from_key(cluster: str, key: str) -> WorkerId | None:
+    """The worker id a key under the cluster's workers prefix names, else None."""
+    parsed = parse_worker_key(cluster, key)
+    return parsed[1] if parsed is not None else None
+
+
+def worker_from_entry(cluster: str, key: str, value: str | bytes) -> WorkerRecord | None:
+    """The worker record an etcd entry holds; None (and a warning) when it is malformed or
+    disagrees with its key's id or role, None when the key is not a worker key."""
+    parsed = parse_worker_key(cluster, key)
+    if parsed is None:
+        return None
+    try:
+        rec = WorkerRecord.from_json(value)
+    except (ValueError, KeyError, TypeError) as exc:
+        log.warning("skipping malformed worker record at %s: %s", key, exc)
+        return None
+    if rec.worker_id != parsed[1] or rec.role is not parsed[0]:
+        log.warning("skipping worker record at %s: id/role disagree with its key", key)
+        return None
+    return rec
+
+
+def worker_records(cluster: str, items: Mapping[str, str | bytes]) -> list[WorkerRecord]:
+    """The well-formed worker records of a snapshot (key -> value)."""
+    return [r for k, v in items.items() if (r := worker_from_entry(cluster, k, v)) is not None]
+
+
+def kvmanager_id_from_key(cluster: str, key: str) -> str | None:
+    """The kvmanager id a key under the cluster's kvmanagers prefix names, else None."""
+    prefix = kvmanagers_prefix(cluster)
+    if not key.startswith(prefix):
+        return None
+    kid = key[len(prefix) :]
+    return kid if kid and "/" not in kid else None
+
+
+def kvmanager_from_entry(cluster: str, key: str, value: str | bytes) -> KvManagerRecord | None:
+    """The kvmanager record an etcd entry holds; None (and a warning) when it is malformed or
+    its id disagrees with its key, None when the key is not a kvmanager key."""
+    kid = kvmanager_id_from_key(cluster, key)
+    if kid is None:
+        return None
+    try:
+        rec = KvManagerRecord.from_json(value)
+    except (ValueError, KeyError, TypeError) as exc:
+        log.warning("skipping malformed kvmanager record at %s: %s", key, exc)
+        return None
+    if rec.kvmanager_id != kid:
+        log.warning("skipping kvmanager record at %s: its id disagrees with its key", key)
+        return None
+    return rec
+
+
+def kvmanager_records(cluster: str, items: Mapping[str, str | bytes]) -> list[KvManagerRecord]:
+    """The well-formed kvmanager records of a snapshot (key -> value)."""
+    return [r for k, v in items.items() if (r := kvmanager_from_entry(cluster, k, v)) is not None]

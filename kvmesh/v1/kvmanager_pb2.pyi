@@ -165,7 +165,7 @@ class GetBlocksResponse(_message.Message):
     tiers: _containers.RepeatedScalarFieldContainer[_worker_pb2.KvTier]
     def __init__(self, block: _Optional[_Union[KvBlock, _Mapping]] = ..., tier: _Optional[_Union[_worker_pb2.KvTier, str]] = ..., missing: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[KvBlock, _Mapping]]] = ..., tiers: _Optional[_Iterable[_Union[_worker_pb2.KvTier, str]]] = ...) -> None: ...
 
-class WatchTierEventsRequest(_message.Message):
+class KvManagerWatchKvEventsRequest(_message.Message):
     __slots__ = ("layout", "layout_key", "epoch", "from_seq")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_KEY_FIELD_NUMBER: _ClassVar[int]

@@ -57,7 +57,7 @@ class KvManagerStub(object):
                 _registered_method=True)
         self.WatchKvEvents = channel.unary_stream(
                 '/kvmesh.v1.KvManager/WatchKvEvents',
-                request_serializer=kvmesh_dot_v1_dot_kvmanager__pb2.WatchTierEventsRequest.SerializeToString,
+                request_serializer=kvmesh_dot_v1_dot_kvmanager__pb2.KvManagerWatchKvEventsRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_worker__pb2.KvEventBatch.FromString,
                 _registered_method=True)
         self.OpenFetch = channel.unary_unary(
@@ -201,7 +201,7 @@ def add_KvManagerServicer_to_server(servicer, server):
             ),
             'WatchKvEvents': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchKvEvents,
-                    request_deserializer=kvmesh_dot_v1_dot_kvmanager__pb2.WatchTierEventsRequest.FromString,
+                    request_deserializer=kvmesh_dot_v1_dot_kvmanager__pb2.KvManagerWatchKvEventsRequest.FromString,
                     response_serializer=kvmesh_dot_v1_dot_worker__pb2.KvEventBatch.SerializeToString,
             ),
             'OpenFetch': grpc.unary_unary_rpc_method_handler(
@@ -358,7 +358,7 @@ class KvManager(object):
             request,
             target,
             '/kvmesh.v1.KvManager/WatchKvEvents',
-            kvmesh_dot_v1_dot_kvmanager__pb2.WatchTierEventsRequest.SerializeToString,
+            kvmesh_dot_v1_dot_kvmanager__pb2.KvManagerWatchKvEventsRequest.SerializeToString,
             kvmesh_dot_v1_dot_worker__pb2.KvEventBatch.FromString,
             options,
             channel_credentials,

@@ -253,7 +253,9 @@ class KvManagerServicer(kvmanager_pb2_grpc.KvManagerServicer):
         return kvmanager_pb2.DetachShmResponse(detached=self._shm.detach(request.shm_id))
 
     def WatchKvEvents(
-        self, request: kvmanager_pb2.WatchTierEventsRequest, context: grpc.aio.ServicerContext
+        self,
+        request: kvmanager_pb2.KvManagerWatchKvEventsRequest,
+        context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[worker_pb2.KvEventBatch]:
         # A plain function returning the stream (the error interceptor maps what either
         # raises), not a generator of its own: one hop fewer per batch.

@@ -22,6 +22,9 @@ from kvmesh.discovery.keys import (
     WorkerId,
     kvmanagers_prefix,
     router_key,
+    worker_from_entry,
+    worker_id_from_key,
+    worker_records,
     workers_prefix,
 )
 from kvmesh.metrics import MetricsServer
@@ -103,7 +106,7 @@ async def start_router(
     began = time.monotonic()
     tls = config.tls.load()  # bad certificate files fail the start before anything runs
     etcd = config.etcd_security.load()
-    workers = WorkerSet(config.cluster, linger_s=config.unregistered_linger_s)
+    workers = WorkerSet(linger_s=config.unregistered_linger_s)
     pool = WorkerPool(workers, load_interval_s=config.load_interval_s, tls=tls, local=local_workers)
     executor = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tokenize")
     tokenizers = Tokenizers(executor, config.tokenizer_overrides)
@@ -167,12 +170,22 @@ async def start_router(
             if not ready.is_set():
                 starting.append(loading)
 
+    def on_put(key: str, value: str) -> None:  # a malformed record: logged, skipped
+        if (record := worker_from_entry(config.cluster, key, value)) is not None:
+            on_change(workers.apply_put(record))
+
+    def on_delete(key: str) -> None:
+        if (worker_id := worker_id_from_key(config.cluster, key)) is not None:
+            on_change(workers.apply_delete(worker_id))
+
     watcher = PrefixWatcher(
         list(config.etcd_endpoints),
         workers_prefix(config.cluster),
-        on_snapshot=lambda items: on_change(workers.apply_snapshot(items)),
-        on_put=lambda k, v: on_change(workers.apply_put(k, v)),
-        on_delete=lambda k: on_change(workers.apply_delete(k)),
+        on_snapshot=lambda items: on_change(
+            workers.apply_snapshot(worker_records(config.cluster, items))
+        ),
+        on_put=on_put,
+        on_delete=on_delete,
         credentials=etcd,
     )
     kvmanager_watcher = PrefixWatcher(

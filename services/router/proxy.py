@@ -27,8 +27,8 @@ from .core.peers import PeerHints
 from .core.types import RouteDecision, RouteRequest
 from .core.workers import ModelSummary, WorkerSet
 from .decode import Overlap, fell_back
-from .disagg import Prefills
 from .metrics import RouterMetrics
+from .prefill import Prefills
 from .prompt import PromptBuilder
 from .resume import Replay, held_back, resumed_route, resumed_sampling
 

@@ -33,9 +33,9 @@ from .core.peers import PeerHints
 from .core.routing import RoutingPolicy
 from .core.types import RouteRequest
 from .core.workers import WorkerSet
-from .disagg import Prefills
 from .metrics import RouterMetrics
 from .pool import WorkerPool
+from .prefill import Prefills
 from .prepare import constrained_sampling, forced_choice, prompt_input
 from .prompt import PromptBuilder
 from .proxy import Proxy

@@ -17,7 +17,12 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import grpc
 
-from kvmesh.discovery.keys import WorkerRecord
+from kvmesh.discovery.keys import (
+    WorkerRecord,
+    kvmanager_from_entry,
+    kvmanager_id_from_key,
+    kvmanager_records,
+)
 from kvmesh.kv.events import KvEventBatch
 from kvmesh.tls import Tls
 from kvmesh.v1 import kvmanager_pb2, kvmanager_pb2_grpc
@@ -45,7 +50,7 @@ def tier_events(layout_key: str) -> WatchFactory:
         stub = kvmanager_pb2_grpc.KvManagerStub(channel)
 
         def open_(epoch: str, from_seq: int) -> EventCall:
-            request = kvmanager_pb2.WatchTierEventsRequest(
+            request = kvmanager_pb2.KvManagerWatchKvEventsRequest(
                 layout_key=layout_key, epoch=epoch, from_seq=from_seq
             )
             return stub.WatchKvEvents(request)
@@ -66,7 +71,8 @@ class TierSync:
         tls: Tls | None = None,
     ) -> None:
         self._tls = tls
-        self.kvmanagers = KvManagerSet(cluster)
+        self._cluster = cluster
+        self.kvmanagers = KvManagerSet()
         self._index = index
         self._workers = workers
         self._backoff_s = tuple(backoff_s)
@@ -78,16 +84,20 @@ class TierSync:
 
     # ---- etcd (a PrefixWatcher on the kvmanagers prefix) -----------------------------------
     def on_snapshot(self, items: dict[str, str]) -> None:
-        self.kvmanagers.apply_snapshot(items)
+        self.kvmanagers.apply_snapshot(kvmanager_records(self._cluster, items))
         self.refresh()
 
     def on_put(self, key: str, value: str) -> None:
-        self.kvmanagers.apply_put(key, value)
-        self.refresh()
+        record = kvmanager_from_entry(self._cluster, key, value)
+        if record is not None:
+            self.kvmanagers.apply_put(record)
+            self.refresh()
 
     def on_delete(self, key: str) -> None:
-        self.kvmanagers.apply_delete(key)
-        self.refresh()
+        kvmanager_id = kvmanager_id_from_key(self._cluster, key)
+        if kvmanager_id is not None:
+            self.kvmanagers.apply_delete(kvmanager_id)
+            self.refresh()
 
     # ---- the plan ---------------------------------------------------------------------------
     def refresh(self) -> None:

@@ -2,8 +2,10 @@
 come back to the worker that holds them (its KV events told the router), round-robin does not;
 the router's index survives a router restart (snapshot) and a worker restart (new epoch).
 
-Runs after test_mesh.py on the same session mesh (its router uses the default profile,
-precise-sticky); the restarts come last.
+The module runs on a mesh of its own (the session mesh's spec; its router uses the default
+profile, precise-sticky): it restarts the router and a worker, which no other module should
+see, and it finds the mesh as it started whatever ran before. Its conversations are distinct
+(one seed range per test), so no test finds another's blocks cached.
 """
 
 from __future__ import annotations
@@ -11,16 +13,27 @@ from __future__ import annotations
 import asyncio
 import random
 import re
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from kvmesh.client import Completion, RouterClient, make_request
 from kvmesh.launcher import Mesh
 
+from .conftest import mesh_spec
+
 pytestmark = pytest.mark.e2e
 
 PREFIX_TOKENS = 640  # 20 blocks of 32
 THINK_S = 0.6  # time between turns: the worker's KV events reach the router meanwhile
+
+
+@pytest.fixture(scope="module")
+def mesh(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    """This module's own mesh (overrides the session one here)."""
+    with Mesh(mesh_spec(tiny_model, tmp_path_factory.mktemp("prefix-mesh"))) as m:
+        yield m
 
 
 class Conversation:

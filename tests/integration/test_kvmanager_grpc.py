@@ -160,7 +160,9 @@ async def test_first_put_message_must_name_the_layout(kvm):
 async def test_tier_events_snapshot_then_live_then_resume(kvm):
     _, stub, _ = kvm
     await put(stub, [1, 2])
-    call = stub.WatchKvEvents(kvmanager_pb2.WatchTierEventsRequest(layout=LAYOUT), timeout=30)
+    call = stub.WatchKvEvents(
+        kvmanager_pb2.KvManagerWatchKvEventsRequest(layout=LAYOUT), timeout=30
+    )
     md = {k: v for k, v in await call.initial_metadata()}
     epoch = md[KV_EPOCH_KEY]
     stream = aiter(call)
@@ -185,7 +187,9 @@ async def test_tier_events_snapshot_then_live_then_resume(kvm):
     call.cancel()
     # Resume from the next seq: no snapshot, nothing missed.
     again = stub.WatchKvEvents(
-        kvmanager_pb2.WatchTierEventsRequest(layout=LAYOUT, epoch=epoch, from_seq=last_seq + 1),
+        kvmanager_pb2.KvManagerWatchKvEventsRequest(
+            layout=LAYOUT, epoch=epoch, from_seq=last_seq + 1
+        ),
         timeout=30,
     )
     md = {k: v for k, v in await again.initial_metadata()}

@@ -146,7 +146,9 @@ async def test_fetched_blocks_are_served_byte_identical_with_cpu_tier_events(dae
     b, stub_b = await daemons("node-b")
     hashes = list(range(1, 9))
     await put(stub_a, hashes, parent=999)
-    watch = stub_b.WatchKvEvents(kvmanager_pb2.WatchTierEventsRequest(layout=LAYOUT), timeout=30)
+    watch = stub_b.WatchKvEvents(
+        kvmanager_pb2.KvManagerWatchKvEventsRequest(layout=LAYOUT), timeout=30
+    )
     events = aiter(watch)
     assert kv_batch_from_pb(await anext(events)).snapshot  # empty: B holds nothing yet
 

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from kvmesh.discovery.keys import (
+    KvManagerRecord,
     Role,
     RouterRecord,
     WorkerId,
@@ -14,10 +15,17 @@ from kvmesh.discovery.keys import (
     WorkerState,
     check_name,
     cluster_prefix,
+    kvmanager_from_entry,
+    kvmanager_id_from_key,
+    kvmanager_key,
+    kvmanager_records,
     parse_worker_key,
     router_key,
     routers_prefix,
+    worker_from_entry,
+    worker_id_from_key,
     worker_key,
+    worker_records,
     workers_prefix,
 )
 
@@ -209,3 +217,63 @@ def test_router_record_round_trip(record: RouterRecord) -> None:
     assert RouterRecord.from_json(record.to_json()) == record
     data = json.loads(record.to_json()) | {"extra": True}
     assert RouterRecord.from_json(json.dumps(data)) == record
+
+
+# ---- etcd entries -> records (what the router's and kvmanager's watchers hand the cores) --------
+W = WorkerRecord(WorkerId("w1"), "h:1", "m", "/p", role=Role.PREFILL)
+K = KvManagerRecord("k1", "h:2", "n1")
+
+
+def test_well_formed_entries_become_records() -> None:
+    key = worker_key("c", Role.PREFILL, "w1")
+    assert worker_from_entry("c", key, W.to_json()) == W
+    assert worker_from_entry("c", key, W.to_json().encode()) == W  # etcd hands out bytes
+    assert worker_id_from_key("c", key) == "w1"
+    assert kvmanager_from_entry("c", kvmanager_key("c", "k1"), K.to_json()) == K
+    assert kvmanager_id_from_key("c", kvmanager_key("c", "k1")) == "k1"
+    snapshot = {key: W.to_json(), worker_key("c", Role.BOTH, "w2"): "{not json"}
+    assert worker_records("c", snapshot) == [W]
+    assert kvmanager_records("c", {kvmanager_key("c", "k1"): K.to_json(), "/x": "{}"}) == [K]
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "warned"),
+    [
+        pytest.param("/kvmesh/c/workers/prefill/w1", "{not json", True, id="bad-json"),
+        pytest.param("/kvmesh/c/workers/prefill/w2", W.to_json(), True, id="id-mismatch"),
+        pytest.param("/kvmesh/c/workers/decode/w1", W.to_json(), True, id="role-mismatch"),
+        pytest.param("/kvmesh/c/workers/prefill/w1", '{"address": "x"}', True, id="missing"),
+        pytest.param("/kvmesh/c/workers/gpu/w1", W.to_json(), False, id="not-a-role"),
+        pytest.param("/kvmesh/d/workers/prefill/w1", W.to_json(), False, id="other-cluster"),
+    ],
+)
+def test_malformed_worker_entries_are_none_and_warned(key, value, warned, caplog) -> None:
+    with caplog.at_level("WARNING", logger="kvmesh.discovery.keys"):
+        assert worker_from_entry("c", key, value) is None
+    assert bool(caplog.records) is warned, caplog.text
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "warned"),
+    [
+        pytest.param("/kvmesh/c/kvmanagers/k1", "{not json", True, id="bad-json"),
+        pytest.param("/kvmesh/c/kvmanagers/k2", K.to_json(), True, id="id-mismatch"),
+        pytest.param("/kvmesh/c/kvmanagers/k1", '{"address": "x"}', True, id="missing"),
+        pytest.param("/kvmesh/c/kvmanagers/k1/x", K.to_json(), False, id="too-deep"),
+        pytest.param("/kvmesh/c/kvmanagers/", K.to_json(), False, id="no-id"),
+        pytest.param("/kvmesh/d/kvmanagers/k1", K.to_json(), False, id="other-cluster"),
+    ],
+)
+def test_malformed_kvmanager_entries_are_none_and_warned(key, value, warned, caplog) -> None:
+    with caplog.at_level("WARNING", logger="kvmesh.discovery.keys"):
+        assert kvmanager_from_entry("c", key, value) is None
+    assert bool(caplog.records) is warned, caplog.text
+
+
+@pytest.mark.parametrize(
+    "key",
+    ["/kvmesh/c/workers/gpu/w1", "/kvmesh/d/workers/both/w1", "/kvmesh/c/kvmanagers/w1"],
+    ids=["not-a-role", "other-cluster", "kvmanager-key"],
+)
+def test_worker_id_from_a_foreign_key_is_none(key: str) -> None:
+    assert worker_id_from_key("c", key) is None

@@ -11,7 +11,7 @@ from vllm.logprobs import Logprob
 from kvmesh import errors
 from kvmesh.sampling import Sampling, check_sampling, sampling_from_pb
 from kvmesh.v1 import common_pb2
-from services.router.disagg import one_token
+from services.router.prefill import one_token
 from services.worker.core import GenerateRequest, OutputDelta, TokenLogprob, TopLogprob
 from services.worker.engine import sampling_params, token_logprobs
 from services.worker.servicer import response_to_pb

@@ -6,7 +6,15 @@ import random
 
 import pytest
 
-from kvmesh.discovery.keys import Role, WorkerId, WorkerRecord, WorkerState, worker_key
+from kvmesh.discovery.keys import (
+    Role,
+    WorkerId,
+    WorkerRecord,
+    WorkerState,
+    worker_from_entry,
+    worker_key,
+    worker_records,
+)
 from kvmesh.errors import InvalidArgument, NotFound, Unavailable
 from services.router.core import validation
 from services.router.core.routing import make_policy
@@ -33,7 +41,7 @@ def record(
 
 
 def put(ws: WorkerSet, rec: WorkerRecord):
-    return ws.apply_put(worker_key(CLUSTER, rec.role, rec.worker_id), rec.to_json())
+    return ws.apply_put(rec)
 
 
 REQ = RouteRequest(request_id="r", model="tiny", prompt_token_ids=(1, 2, 3))
@@ -41,27 +49,30 @@ REQ = RouteRequest(request_id="r", model="tiny", prompt_token_ids=(1, 2, 3))
 
 class TestWorkerSet:
     def test_put_then_delete(self):
-        ws = WorkerSet(CLUSTER)
+        ws = WorkerSet()
         change = put(ws, record("a"))
         assert [r.worker_id for r in change.added] == ["a"]
         assert [v.record.worker_id for v in ws.candidates("tiny")] == ["a"]
         change = put(ws, record("a", state=WorkerState.DRAINING))
         assert change.updated and not change.added
         assert ws.candidates("tiny") == []  # draining workers get no new work
-        change = ws.apply_delete(worker_key(CLUSTER, Role.BOTH, "a"))
+        change = ws.apply_delete(WorkerId("a"))
         assert change.removed == ("a",)
         assert len(ws) == 0
 
     def test_snapshot_replaces_everything(self):
-        ws = WorkerSet(CLUSTER)
+        ws = WorkerSet()
         put(ws, record("a"))
         put(ws, record("b"))
         c = record("c")
         change = ws.apply_snapshot(
-            {
-                worker_key(CLUSTER, Role.BOTH, "b"): record("b").to_json(),
-                worker_key(CLUSTER, Role.BOTH, "c"): c.to_json(),
-            }
+            worker_records(
+                CLUSTER,
+                {
+                    worker_key(CLUSTER, Role.BOTH, "b"): record("b").to_json(),
+                    worker_key(CLUSTER, Role.BOTH, "c"): c.to_json(),
+                },
+            )
         )
         assert change.removed == ("a",)
         assert [r.worker_id for r in change.added] == ["c"]
@@ -79,12 +90,15 @@ class TestWorkerSet:
         ],
     )
     def test_malformed_records_are_skipped(self, key, value):
-        ws = WorkerSet(CLUSTER)
-        assert ws.apply_put(key, value).added == ()
+        """The etcd adapter parses entries (kvmesh/discovery/keys.py); a bad one never reaches
+        the set, in a snapshot or as a put."""
+        ws = WorkerSet()
+        assert worker_from_entry(CLUSTER, key, value) is None
+        assert ws.apply_snapshot(worker_records(CLUSTER, {key: value})).added == ()
         assert len(ws) == 0
 
     def test_models_summarises_serving_workers(self):
-        ws = WorkerSet(CLUSTER)
+        ws = WorkerSet()
         put(ws, record("a"))
         put(ws, record("b"))
         put(ws, record("c", model="other"))
@@ -105,7 +119,7 @@ class TestWorkerSet:
         ],
     )
     def test_model_resolves_the_requests_model(self, served, name, want):
-        ws = WorkerSet(CLUSTER)
+        ws = WorkerSet()
         for i, model in enumerate(served):
             put(ws, record(f"w{i}", model=model))
         if isinstance(want, str):
@@ -117,7 +131,7 @@ class TestWorkerSet:
                 assert info.value.field == "model"
 
     def test_in_flight_never_negative(self):
-        ws = WorkerSet(CLUSTER)
+        ws = WorkerSet()
         put(ws, record("a"))
         ws.finished(WorkerId("a"))
         ws.started(WorkerId("a"))
@@ -128,7 +142,7 @@ class TestWorkerSet:
 
 class TestRouting:
     def _set(self) -> WorkerSet:
-        ws = WorkerSet(CLUSTER)
+        ws = WorkerSet()
         for w in ("a", "b", "c"):
             put(ws, record(w))
         return ws

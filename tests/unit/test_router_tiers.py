@@ -10,7 +10,9 @@ from kvmesh.discovery.keys import (
     WorkerId,
     WorkerRecord,
     WorkerState,
+    kvmanager_id_from_key,
     kvmanager_key,
+    kvmanager_records,
 )
 from services.router.core.index import store_id
 from services.router.core.tiers import (
@@ -27,13 +29,8 @@ L1, L2 = "00112233aabbccdd", "ffeeddccbbaa9988"
 
 def kvms(*recs: tuple[str, str]) -> KvManagerSet:
     """kvmanagers as (id, node), at address <id>:1."""
-    s = KvManagerSet("c")
-    s.apply_snapshot(
-        {
-            kvmanager_key("c", kid): KvManagerRecord(kid, f"{kid}:1", node).to_json()
-            for kid, node in recs
-        }
-    )
+    s = KvManagerSet()
+    s.apply_snapshot(KvManagerRecord(kid, f"{kid}:1", node) for kid, node in recs)
     return s
 
 
@@ -94,21 +91,26 @@ def test_two_kvmanagers_on_one_node_the_smallest_id_serves_it():
 
 
 def test_kvmanager_set_follows_etcd_and_skips_bad_records():
-    s = KvManagerSet("c")
+    """The etcd adapter (tiersync.py) parses entries with kvmesh/discovery/keys.py."""
+    s = KvManagerSet()
     good = KvManagerRecord("k1", "h:1", "n1").to_json()
     s.apply_snapshot(
-        {
-            kvmanager_key("c", "k1"): good,
-            kvmanager_key("c", "k2"): "{not json",
-            kvmanager_key("c", "k3"): KvManagerRecord("other", "h:3", "n3").to_json(),
-            "/kvmesh/other/kvmanagers/k4": KvManagerRecord("k4", "h:4", "n4").to_json(),
-        }
+        kvmanager_records(
+            "c",
+            {
+                kvmanager_key("c", "k1"): good,
+                kvmanager_key("c", "k2"): "{not json",
+                kvmanager_key("c", "k3"): KvManagerRecord("other", "h:3", "n3").to_json(),
+                "/kvmesh/other/kvmanagers/k4": KvManagerRecord("k4", "h:4", "n4").to_json(),
+            },
+        )
     )
     assert len(s) == 1 and s.get("k1") == KvManagerRecord("k1", "h:1", "n1")
-    s.apply_put(kvmanager_key("c", "k5"), KvManagerRecord("k5", "h:5", "n5").to_json())
+    s.apply_put(KvManagerRecord("k5", "h:5", "n5"))
     assert set(s.by_node()) == {"n1", "n5"}
-    s.apply_delete(kvmanager_key("c", "k1"))
-    s.apply_delete(kvmanager_key("c", "nope"))
+    s.apply_delete("k1")
+    s.apply_delete("nope")
+    assert kvmanager_id_from_key("c", kvmanager_key("c", "k1")) == "k1"
     assert set(s.by_node()) == {"n5"}
 
 

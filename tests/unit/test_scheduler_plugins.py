@@ -548,7 +548,7 @@ class TestRoutedVolume:
 
 class TestActiveContext:
     def _scorer(self, idle_requests=100):
-        from services.router.core.scheduler.footprint import (
+        from services.router.core.scheduler.active_context import (
             ActiveContextParams,
             ActiveContextScorer,
         )
@@ -612,7 +612,7 @@ class TestActiveContext:
         ],
     )
     def test_forks_follow_prefix_affinity_for_life(self, fork_share, held_blocks, flat):
-        from services.router.core.scheduler.footprint import (
+        from services.router.core.scheduler.active_context import (
             ActiveContextParams,
             ActiveContextScorer,
         )

@@ -52,9 +52,9 @@ def test_waiting(reported, sent_since, router_in_flight, cap, expected):
 
 
 def test_worker_set_counts_sends_until_the_next_report():
-    ws = WorkerSet("c")
+    ws = WorkerSet()
     rec = WorkerRecord(worker_id=WorkerId("w1"), address="a:1", model="m", model_path="/m")
-    ws.apply_put("/kvmesh/c/workers/both/w1", rec.to_json())
+    ws.apply_put(rec)
     wid = WorkerId("w1")
     ws.set_load(wid, LoadSnapshot(waiting_requests=2))
     ws.started(wid)
@@ -102,13 +102,13 @@ class Clock:
         return self.now
 
 
-KEY = "/kvmesh/c/workers/both/w1"
+W1 = WorkerId("w1")
 
 
 def one_worker(linger_s: float, clock: Clock) -> WorkerSet:
-    ws = WorkerSet("c", linger_s=linger_s, clock=clock)
+    ws = WorkerSet(linger_s=linger_s, clock=clock)
     rec = WorkerRecord(worker_id=WorkerId("w1"), address="a:1", model="m", model_path="/m")
-    ws.apply_put(KEY, rec.to_json())
+    ws.apply_put(rec)
     return ws
 
 
@@ -116,12 +116,12 @@ def test_a_live_worker_outlives_its_record_until_it_registers_again():
     clock = Clock()
     ws = one_worker(30.0, clock)
     ws.set_load(WorkerId("w1"), LoadSnapshot())  # its load stream answers
-    assert ws.apply_delete(KEY).removed == ()  # the lease expired; the worker did not
+    assert ws.apply_delete(W1).removed == ()  # the lease expired; the worker did not
     assert [v.record.worker_id for v in ws.candidates("m")] == ["w1"]  # still routed to
     clock.now += 5
     assert ws.expire_unregistered().removed == ()
     rec = WorkerRecord(worker_id=WorkerId("w1"), address="a:1", model="m", model_path="/m")
-    ws.apply_put(KEY, rec.to_json())  # registered again
+    ws.apply_put(rec)  # registered again
     clock.now += 60
     assert ws.expire_unregistered().removed == ()
     view = ws.get(WorkerId("w1"))
@@ -132,12 +132,12 @@ def test_a_lingering_worker_goes_when_its_stream_ends_or_its_time_runs_out():
     clock = Clock()
     ws = one_worker(30.0, clock)
     ws.set_load(WorkerId("w1"), LoadSnapshot())
-    ws.apply_delete(KEY)
+    ws.apply_delete(W1)
     clock.now += 30
     assert ws.expire_unregistered().removed == ("w1",)
     ws = one_worker(30.0, clock)
     ws.set_load(WorkerId("w1"), LoadSnapshot())
-    ws.apply_snapshot({})  # a resync that no longer lists it: the same
+    ws.apply_snapshot([])  # a resync that no longer lists it: the same
     assert len(ws) == 1
     ws.load_stream_ended(WorkerId("w1"))
     assert ws.expire_unregistered().removed == ("w1",)
@@ -150,7 +150,7 @@ def test_a_dead_or_unlingering_worker_goes_with_its_record(linger_s):
     if linger_s:  # lingering on, but its load stream broke (SIGKILL): gone at once
         ws.set_load(WorkerId("w1"), LoadSnapshot())
         ws.load_stream_ended(WorkerId("w1"))
-    assert ws.apply_delete(KEY).removed == ("w1",)
+    assert ws.apply_delete(W1).removed == ("w1",)
 
 
 def test_outstanding_counts_what_was_sent_since_the_report():

@@ -1,6 +1,6 @@
 """Prefill/decode disaggregation: the per-request decision (a "profile handler", after llm-d's
-P/D handler). Pure: no grpc, etcd or I/O; the servicer (``services/router/disagg.py``) carries
-the decision out.
+P/D handler). Pure: no grpc, etcd or I/O; the servicer carries the decision out (its prefill
+half: ``services/router/prefill.py``).
 
 One request, two scheduling cycles over the same routing policy:
 

@@ -27,7 +27,7 @@ Memory is bounded by ``IndexConfig.max_blocks`` distinct hashes: past it the lea
 blocks go (a dict keeps insertion order and a block moves to the end whenever a worker stores it).
 A dropped block only costs affinity: the index never claims a block a worker does not hold because
 of it. Identical holder ints are shared (interned), so most blocks cost a dict slot and their key.
-More, with measurements: docs/index.md.
+More, with measurements: docs/kv-index.md.
 """
 
 from __future__ import annotations

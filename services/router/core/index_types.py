@@ -30,7 +30,7 @@ def store_parts(store: StoreId) -> tuple[str, str]:
 
 @dataclass(frozen=True, slots=True)
 class IndexConfig:
-    max_blocks: int = 4_000_000  # distinct block hashes kept (~80 B each: docs/index.md)
+    max_blocks: int = 4_000_000  # distinct block hashes kept (~80 B each: docs/kv-index.md)
     evict_fraction: float = 0.05  # share of max_blocks dropped at once when it is exceeded
     sweep_keys_per_apply: int = 4096  # keys the sweep of retired slots visits per apply() call
     intern_values: int = 65_536  # distinct holder sets shared between blocks (memory saver)

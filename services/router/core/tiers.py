@@ -17,13 +17,7 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from kvmesh.discovery.keys import (
-    KvManagerRecord,
-    WorkerId,
-    WorkerRecord,
-    WorkerState,
-    kvmanagers_prefix,
-)
+from kvmesh.discovery.keys import KvManagerRecord, WorkerId, WorkerRecord, WorkerState
 
 from .index_types import StoreId, store_id
 
@@ -33,25 +27,20 @@ _LAYOUT_KEY = re.compile(r"[0-9a-f]{16}")  # KvLayout.key: 16 lowercase hex digi
 
 
 class KvManagerSet:
-    """The live kvmanagers, fed by etcd with raw keys and values (like ``WorkerSet``): a
-    malformed record is logged and skipped instead of breaking the watch."""
+    """The live kvmanagers, fed by etcd (like ``WorkerSet``: the adapter parses the records,
+    ``kvmesh/discovery/keys.py``)."""
 
-    def __init__(self, cluster: str) -> None:
-        self._prefix = kvmanagers_prefix(cluster)
+    def __init__(self) -> None:
         self._by_id: dict[str, KvManagerRecord] = {}
 
-    def apply_snapshot(self, items: Mapping[str, str]) -> None:
-        self._by_id = {r.kvmanager_id: r for r in map(self._parse, items.items()) if r}
+    def apply_snapshot(self, records: Iterable[KvManagerRecord]) -> None:
+        self._by_id = {r.kvmanager_id: r for r in records}
 
-    def apply_put(self, key: str, value: str) -> None:
-        rec = self._parse((key, value))
-        if rec is not None:
-            self._by_id[rec.kvmanager_id] = rec
+    def apply_put(self, record: KvManagerRecord) -> None:
+        self._by_id[record.kvmanager_id] = record
 
-    def apply_delete(self, key: str) -> None:
-        kid = self._id_of(key)
-        if kid is not None:
-            self._by_id.pop(kid, None)
+    def apply_delete(self, kvmanager_id: str) -> None:
+        self._by_id.pop(kvmanager_id, None)
 
     def get(self, kvmanager_id: str) -> KvManagerRecord | None:
         return self._by_id.get(kvmanager_id)
@@ -73,27 +62,6 @@ class KvManagerSet:
                     continue
                 out[rec.node] = rec
         return out
-
-    def _id_of(self, key: str) -> str | None:
-        if not key.startswith(self._prefix):
-            return None
-        kid = key[len(self._prefix) :]
-        return kid if kid and "/" not in kid else None
-
-    def _parse(self, item: tuple[str, str]) -> KvManagerRecord | None:
-        key, value = item
-        kid = self._id_of(key)
-        if kid is None:
-            return None
-        try:
-            rec = KvManagerRecord.from_json(value)
-        except (ValueError, KeyError, TypeError) as exc:
-            log.warning("skipping malformed kvmanager record at %s: %s", key, exc)
-            return None
-        if rec.kvmanager_id != kid:
-            log.warning("skipping kvmanager record at %s: its id disagrees with its key", key)
-            return None
-        return rec
 
 
 @dataclass(frozen=True, slots=True)

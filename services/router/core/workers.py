@@ -1,8 +1,8 @@
 """The live worker set, fed by etcd (records) and by the workers' load streams.
 
-The discovery adapter calls ``apply_snapshot`` / ``apply_put`` / ``apply_delete`` with raw etcd
-keys and values; this module parses them, so a malformed record is logged and skipped instead of
-breaking the watch.
+The discovery adapter parses etcd's keys and values (``kvmesh/discovery/keys.py``: a malformed
+record is logged and skipped there) and calls ``apply_snapshot`` / ``apply_put`` /
+``apply_delete`` with records and worker ids.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
 from kvmesh import errors
-from kvmesh.discovery.keys import WorkerId, WorkerRecord, WorkerState, parse_worker_key
+from kvmesh.discovery.keys import WorkerId, WorkerRecord, WorkerState
 
 from .types import LoadSnapshot
 
@@ -84,44 +84,39 @@ class Change:
 
 
 class WorkerSet:
-    def __init__(
-        self, cluster: str, linger_s: float = 0.0, clock: Callable[[], float] = time.monotonic
-    ) -> None:
+    def __init__(self, linger_s: float = 0.0, clock: Callable[[], float] = time.monotonic) -> None:
         """``linger_s``: how long a worker whose etcd record vanished stays while its load
         stream is live (etcd unreachable long enough for its lease to expire, then back: the
         worker registers again within seconds). 0: gone with its record."""
-        self._cluster = cluster
         self._workers: dict[WorkerId, WorkerView] = {}
         self._linger_s = linger_s
         self._clock = clock
 
     # ---- discovery side -------------------------------------------------------------------
-    def apply_snapshot(self, items: dict[str, str]) -> Change:
-        records = {r.worker_id: r for r in (self._parse(k, v) for k, v in items.items()) if r}
-        removed = tuple(w for w in self._workers if w not in records and not self._linger(w))
+    def apply_snapshot(self, records: Iterable[WorkerRecord]) -> Change:
+        """All registered workers, as a (re)started watch lists them; the last record of an id
+        wins."""
+        by_id = {r.worker_id: r for r in records}
+        removed = tuple(w for w in self._workers if w not in by_id and not self._linger(w))
         for wid in removed:
             del self._workers[wid]
         added: list[WorkerRecord] = []
         updated: list[WorkerRecord] = []
-        for wid, rec in records.items():
+        for wid, rec in by_id.items():
             (updated if wid in self._workers else added).append(rec)
             self._upsert(rec)
         return Change(added=tuple(added), removed=removed, updated=tuple(updated))
 
-    def apply_put(self, key: str, value: str) -> Change:
-        rec = self._parse(key, value)
-        if rec is None:
-            return Change()
-        existed = rec.worker_id in self._workers
-        self._upsert(rec)
-        return Change(updated=(rec,)) if existed else Change(added=(rec,))
+    def apply_put(self, record: WorkerRecord) -> Change:
+        existed = record.worker_id in self._workers
+        self._upsert(record)
+        return Change(updated=(record,)) if existed else Change(added=(record,))
 
-    def apply_delete(self, key: str) -> Change:
-        parsed = parse_worker_key(self._cluster, key)
-        if parsed is None or parsed[1] not in self._workers or self._linger(parsed[1]):
+    def apply_delete(self, worker_id: WorkerId) -> Change:
+        if worker_id not in self._workers or self._linger(worker_id):
             return Change()
-        del self._workers[parsed[1]]
-        return Change(removed=(parsed[1],))
+        del self._workers[worker_id]
+        return Change(removed=(worker_id,))
 
     def _linger(self, worker_id: WorkerId) -> bool:
         """Keeps a serving worker whose record vanished while its load stream is live."""
@@ -158,20 +153,6 @@ class WorkerSet:
         else:
             view.record = rec
             view.unregistered_at = None  # registered again
-
-    def _parse(self, key: str, value: str) -> WorkerRecord | None:
-        parsed = parse_worker_key(self._cluster, key)
-        if parsed is None:
-            return None
-        try:
-            rec = WorkerRecord.from_json(value)
-        except (ValueError, KeyError, TypeError) as exc:
-            log.warning("skipping malformed worker record at %s: %s", key, exc)
-            return None
-        if rec.worker_id != parsed[1] or rec.role is not parsed[0]:
-            log.warning("skipping worker record at %s: id/role disagree with its key", key)
-            return None
-        return rec
 
     # ---- load side ------------------------------------------------------------------------
     def set_load(self, worker_id: WorkerId, load: LoadSnapshot) -> None:

@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from . import filters, load, pickers
+from .active_context import ActiveContextParams, ActiveContextScorer
 from .affinity import SessionAffinityScorer, SessionParams
 from .cost import CostModelScorer, CostParams
-from .footprint import ActiveContextParams, ActiveContextScorer
 from .params import NoParams
 from .plugins import PluginEnv
 from .prefix import ApproxParams, ApproxPrefixScorer, PreciseParams, PrecisePrefixScorer
