@@ -85,7 +85,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--modes", default="admission,off", help="router modes to run: admission, off")
     p.add_argument(
         "--router-args",
-        default="--admission-max-waiting 2 --admission-max-prefill-backlog-s 0.1 "
+        default="--admission-max-waiting 2 --admission-max-prefill-backlog-s 0.2 "
+        "--admission-reserve 0.5 --admission-reserve-priority 10 "
         "--admission-queue-max-requests 64 --admission-queue-ttl-s 10",
         help="flags of the router in the admission mode (beside --admission)",
     )

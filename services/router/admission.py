@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 from kvmesh import errors
 
-from .core.admission import AdmissionConfig, FlowControl, Reason, State, Ticket
+from .core.admission import AdmissionConfig, FlowControl, FreeSlots, Reason, State, Ticket
 from .core.auth import KeyTable
 from .core.ratelimit import Limits, RateLimiter
 from .core.routing import RoutingPolicy
@@ -69,11 +69,11 @@ class AdmissionGate:
     def precheck(self, model: str, tenant: str, priority: int) -> None:
         """Refuses, before any work on the prompt, a request that would be refused anyway: no
         worker serves the model, or its band's queue is full."""
-        cap = self.capacity(model)
+        cap, free = self.free_slots(model)
         if cap.workers == 0:
             self._count_rejected(model, priority, tenant, Reason.NO_WORKER)
             raise self._no_worker(model)
-        rejection = self.flow.precheck(model, tenant, priority, cap.free_slots)
+        rejection = self.flow.precheck(model, tenant, priority, free)
         if rejection is not None:
             self._count_rejected(model, priority, tenant, rejection.reason)
             raise errors.ResourceExhausted(rejection.message, rejection.retry_after_s)
@@ -81,7 +81,7 @@ class AdmissionGate:
     async def admit(self, route: RouteRequest, output_tokens: int, deadline_s: float) -> Ticket:
         """Returns when the request may be routed (its ticket: hand it to ``release``)."""
         model, tenant, band = route.model, route.tenant, route.priority
-        cap = self.capacity(model)
+        cap, free = self.free_slots(model)
         if cap.workers == 0:
             self._count_rejected(model, band, tenant, Reason.NO_WORKER)
             raise self._no_worker(model)
@@ -104,7 +104,7 @@ class AdmissionGate:
             band,
             route.prompt_tokens - cached,
             output_tokens,
-            cap.free_slots,
+            free,
             deadline_s,
         )
         self._wake(changed)
@@ -139,6 +139,12 @@ class AdmissionGate:
         finally:
             self._events.pop(ticket, None)
 
+    def prefilled(self, ticket: Ticket) -> None:
+        """The request's first token came: its prefill left the worker's backlog, so a waiting
+        request may fit now."""
+        if self.config.max_prefill_backlog_s > 0.0:
+            self._pump(ticket.model)
+
     def release(
         self, ticket: Ticket, prompt_tokens: int, cached_tokens: int, output_tokens: int | None
     ) -> None:
@@ -171,11 +177,11 @@ class AdmissionGate:
                 await self._pumper
 
     # ---- the workers' state ----------------------------------------------------------------
-    def capacity(self, model: str) -> Capacity:
+    def capacity(self, model: str, share: float = 1.0) -> Capacity:
         views = self._workers.candidates(model)
         sched = self._scheduler
         if self.config.max_prefill_backlog_s <= 0.0 or sched is None:
-            return capacity(views, self.config)
+            return capacity(views, self.config, share=share)
         rates, ledger = self._rates, sched.ledger
         for v in views:
             rates.observe(v.record.worker_id, v.load)
@@ -183,12 +189,24 @@ class AdmissionGate:
             views,
             self.config,
             lambda wid: ledger.tally(wid).prefill_tokens * rates.s_per_token(wid),
+            share,
         )
+
+    def free_slots(self, model: str) -> tuple[Capacity, FreeSlots]:
+        """The fleet's capacity, and its free slots per band (the reserve only for bands at or
+        above ``reserve_priority``)."""
+        full = self.capacity(model)
+        cfg = self.config
+        if cfg.reserve <= 0.0 or full.workers == 0:
+            return full, full.free_slots
+        low = self.capacity(model, 1.0 - cfg.reserve).free_slots
+        top, at = full.free_slots, cfg.reserve_priority
+        return full, lambda band: top if band >= at else low
 
     def _pump(self, model: str) -> None:
         if not self.flow.queued(model):
             return
-        cap = self.capacity(model)
+        cap, free = self.free_slots(model)
         if cap.workers == 0:
             self._wake(
                 self.flow.reject_all(
@@ -198,7 +216,7 @@ class AdmissionGate:
                 )
             )
             return
-        self._wake(self.flow.pump(model, cap.free_slots))
+        self._wake(self.flow.pump(model, free))
 
     def _ensure_pumper(self) -> None:
         if self._pumper is None or self._pumper.done():

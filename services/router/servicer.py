@@ -146,6 +146,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         admission = self.admission
         ticket = None  # its place in flow control, once admitted
         usage: common_pb2.Usage | None = None  # the final chunk's
+        prefilled = False  # its first token came
         prompt_tokens = 0
         try:
             if rid in self._active:
@@ -218,6 +219,14 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     finished = chunk.HasField("finished")
                     if finished:
                         usage = chunk.finished.usage
+                    if (
+                        admission is not None
+                        and ticket is not None
+                        and not prefilled
+                        and (chunk.token_ids or finished)
+                    ):
+                        prefilled = True  # its prefill is off the worker's backlog: look again
+                        admission.prefilled(ticket)
                     yield chunk
         except errors.KvmeshError as exc:
             code = status_for(exc).name

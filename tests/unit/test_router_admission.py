@@ -154,6 +154,32 @@ def test_when_every_queue_is_full_a_higher_band_preempts_the_newest_lowest_waiti
     assert low3.rejection is not None and low3.rejection.reason is Reason.QUEUE_FULL
 
 
+def test_a_reserve_lets_a_higher_band_through_while_lower_ones_wait() -> None:
+    """Free slots per band: the fleet has 1 slot for bands below 10 (its reserve held back)
+    and 2 for band 10. A low request takes the first; the next low one waits; a high one goes
+    at once into the reserve instead of waiting for the low one to finish."""
+    clock = Clock()
+    fc = FlowControl(AdmissionConfig(enabled=True), clock)
+    running = 0
+
+    def free(band: int) -> int:
+        return (2 if band >= 10 else 1) - running
+
+    low, _ = fc.arrive(M, "l1", "batch", 0, 100, 0, free)
+    assert low.state is State.RUNNING
+    running = 1
+    low2, _ = fc.arrive(M, "l2", "batch", 0, 100, 0, free)
+    assert low2.state is State.QUEUED
+    high, _ = fc.arrive(M, "h", "search", 10, 100, 0, free)
+    assert high.state is State.RUNNING  # the waiting low one is in a lower band
+    running = 2
+    assert fc.pump(M, free) == []  # low2 still waits: the reserve is not its
+    running = 1  # the high one ended; still none for the low band
+    assert fc.pump(M, free) == []
+    running = 0
+    assert fc.pump(M, free) == [low2]
+
+
 # ---- fairness within a band -----------------------------------------------------------------
 def test_two_equal_tenants_alternate() -> None:
     f = Fleet(slots=1)
@@ -374,8 +400,9 @@ def test_reject_all_refuses_every_waiting_request() -> None:
         ({"queue_ttl_s": 0.0}, "--admission-queue-ttl-s"),
         ({"max_waiting": -1}, "--admission-max-waiting"),
         ({"retry_after_min_s": 5.0, "retry_after_max_s": 2.0}, "--admission-retry-after-max-s"),
+        ({"reserve": 1.0}, "--admission-reserve"),
     ],
-    ids=["kv", "ttl", "waiting", "retry"],
+    ids=["kv", "ttl", "waiting", "retry", "reserve"],
 )
 def test_config_mistakes_name_the_flag(kw: dict[str, float], words: str) -> None:
     with pytest.raises(InvalidArgument, match=words):

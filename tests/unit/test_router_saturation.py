@@ -48,6 +48,15 @@ def test_the_prefill_backlog_saturates_a_worker() -> None:
     assert c.workers == 2 and c.free_slots == 1 and c.saturated_by == "prefill-backlog"
 
 
+def test_a_share_of_the_limits_for_bands_without_the_reserve() -> None:
+    cfg = AdmissionConfig(enabled=True, max_waiting=4, max_kv_usage=0.8, reserve=0.5)
+    views = [view("a", waiting=2), view("b", kv=0.5)]
+    assert capacity(views, cfg).free_slots == 2 + 4
+    # Half of each limit: a saturated at 2 waiting, b at 0.4 of its KV cache.
+    low = capacity(views, cfg, share=0.5)
+    assert low.free_slots == 0 and low.saturated_by == "kv-usage"
+
+
 class Clock:
     now = 0.0
 

@@ -96,6 +96,16 @@ class AdmissionConfig:
     unavailable_retry_after_s: float = setting(
         2.0, "Retry-After of UNAVAILABLE / 503 (no worker serves the model), seconds"
     )
+    reserve: float = setting(
+        0.0,
+        "fraction of every saturation limit (waiting, KV usage, prefill backlog) only requests "
+        "of at least --admission-reserve-priority may use: the others find the workers "
+        "saturated at (1 - reserve) x each limit, so a higher band is let through at once; "
+        "0: none",
+    )
+    reserve_priority: int = setting(
+        1, "requests of at least this priority may use the --admission-reserve"
+    )
     pump_interval_s: float = setting(
         0.02,
         "while requests wait, how often the workers' state is looked at again (beside every "
@@ -133,6 +143,10 @@ class AdmissionConfig:
         for name, v in at_least_zero.items():
             if not v >= 0.0:
                 raise InvalidArgument(f"--admission-{name} is {v}; use a number >= 0")
+        if not 0.0 <= self.reserve < 1.0:
+            raise InvalidArgument(
+                f"--admission-reserve is {self.reserve}; use a fraction in [0, 1)"
+            )
         if not self.retry_after_max_s >= self.retry_after_min_s:
             raise InvalidArgument(
                 f"--admission-retry-after-max-s is {self.retry_after_max_s}; use at least "
@@ -225,6 +239,13 @@ class DrainRate:
 
 
 MAX_IDLE_TENANTS = 4096  # counters kept per band for tenants that wait for and run nothing
+# How many more requests the fleet can take now: one number, or one per band (a band at or
+# above ``reserve_priority`` may use the reserve the others may not).
+FreeSlots = int | Callable[[int], int]
+
+
+def _free(free_slots: FreeSlots, band: int) -> int:
+    return free_slots if isinstance(free_slots, int) else free_slots(band)
 
 
 @dataclass(slots=True)
@@ -308,13 +329,17 @@ class FlowControl:
         self._seq = 0
 
     # ---- arrivals --------------------------------------------------------------------------
-    def precheck(self, model: str, tenant: str, priority: int, free_slots: int) -> Rejection | None:
+    def precheck(
+        self, model: str, tenant: str, priority: int, free_slots: FreeSlots
+    ) -> Rejection | None:
         """The refusal a request of this band would get now for a full queue, before its
         prompt is tokenized (cheap: no cost is needed); None: it may come in."""
         flow = self._flows.get(model)
         if flow is None:
             return None
-        if free_slots - len(flow.granted) > 0 and not flow.queued_at_or_above(priority):
+        if _free(free_slots, priority) - len(flow.granted) > 0 and not flow.queued_at_or_above(
+            priority
+        ):
             return None
         band = flow.bands.get(priority)
         if band is None or band.queued < self.config.queue_max_requests:
@@ -339,7 +364,7 @@ class FlowControl:
         priority: int,
         uncached_tokens: int,
         expected_output_tokens: int,
-        free_slots: int,
+        free_slots: FreeSlots,
         deadline_s: float = math.inf,
     ) -> tuple[Ticket, list[Ticket]]:
         """A request that may be scheduled: its ticket RUNNING (go now), QUEUED (wait for a
@@ -365,7 +390,9 @@ class FlowControl:
         band = flow.band(priority)
         if tenant not in band.queues:  # becoming backlogged: no credit for idle time
             band.counters[tenant] = max(band.counters.get(tenant, -math.inf), band.level())
-        if free_slots - len(flow.granted) > 0 and not flow.queued_at_or_above(priority):
+        if _free(free_slots, priority) - len(flow.granted) > 0 and not flow.queued_at_or_above(
+            priority
+        ):
             self._grant(flow, band, t, now)
             t.state = State.RUNNING  # nothing else runs before it starts: no pre-emption window
             return t, []
@@ -418,26 +445,24 @@ class FlowControl:
         return t, [c for c in changed if c is not t]
 
     # ---- grants ----------------------------------------------------------------------------
-    def pump(self, model: str, free_slots: int) -> list[Ticket]:
-        """Grants waiting requests while the fleet has ``free_slots`` beyond the grants not yet
-        started, best band first; when full, a waiting band above a granted, not yet started
-        request takes its place (that one goes back to its queue)."""
+    def pump(self, model: str, free_slots: FreeSlots) -> list[Ticket]:
+        """Grants waiting requests while the fleet has ``free_slots`` (for the band) beyond the
+        grants not yet started, best band first; when full, a waiting band above a granted, not
+        yet started request takes its place (that one goes back to its queue)."""
         flow = self._flows.get(model)
         if flow is None or not flow.queued:
             return []
         now = self._clock()
         changed: list[Ticket] = []
-        free = free_slots - len(flow.granted)
         while flow.queued:
             top = flow.top_queued()
             assert top is not None
-            if free <= 0:
+            if _free(free_slots, top.priority) - len(flow.granted) <= 0:
                 victim = self._lowest_granted(flow)
                 if victim is None or victim.band >= top.priority:
                     break
                 self._revoke(flow, victim)
                 changed.append(victim)
-                free += 1
                 continue
             tenant = top.next_tenant()
             t = top.queues[tenant][0]
@@ -445,7 +470,6 @@ class FlowControl:
             self._grant(flow, top, t, now)
             flow.granted.append(t)
             changed.append(t)
-            free -= 1
         # A ticket revoked and granted again in one pump is reported once, as it is now.
         out: list[Ticket] = []
         for c in changed:

@@ -33,14 +33,18 @@ def capacity(
     views: Sequence[WorkerView],
     config: AdmissionConfig,
     backlog_s: Callable[[WorkerId], float] | None = None,
+    share: float = 1.0,
 ) -> Capacity:
     """``views``: the model's candidates; ``backlog_s(worker)``: the seconds of prefill this
-    router has queued on it (None: not a signal)."""
+    router has queued on it (None: not a signal); ``share``: of each limit (below 1: a band
+    that may not use the reserve, ``AdmissionConfig.reserve``)."""
     workers = free = 0
     why = ""
     max_waiting = config.max_waiting
-    max_kv = config.max_kv_usage
-    max_backlog = config.max_prefill_backlog_s if backlog_s is not None else 0.0
+    if max_waiting > 0 and share < 1.0:
+        max_waiting = max(int(max_waiting * share), 1)
+    max_kv = config.max_kv_usage * share if config.max_kv_usage < 1.0 else 1.0
+    max_backlog = config.max_prefill_backlog_s * share if backlog_s is not None else 0.0
     for v in views:
         if not v.serving or v.record.role not in SERVING_ROLES:
             continue
