@@ -27,7 +27,7 @@ from kvmesh.metrics import (
 
 from .core.index import KvIndex
 from .core.index_types import HolderId, StoreId, ViewState
-from .core.tiers import TierStream
+from .core.node_stores import TierStream
 from .core.types import RouteDecision
 from .kvsync import KvStreamStats
 

@@ -3,7 +3,7 @@ as node stores, and the links from each worker to its node's store.
 
 ``TierSync`` follows ``/kvmesh/<cluster>/kvmanagers/`` (``on_snapshot`` / ``on_put`` /
 ``on_delete``, for a ``PrefixWatcher``) and the worker set (``refresh()`` after every worker
-change). After each, it plans (``core/tiers.py``) which (kvmanager, layout) streams the serving
+change). After each, it plans (``core/node_stores.py``) which (kvmanager, layout) streams the serving
 workers need, opens and closes ``KvEventSubscriber`` streams to match (same snapshot, resume and
 resync rules as the workers' streams), drops the stores of closed streams from the index, and
 links or unlinks workers. A kvmanager that leaves etcd, or a worker whose layout or node changes,
@@ -29,7 +29,7 @@ from kvmesh.v1 import kvmanager_pb2, kvmanager_pb2_grpc
 
 from .connections import ConnectionMap
 from .core.index import KvIndex, StoreId
-from .core.tiers import KvManagerSet, TierPlan, TierStream, diff_plans, plan_tiers
+from .core.node_stores import KvManagerSet, TierPlan, TierStream, diff_plans, plan_tiers
 from .kvsync import (
     BACKOFF_S,
     MAX_MESSAGE_BYTES,

@@ -1,5 +1,5 @@
 """The router's tier plan: which kvmanager tier streams to follow and which store backs which
-worker (``services/router/core/tiers.py``), from etcd records."""
+worker (``services/router/core/node_stores.py``), from etcd records."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from kvmesh.discovery.keys import (
     kvmanager_records,
 )
 from services.router.core.index import store_id
-from services.router.core.tiers import (
+from services.router.core.node_stores import (
     KvManagerSet,
     TierChanges,
     TierPlan,

@@ -3,21 +3,24 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import Sequence
 
 import grpc
 
 from kvmesh.discovery.etcd import PrefixWatcher
-from kvmesh.discovery.keys import KvManagerRecord, kvmanagers_prefix
+from kvmesh.discovery.keys import (
+    KvManagerRecord,
+    kvmanager_from_entry,
+    kvmanager_id_from_key,
+    kvmanager_records,
+    kvmanagers_prefix,
+)
 from kvmesh.discovery.security import EtcdCredentials
 from kvmesh.errors import InvalidArgument
 from kvmesh.tls import Tls, open_channel
 
 from ..core.errors import PeerNotFound
 from .core import PeerRef
-
-log = logging.getLogger(__name__)
 
 
 class PeerDirectory:
@@ -38,6 +41,7 @@ class PeerDirectory:
         self._tls = tls  # peers' channels: mutual TLS with this kvmanager's certificate
         self._interceptors = list(interceptors)
         self._endpoints = list(endpoints)
+        self._cluster = cluster
         self._prefix = kvmanagers_prefix(cluster)
         self._records: dict[str, KvManagerRecord] = {}
         self._watcher: PrefixWatcher | None = None
@@ -88,17 +92,14 @@ class PeerDirectory:
         return ch
 
     def _on_snapshot(self, snapshot: dict[str, str]) -> None:
-        self._records = {}
-        for key, value in snapshot.items():
-            self._on_put(key, value)
+        self._records = {r.kvmanager_id: r for r in kvmanager_records(self._cluster, snapshot)}
 
     def _on_put(self, key: str, value: str) -> None:
-        try:
-            rec = KvManagerRecord.from_json(value)
-        except (ValueError, TypeError) as exc:
-            log.warning("ignoring a bad kvmanager record at %s: %s", key, exc)
-            return
-        self._records[key.removeprefix(self._prefix)] = rec
+        rec = kvmanager_from_entry(self._cluster, key, value)  # None: malformed (logged)
+        if rec is not None:
+            self._records[rec.kvmanager_id] = rec
 
     def _on_delete(self, key: str) -> None:
-        self._records.pop(key.removeprefix(self._prefix), None)
+        kid = kvmanager_id_from_key(self._cluster, key)
+        if kid is not None:
+            self._records.pop(kid, None)
