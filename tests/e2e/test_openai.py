@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,11 +57,13 @@ async def http(mesh: Mesh) -> Front:
 
 
 @pytest.fixture
-def aclient(http: Front) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=http.base_url, api_key="EMPTY", max_retries=0)
+async def aclient(http: Front) -> AsyncIterator[openai.AsyncOpenAI]:
+    async with openai.AsyncOpenAI(base_url=http.base_url, api_key="EMPTY", max_retries=0) as c:
+        yield c
 
 
 def sync_client(http: Front) -> openai.OpenAI:
+    """A sync client; callers close it (``with``), or its connections outlive the test."""
     return openai.OpenAI(base_url=http.base_url, api_key="EMPTY", max_retries=0)
 
 
@@ -70,7 +73,12 @@ def worker_ids(mesh: Mesh) -> set[str]:
 
 async def test_models_lists_tiny(aclient: openai.AsyncOpenAI, http: Front):
     assert [m.id for m in (await aclient.models.list()).data] == ["tiny"]
-    got = await asyncio.to_thread(lambda: sync_client(http).models.retrieve("tiny"))
+
+    def sync_call() -> Any:
+        with sync_client(http) as c:
+            return c.models.retrieve("tiny")
+
+    got = await asyncio.to_thread(sync_call)
     assert got.id == "tiny"
 
 
@@ -87,9 +95,10 @@ async def test_chat_async_and_sync(aclient: openai.AsyncOpenAI, http: Front, mes
     assert (resp.model_extra or {})["kvmesh"]["worker_id"] == raw.headers["x-kvmesh-worker"]
 
     def sync_call() -> Any:
-        return sync_client(http).chat.completions.create(
-            model="tiny", messages=HI, max_completion_tokens=6, temperature=0, seed=1
-        )
+        with sync_client(http) as c:
+            return c.chat.completions.create(
+                model="tiny", messages=HI, max_completion_tokens=6, temperature=0, seed=1
+            )
 
     again = await asyncio.to_thread(sync_call)
     # Greedy, same prompt: the same answer, now from the prefix cache.
@@ -105,9 +114,10 @@ async def test_completions_async_and_sync(aclient: openai.AsyncOpenAI, http: Fro
     assert resp.usage is not None and resp.usage.completion_tokens <= 5
 
     def sync_call() -> Any:
-        return sync_client(http).completions.create(
-            model="tiny", prompt=[5, 6, 7, 8], max_tokens=3, temperature=0
-        )
+        with sync_client(http) as c:
+            return c.completions.create(
+                model="tiny", prompt=[5, 6, 7, 8], max_tokens=3, temperature=0
+            )
 
     ids = await asyncio.to_thread(sync_call)
     assert ids.usage is not None and ids.usage.prompt_tokens == 4
@@ -133,10 +143,11 @@ async def test_streaming_async_and_sync(aclient: openai.AsyncOpenAI, http: Front
     assert not chunks[-1].choices
 
     def sync_stream() -> str:
-        s = sync_client(http).completions.create(
-            model="tiny", prompt="Hello", max_tokens=8, temperature=0, stream=True
-        )
-        return "".join(c.choices[0].text for c in s if c.choices)
+        with sync_client(http) as client:
+            s = client.completions.create(
+                model="tiny", prompt="Hello", max_tokens=8, temperature=0, stream=True
+            )
+            return "".join(c.choices[0].text for c in s if c.choices)
 
     assert isinstance(await asyncio.to_thread(sync_stream), str)
     assert text is not None

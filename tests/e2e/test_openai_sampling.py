@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 import openai
@@ -19,13 +20,13 @@ pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
-async def client(mesh: Mesh) -> openai.AsyncOpenAI:
-    c = openai.AsyncOpenAI(base_url=mesh.http_base_url, api_key="EMPTY", max_retries=0)
-    for _ in range(300):  # a fresh mesh takes a moment to list its workers
-        if [m.id for m in (await c.models.list()).data]:
-            break
-        await asyncio.sleep(0.1)
-    return c
+async def client(mesh: Mesh) -> AsyncIterator[openai.AsyncOpenAI]:
+    async with openai.AsyncOpenAI(base_url=mesh.http_base_url, api_key="EMPTY", max_retries=0) as c:
+        for _ in range(300):  # a fresh mesh takes a moment to list its workers
+            if [m.id for m in (await c.models.list()).data]:
+                break
+            await asyncio.sleep(0.1)
+        yield c
 
 
 async def test_later_choices_find_the_prompt_cached(client: openai.AsyncOpenAI):
