@@ -1,5 +1,6 @@
 """Speculative decoding on real vLLM engines (tiny model, float32): greedy output is the same
-with and without speculation, for ngram and for a draft model (the built-in tiny-draft); the
+with and without speculation, for ngram, for a draft model (the built-in tiny-draft) and for mtp
+(the built-in tiny-mtp, a MiMo-style model with one MTP layer); the
 acceptance counters move and reach the load stream (WorkerLoad) and /metrics with vLLM's own
 counts; with ngram on, prefix caching and KV events still work. One engine per setting for the
 module: the plain one only computes the reference and is closed before the others start."""
@@ -254,3 +255,41 @@ async def test_draft_model_greedy_output_is_unchanged_and_drafts_get_accepted(
     assert list(rates) == sorted(
         rates, reverse=True
     )  # a later token is accepted only after earlier ones
+
+
+@pytest.fixture(scope="module")
+def mtp_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from kvmesh.models.tiny_mtp import ensure_tiny_mtp
+
+    return ensure_tiny_mtp(tmp_path_factory.mktemp("mtp"))
+
+
+async def test_mtp_greedy_output_is_unchanged_and_drafts_are_counted(
+    mtp_model: Path, vllm_env: object
+) -> None:
+    """The model's own MTP layer (tiny-mtp: MiMo-style) drafts one token a step; with random
+    weights it is never right, so only the draft counters move, and the output must not."""
+    from services.worker.engine import VllmEngine
+
+    plain = await VllmEngine.start(engine_config(mtp_model))
+    try:
+        want = [await greedy(plain, f"mref-{i}", p) for i, p in enumerate(PROMPTS)]
+    finally:
+        await plain.close()
+    # No --spec-num-tokens: the model's MTP layer count (1) from its config.json.
+    engine = await VllmEngine.start(engine_config(mtp_model, SpeculativeConfig(method="mtp")))
+    try:
+        assert (engine.info.speculative_method, engine.info.num_speculative_tokens) == ("mtp", 1)
+        outs = [await greedy(engine, f"mtp-{i}", p) for i, p in enumerate(PROMPTS)]
+        assert outs == want
+        total = sum(len(o) for o in outs)
+        await eventually(lambda: engine.load().generation_tokens >= total, what="tokens counted")
+        load = engine.load()
+        assert load.generation_tokens == total
+        # One draft of one token per decode step after the first of each request.
+        assert load.spec.drafts > 0 and load.spec.draft_tokens == load.spec.drafts
+        assert load.spec.drafts >= total - 2 * len(PROMPTS) - load.spec.accepted_tokens
+        assert 0 <= load.spec.accepted_tokens <= load.spec.draft_tokens
+        assert len(load.spec.accepted_per_position) == 1
+    finally:
+        await engine.close()
