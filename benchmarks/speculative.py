@@ -1,12 +1,12 @@
 """``kvmesh bench speculative``: speculative decoding on real vLLM, per method, against none.
 
-    kvmesh bench speculative --methods none,ngram,draft_model,mtp
+    kvmesh bench speculative --methods none,ngram,draft_model,eagle,mtp
 
 For each method, one vLLM engine (in this process, the worker's ``VllmEngine``, float32, the same
 settings apart from ``speculative_config``) on a built-in tiny model: ``tiny`` for none, ngram
-(prompt lookup) and draft_model (the built-in ``tiny-draft``: the tiny model's first layer), and
-``tiny-mtp`` (the tiny model with one MiMo-style MTP layer) for mtp, measured against a plain run
-of ``tiny-mtp`` itself. A fixed greedy workload: one warm-up request, ``--sequential`` requests
+(prompt lookup), draft_model (the built-in ``tiny-draft``: the tiny model's first layer) and
+eagle (the built-in ``tiny-eagle`` head); ``tiny-mtp`` (the tiny model's sizes with one
+MiMo-style MTP layer) for mtp, measured against a plain run of ``tiny-mtp`` itself. A fixed greedy workload: one warm-up request, ``--sequential`` requests
 one after another, then a batch of ``--concurrency`` at once; the prompts are code-like lines
 repeated a few times (so prompt lookup has n-grams to find). Prints one row per method: output
 tokens per second (single stream and batch), inter-token latency p50 / p99 over the streamed
@@ -35,8 +35,16 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-METHODS = ("none", "ngram", "draft_model", "mtp")
-TARGET = {"none": "tiny", "ngram": "tiny", "draft_model": "tiny", "mtp": "tiny-mtp"}
+METHODS = ("none", "ngram", "draft_model", "eagle", "mtp")
+TARGET = {
+    "none": "tiny",
+    "ngram": "tiny",
+    "draft_model": "tiny",
+    "eagle": "tiny",
+    "mtp": "tiny-mtp",
+}
+DRAFT = {"draft_model": "tiny-draft", "eagle": "tiny-eagle"}
+"""The built-in draft model or head of the methods that take one."""
 """The built-in target model each method runs on."""
 
 
@@ -151,9 +159,9 @@ async def measure(
             prompt_lookup_min=2,
             prompt_lookup_max=4,
         )
-    elif method == "draft_model":
+    elif method in DRAFT:
         spec = SpeculativeConfig(
-            method="draft_model", num_speculative_tokens=a.num_tokens, draft_model=str(draft)
+            method=method, num_speculative_tokens=a.num_tokens, draft_model=str(draft)
         )
     elif method == "mtp":
         spec = SpeculativeConfig(method="mtp", num_speculative_tokens=1)
@@ -281,10 +289,10 @@ async def bench(a: argparse.Namespace) -> int:
     for target in dict.fromkeys(TARGET[m] for m in methods):
         order.append(("none", target))
         order += [(m, target) for m in methods if m != "none" and TARGET[m] == target]
-    draft = ensure_model("tiny-draft", root) if "draft_model" in methods else None
     rows, reference = [], {}
     for method, target in order:
         started = time.monotonic()
+        draft = ensure_model(DRAFT[method], root) if method in DRAFT else None
         row, outputs = await measure(method, target, ensure_model(target, root), draft, a)
         if method == "none":
             reference[target] = outputs

@@ -8,6 +8,8 @@
   for speculative decoding tests (``--spec-method draft_model``).
 - ``tiny-mtp``: the tiny model's sizes and tokenizer as a MiMo-style model with one MTP layer
   (``--spec-method mtp``; kvmesh/models/tiny_mtp.py).
+- ``tiny-eagle``: an EAGLE-1 draft head for the tiny model (``--spec-method eagle
+  --spec-draft-model tiny-eagle``; kvmesh/models/tiny_eagle.py).
 
 ``ensure_model(name, cache_root)`` returns a ready model directory, building it once;
 ``resolve_model(name_or_path)`` does that under ``model_cache_root()`` for a built-in name and
@@ -29,7 +31,7 @@ from kvmesh.errors import InvalidArgument, KvmeshError
 
 log = logging.getLogger(__name__)
 
-MODEL_NAMES = ("tiny", "smollm2", "tiny-draft", "tiny-mtp")
+MODEL_NAMES = ("tiny", "smollm2", "tiny-draft", "tiny-mtp", "tiny-eagle")
 
 
 class ModelSourceMissing(KvmeshError):
@@ -117,6 +119,10 @@ def ensure_model(name: str, cache_root: Path) -> Path:
         from kvmesh.models.tiny_mtp import ensure_tiny_mtp
 
         return ensure_tiny_mtp(cache_root)
+    if name == "tiny-eagle":
+        from kvmesh.models.tiny_eagle import ensure_tiny_eagle
+
+        return ensure_tiny_eagle(cache_root)
     raise InvalidArgument(f"unknown built-in model {name!r}; known: {', '.join(MODEL_NAMES)}")
 
 
