@@ -6,13 +6,16 @@ For each method, one vLLM engine (in this process, the worker's ``VllmEngine``, 
 settings apart from ``speculative_config``) on a built-in tiny model: ``tiny`` for none, ngram
 (prompt lookup), draft_model (the built-in ``tiny-draft``: the tiny model's first layer) and
 eagle (the built-in ``tiny-eagle`` head); ``tiny-mtp`` (the tiny model's sizes with one
-MiMo-style MTP layer) for mtp, measured against a plain run of ``tiny-mtp`` itself. A fixed greedy workload: one warm-up request, ``--sequential`` requests
-one after another, then a batch of ``--concurrency`` at once; the prompts are code-like lines
-repeated a few times (so prompt lookup has n-grams to find). Prints one row per method: output
-tokens per second (single stream and batch), inter-token latency p50 / p99 over the streamed
-chunks (a step that accepts drafts streams several tokens in one chunk) and per token (TPOT),
-the acceptance rate (accepted / drafted tokens), the mean accepted tokens per draft, and the
-ratios to no speculation on the same target model.
+MiMo-style MTP layer) for mtp, measured against a plain run of ``tiny-mtp`` itself.
+
+A fixed greedy workload: one warm-up request, then ``--repeats`` rounds of ``--sequential``
+requests one after another and a batch of ``--concurrency`` at once (new prompts every round, so
+no prefix cache hits); the prompts are code-like lines repeated three times (so prompt lookup
+has n-grams to find). Prints one row per method: output tokens per second (one stream and the
+batch; the median round), inter-token latency p50 / p99 over the streamed chunks (a step that
+accepts drafts streams several tokens in one chunk) and per token (TPOT), the acceptance rate
+(accepted / drafted tokens), the mean accepted tokens per draft, and the ratios to no
+speculation on the same target model; on stderr, whether the greedy output equalled none's.
 
 The models are tiny random-weight models: their drafts are seldom right (the MTP layer's never),
 and a step of a model this small costs about what the drafting adds, so the figures say what
@@ -28,6 +31,7 @@ import itertools
 import json
 import math
 import os
+import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -95,6 +99,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=96, help="output tokens per request")
     p.add_argument("--sequential", type=int, default=4, help="requests one after another")
     p.add_argument("--concurrency", type=int, default=8, help="requests in the batch")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="rounds of the sequential requests and the batch per engine; tok/s is the median",
+    )
     p.add_argument("--json", action="store_true", help="also print one JSON object per row")
 
 
@@ -174,7 +184,8 @@ async def measure(
         kv_cache_bytes=64 << 20,
         speculative=spec,
     )
-    work = prompts(model / "tokenizer.json", 1 + a.sequential + a.concurrency)
+    per_round = a.sequential + a.concurrency
+    work = prompts(model / "tokenizer.json", 1 + a.repeats * per_round)
     engine = await VllmEngine.start(config)
     try:
         await one(engine, "warm", work[0], 8)
@@ -183,6 +194,8 @@ async def measure(
         gaps: list[float] = []
         tpots: list[float] = []
         outputs: list[list[int]] = []
+        single_rates: list[float] = []
+        batch_rates: list[float] = []
 
         def account(times: list[float], tokens: list[int]) -> None:
             gaps.extend(b - a_ for a_, b in itertools.pairwise(times))
@@ -190,25 +203,26 @@ async def measure(
                 tpots.append((times[-1] - times[0]) / (len(tokens) - 1))
             outputs.append(tokens)
 
-        t0 = time.perf_counter()
-        single_tokens = 0
-        for i, p in enumerate(work[1 : 1 + a.sequential]):
-            times, _, tokens = await one(engine, f"seq-{i}", p, a.max_tokens)
-            account(times, tokens)
-            single_tokens += len(tokens)
-        single_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        batch = await asyncio.gather(
-            *(
-                one(engine, f"batch-{i}", p, a.max_tokens)
-                for i, p in enumerate(work[1 + a.sequential :])
+        for r in range(a.repeats):  # new prompts each round: no prefix cache hits
+            mine = work[1 + r * per_round : 1 + (r + 1) * per_round]
+            t0, n = time.perf_counter(), 0
+            for i, p in enumerate(mine[: a.sequential]):
+                times, _, tokens = await one(engine, f"seq-{r}-{i}", p, a.max_tokens)
+                account(times, tokens)
+                n += len(tokens)
+            single_rates.append(n / (time.perf_counter() - t0))
+            t0 = time.perf_counter()
+            batch = await asyncio.gather(
+                *(
+                    one(engine, f"batch-{r}-{i}", p, a.max_tokens)
+                    for i, p in enumerate(mine[a.sequential :])
+                )
             )
-        )
-        batch_s = time.perf_counter() - t0
-        for times, _, tokens in batch:
-            account(times, tokens)
-        batch_tokens = sum(len(t) for _, _, t in batch)
-        want = before.generation_tokens + single_tokens + batch_tokens
+            batch_rates.append(sum(len(t) for _, _, t in batch) / (time.perf_counter() - t0))
+            for times, _, tokens in batch:
+                account(times, tokens)
+        total = sum(len(o) for o in outputs)
+        want = before.generation_tokens + total
         for _ in range(50):  # the last step's stats reach the front end after its output
             if engine.load().generation_tokens >= want:
                 break
@@ -219,10 +233,10 @@ async def measure(
     row = Row(
         method=method,
         model=target,
-        requests=a.sequential + a.concurrency,
-        output_tokens=single_tokens + batch_tokens,
-        single_tok_s=single_tokens / single_s,
-        batch_tok_s=batch_tokens / batch_s,
+        requests=len(outputs),
+        output_tokens=total,
+        single_tok_s=statistics.median(single_rates),
+        batch_tok_s=statistics.median(batch_rates),
         itl_p50_ms=percentile(gaps, 50) * 1e3,
         itl_p99_ms=percentile(gaps, 99) * 1e3,
         tpot_ms=sum(tpots) / len(tpots) * 1e3 if tpots else math.nan,
