@@ -175,8 +175,8 @@ def _add_mesh_flags(p: argparse.ArgumentParser, default_port: int) -> None:
         "--spec-draft-model",
         default="",
         metavar="NAME|PATH",
-        help="draft model (draft_model) or EAGLE head (eagle, eagle3): built-in tiny-draft or "
-        "a local HF model dir",
+        help="draft model (draft_model) or EAGLE head (eagle, eagle3): built-in tiny-draft "
+        "(draft_model), tiny-eagle (eagle) or a local HF model dir",
     )
     spec.add_argument("--spec-prompt-lookup-min", type=int, default=0, help="ngram: shortest match")
     spec.add_argument("--spec-prompt-lookup-max", type=int, default=0, help="ngram: longest match")
@@ -193,11 +193,11 @@ def _add_mesh_flags(p: argparse.ArgumentParser, default_port: int) -> None:
 
 def speculative_config(p: argparse.ArgumentParser, a: argparse.Namespace):  # type: ignore[no-untyped-def]
     """The workers' ``SpeculativeConfig`` from the --spec-* flags (a usage error if bad)."""
-    from services.worker.config import SpeculativeConfig, _spec_method
+    from services.worker.config import SpeculativeConfig, spec_method
 
     try:
         return SpeculativeConfig(
-            method=_spec_method(a.spec_method),
+            method=spec_method(a.spec_method),
             num_speculative_tokens=a.spec_num_tokens,
             draft_model=a.spec_draft_model,
             prompt_lookup_min=a.spec_prompt_lookup_min,

@@ -37,6 +37,7 @@ ORACLES = ("oracle-prefix", "oracle-cost")
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Adds ``bench`` with its subcommands: ``replay`` (here), ``tiers``, ``disagg``, ``serve``."""
+    from benchmarks import speculative as speculative_cli
     from benchmarks.chaos import cli as chaos_cli
     from benchmarks.disagg import cli as disagg_cli
     from benchmarks.priority import cli as priority_cli
@@ -113,6 +114,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     streams_cli.add_parser(sub)
     chaos_cli.add_parser(sub)
     priority_cli.add_parser(sub)
+    speculative_cli.add_parser(sub)
 
 
 def _requests(a: argparse.Namespace) -> Iterable:  # type: ignore[type-arg]

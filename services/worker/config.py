@@ -33,7 +33,9 @@ SPEC_DRAFT_METHODS = frozenset({"draft_model", "eagle", "eagle3"})
 """Methods whose drafts come from a model of their own (``--spec-draft-model``)."""
 
 
-def _spec_method(text: str) -> str:
+def spec_method(text: str) -> str:
+    """``--spec-method``'s value checked: a method of ``SPEC_METHODS``, "" for none / off
+    (``argparse.ArgumentTypeError`` otherwise). Also what ``kvmesh up`` parses its flag with."""
     import argparse
 
     value = text.strip()
@@ -55,7 +57,7 @@ class SpeculativeConfig:
         "",
         "speculative decoding: ngram (prompt lookup), draft_model, eagle, eagle3 or mtp (the "
         "model's own MTP layers); empty: off",
-        parse=_spec_method,
+        parse=spec_method,
         metavar="{" + ",".join((*SPEC_METHODS[1:], "none")) + "}",
     )
     num_speculative_tokens: int = setting(

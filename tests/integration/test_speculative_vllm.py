@@ -1,7 +1,8 @@
 """Speculative decoding on real vLLM engines (tiny model, float32): greedy output is the same
-with and without speculation, for ngram and for a draft model (the built-in tiny-draft); the
-acceptance counters move and reach the load stream (WorkerLoad) and /metrics with vLLM's own
-counts; with ngram on, prefix caching and KV events still work. One engine per setting for the
+with and without speculation, for ngram, for a draft model (the built-in tiny-draft), for eagle
+(the built-in tiny-eagle head) and for mtp (the built-in tiny-mtp, a MiMo-style model with one
+MTP layer); the acceptance counters move and reach the load stream (WorkerLoad) and /metrics
+with vLLM's own counts; with ngram on, prefix caching and KV events still work. One engine per setting for the
 module: the plain one only computes the reference and is closed before the others start."""
 
 from __future__ import annotations
@@ -254,3 +255,70 @@ async def test_draft_model_greedy_output_is_unchanged_and_drafts_get_accepted(
     assert list(rates) == sorted(
         rates, reverse=True
     )  # a later token is accepted only after earlier ones
+
+
+@pytest.fixture(scope="module")
+def mtp_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from kvmesh.models.tiny_mtp import ensure_tiny_mtp
+
+    return ensure_tiny_mtp(tmp_path_factory.mktemp("mtp"))
+
+
+async def test_mtp_greedy_output_is_unchanged_and_drafts_are_counted(
+    mtp_model: Path, vllm_env: object
+) -> None:
+    """The model's own MTP layer (tiny-mtp: MiMo-style) drafts one token a step; with random
+    weights it is never right, so only the draft counters move, and the output must not."""
+    from services.worker.engine import VllmEngine
+
+    plain = await VllmEngine.start(engine_config(mtp_model))
+    try:
+        want = [await greedy(plain, f"mref-{i}", p) for i, p in enumerate(PROMPTS)]
+    finally:
+        await plain.close()
+    # No --spec-num-tokens: the model's MTP layer count (1) from its config.json.
+    engine = await VllmEngine.start(engine_config(mtp_model, SpeculativeConfig(method="mtp")))
+    try:
+        assert (engine.info.speculative_method, engine.info.num_speculative_tokens) == ("mtp", 1)
+        outs = [await greedy(engine, f"mtp-{i}", p) for i, p in enumerate(PROMPTS)]
+        assert outs == want
+        total = sum(len(o) for o in outs)
+        await eventually(lambda: engine.load().generation_tokens >= total, what="tokens counted")
+        load = engine.load()
+        assert load.generation_tokens == total
+        # One draft of one token per decode step after the first of each request.
+        assert load.spec.drafts > 0 and load.spec.draft_tokens == load.spec.drafts
+        assert load.spec.drafts >= total - 2 * len(PROMPTS) - load.spec.accepted_tokens
+        assert 0 <= load.spec.accepted_tokens <= load.spec.draft_tokens
+        assert len(load.spec.accepted_per_position) == 1
+    finally:
+        await engine.close()
+
+
+async def test_eagle_head_greedy_output_is_unchanged_and_drafts_are_counted(
+    tiny_model: Path, reference: list[list[int]], tmp_path: Path
+) -> None:
+    """The built-in tiny EAGLE head drafts NUM_SPEC tokens a step from the tiny model's hidden
+    states (vLLM shares the target's embedding and LM head with it); the output must not move."""
+    from kvmesh.models.tiny_eagle import ensure_tiny_eagle
+    from services.worker.engine import VllmEngine
+
+    head = ensure_tiny_eagle(tmp_path)
+    spec = SpeculativeConfig(method="eagle", num_speculative_tokens=NUM_SPEC, draft_model=str(head))
+    engine = await VllmEngine.start(engine_config(tiny_model, spec))
+    try:
+        assert (engine.info.speculative_method, engine.info.num_speculative_tokens) == (
+            "eagle",
+            NUM_SPEC,
+        )
+        outs = [await greedy(engine, f"eg-{i}", p) for i, p in enumerate(PROMPTS)]
+        assert outs == reference
+        total = sum(len(o) for o in outs)
+        await eventually(lambda: engine.load().generation_tokens >= total, what="tokens counted")
+        load = engine.load()
+        assert load.generation_tokens == total
+        assert load.spec.drafts > 0 and load.spec.draft_tokens == NUM_SPEC * load.spec.drafts
+        assert 0 <= load.spec.accepted_tokens <= load.spec.draft_tokens
+        assert len(load.spec.accepted_per_position) == NUM_SPEC
+    finally:
+        await engine.close()

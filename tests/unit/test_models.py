@@ -287,3 +287,45 @@ def test_cli_builds_tiny_and_refuses_to_overwrite(
     assert _hashes(out) == _hashes(tiny_dir)
     assert _cli(["model", "tiny", "--out", str(out)]) == 1
     assert "not empty" in capsys.readouterr().err
+
+
+def test_tiny_mtp_is_deterministic_and_declares_its_mtp_layer(tmp_path: Path) -> None:
+    from safetensors import safe_open
+
+    from kvmesh.models import tiny_mtp
+    from services.worker.config import SpeculativeConfig
+    from services.worker.speculative import check_models
+
+    first = tiny_mtp.build_tiny_mtp(tmp_path / "a")
+    assert _hashes(tiny_mtp.build_tiny_mtp(tmp_path / "b")) == _hashes(first)
+    config = json.loads((first / "config.json").read_text())
+    assert config["architectures"] == ["MiMoForCausalLM"]  # what vLLM's mtp method keys on
+    assert check_models(SpeculativeConfig(method="mtp"), first) == 1
+    with safe_open(str(first / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+        mtp = {k for k in names if k.startswith("model.mtp_layers.0.")}
+        proj = f.get_tensor("model.mtp_layers.0.input_proj.weight")
+    assert len(mtp) == 12 + 4  # a decoder layer (q/k/v with biases) + 2 norms, proj, final norm
+    assert tuple(proj.shape) == (tiny.HIDDEN_SIZE, 2 * tiny.HIDDEN_SIZE)
+
+
+def test_tiny_eagle_is_deterministic_in_eagles_layout(tmp_path: Path) -> None:
+    from safetensors import safe_open
+
+    from kvmesh.models import tiny_eagle
+    from services.worker.config import SpeculativeConfig
+    from services.worker.speculative import check_models
+
+    first = tiny_eagle.build_tiny_eagle(tmp_path / "a")
+    assert _hashes(tiny_eagle.build_tiny_eagle(tmp_path / "b")) == _hashes(first)
+    spec = SpeculativeConfig(method="eagle", draft_model=str(first))
+    assert check_models(spec, first) == 0  # a model directory with the tiny vocabulary
+    with safe_open(str(first / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+        fc = f.get_tensor("fc.weight")
+    # EAGLE's checkpoint names; no embedding or LM head (vLLM shares the target's).
+    assert "fc.weight" in names and not any(
+        n.startswith(("model.", "lm_head", "embed")) for n in names
+    )
+    assert "layers.0.input_layernorm.weight" not in names  # EAGLE's first layer has no input norm
+    assert tuple(fc.shape) == (tiny.HIDDEN_SIZE, 2 * tiny.HIDDEN_SIZE)

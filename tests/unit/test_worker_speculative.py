@@ -122,6 +122,24 @@ def test_kvmesh_up_checks_the_models_before_starting(tmp_path, capsys):
     assert "--spec-method mtp: model" in capsys.readouterr().err
 
 
+def test_kvmesh_up_takes_the_built_in_eagle_head_and_mtp_model(tmp_path, monkeypatch):
+    """tiny-eagle and tiny-mtp are names kvmesh up resolves (built on first use) and passes to
+    the workers as directories that pass the model checks."""
+    from kvmesh.cli import _mesh_spec
+    from kvmesh.cli import parse_args as cli_args
+    from kvmesh.launcher import Mesh
+
+    monkeypatch.setenv("KVMESH_HOME", str(tmp_path))
+    base = ["up", "--etcd", "x:1", "--workers", "1"]
+    eagle = Mesh(_mesh_spec(cli_args([*base, "--model", "tiny", "--spec-method", "eagle",
+                                      "--spec-draft-model", "tiny-eagle"])))  # fmt: skip
+    args = eagle.worker_args(0, "both")
+    head = Path(args[args.index("--spec-draft-model") + 1])
+    assert head == tmp_path / "models" / "tiny-eagle-1" and (head / "model.safetensors").is_file()
+    mtp = _mesh_spec(cli_args([*base, "--model", "tiny-mtp", "--spec-method", "mtp"]))
+    assert Mesh(mtp).worker_args(0, "both") == ["--spec-method", "mtp"]
+
+
 SPEC = SpecDecodeCounts(
     drafts=10, draft_tokens=30, accepted_tokens=12, accepted_per_position=(7, 4, 1)
 )
