@@ -262,8 +262,6 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
 def build_tiny(out_dir: Path) -> Path:
     """Writes the tiny model (config, generation config, safetensors weights, fast tokenizer with
     a chat template) into ``out_dir``, created if missing, and returns it."""
-    from safetensors.torch import save_file
-
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = _build_tokenizer()
@@ -271,13 +269,27 @@ def build_tiny(out_dir: Path) -> Path:
         raise RuntimeError(
             f"tiny tokenizer has {tokenizer.get_vocab_size()} tokens, want {VOCAB_SIZE}"
         )
-    tokenizer.save(str(out_dir / "tokenizer.json"), pretty=True)
-    _write_json(out_dir / "tokenizer_config.json", _tokenizer_config())
-    _write_json(out_dir / "config.json", config_dict())
-    _write_json(out_dir / "generation_config.json", _generation_config())
-    save_file(_weights(), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    write_model_dir(out_dir, config_dict(), _weights(), tokenizer)
     log.info("built tiny model v%s in %s", TINY_VERSION, out_dir)
     return out_dir
+
+
+def write_model_dir(
+    out_dir: Path,
+    config: dict[str, Any],
+    tensors: dict[str, Any],
+    tokenizer: Any = None,
+) -> None:
+    """Writes a model directory that uses the tiny model's tokenizer (``tokenizer``: already
+    built, else built here): tokenizer, its config, ``config``, the generation config and
+    ``tensors`` as safetensors. The one writer of the tiny models and their draft heads."""
+    from safetensors.torch import save_file
+
+    (tokenizer or _build_tokenizer()).save(str(out_dir / "tokenizer.json"), pretty=True)
+    _write_json(out_dir / "tokenizer_config.json", _tokenizer_config())
+    _write_json(out_dir / "config.json", config)
+    _write_json(out_dir / "generation_config.json", _generation_config())
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
 
 
 def build_tiny_draft(out_dir: Path) -> Path:
@@ -286,21 +298,15 @@ def build_tiny_draft(out_dir: Path) -> Path:
     for speculative decoding (``--spec-method draft_model``). Sharing the target's weights, it
     often predicts the target's next token, so drafts get accepted; deterministic as the tiny
     model is."""
-    from safetensors.torch import save_file
-
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    _build_tokenizer().save(str(out_dir / "tokenizer.json"), pretty=True)
-    _write_json(out_dir / "tokenizer_config.json", _tokenizer_config())
-    _write_json(out_dir / "config.json", config_dict() | {"num_hidden_layers": DRAFT_LAYERS})
-    _write_json(out_dir / "generation_config.json", _generation_config())
     kept = tuple(f"model.layers.{i}." for i in range(DRAFT_LAYERS))
     tensors = {
         k: v
         for k, v in _weights().items()
         if not k.startswith("model.layers.") or k.startswith(kept)
     }
-    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    write_model_dir(out_dir, config_dict() | {"num_hidden_layers": DRAFT_LAYERS}, tensors)
     log.info("built tiny draft model v%s in %s", TINY_VERSION, out_dir)
     return out_dir
 

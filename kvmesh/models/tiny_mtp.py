@@ -110,15 +110,9 @@ def _weights() -> dict[str, Any]:
 def build_tiny_mtp(out_dir: Path) -> Path:
     """Writes the tiny MTP model (config, generation config, safetensors weights with the MTP
     layer, the tiny model's tokenizer) into ``out_dir``, created if missing, and returns it."""
-    from safetensors.torch import save_file
-
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    t._build_tokenizer().save(str(out_dir / "tokenizer.json"), pretty=True)
-    t._write_json(out_dir / "tokenizer_config.json", t._tokenizer_config())
-    t._write_json(out_dir / "config.json", config_dict())
-    t._write_json(out_dir / "generation_config.json", t._generation_config())
-    save_file(_weights(), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    t.write_model_dir(out_dir, config_dict(), _weights())
     log.info("built tiny MTP model v%s in %s", TINY_MTP_VERSION, out_dir)
     return out_dir
 
