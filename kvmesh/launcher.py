@@ -413,7 +413,7 @@ class Mesh:
         log.info("started %s (pid %d), log %s", name, proc.pid, log_path)
         return child
 
-    def _popen(  # type: ignore[no-untyped-def]
+    def _popen(
         self, module: str, args: list[str], log_path: Path
     ) -> tuple[subprocess.Popen[str], Any]:
         """A child running ``python -m module args``: stdout piped (its ready lines), stderr
