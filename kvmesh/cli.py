@@ -727,14 +727,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     replay_cli.register(sub)
 
-    for name, module in (
-        ("router", "services.router.main"),
-        ("worker", "services.worker.main"),
-        ("kvmanager", "services.kvmanager.main"),
+    for name, module, what in (
+        ("router", "services.router.main", "run one router process"),
+        ("worker", "services.worker.main", "run one worker process"),
+        ("kvmanager", "services.kvmanager.main", "run one kvmanager process"),
+        ("node", "services.node.main", "run a router and a worker in one process"),
     ):
         p = sub.add_parser(
             name,
-            help=f"run one {name} process (see kvmesh {name} --help)",
+            help=f"{what} (see kvmesh {name} --help)",
             add_help=False,
             prefix_chars="\0",  # every argument, --flags included, goes to the service's parser
         )

@@ -40,7 +40,11 @@ USAGE = "usage: kvmesh node ROUTER_FLAGS -- WORKER_FLAGS (see kvmesh router --he
 
 
 def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
-    """(router flags, worker flags), split at the first ``--``."""
+    """(router flags, worker flags), split at the first ``--``; ``-h`` / ``--help`` alone: this
+    module's help, exit 0."""
+    if argv in (["-h"], ["--help"]):
+        print(f"{USAGE}\n\n{__doc__}")
+        raise SystemExit(0)
     if SEPARATOR not in argv:
         raise SystemExit(
             f"kvmesh node: no '{SEPARATOR}' between the router's and the worker's flags\n{USAGE}"

@@ -126,6 +126,13 @@ def test_node_flags_need_the_separator():
         split_argv(["--port", "0"])
 
 
+def test_node_help_says_how_to_split_the_flags(capsys):
+    with pytest.raises(SystemExit) as done:
+        split_argv(["--help"])
+    assert done.value.code == 0
+    assert "kvmesh node ROUTER_FLAGS -- WORKER_FLAGS" in capsys.readouterr().out
+
+
 async def test_the_node_process_prints_both_ready_lines_and_stops_on_sigterm(etcd):
     cluster = f"nodeproc{os.getpid()}"
     endpoints = ",".join(etcd.endpoints)
