@@ -127,7 +127,7 @@ async def test_clusters_do_not_share_redis_keys(redis_server: LocalRedis, tmp_pa
 async def test_an_unreachable_store_is_unavailable(tmp_path: Path):
     dead = ResponsesConfig(store=StoreKind.REDIS, redis_url="redis://127.0.0.1:1/0", timeout_s=1)
     s = open_store(dead, "c-dead")
-    with pytest.raises(errors.Unavailable, match="redis at redis://127.0.0.1:1/0"):
+    with pytest.raises(errors.Unavailable, match=r"redis at redis://127\.0\.0\.1:1/0"):
         await s.get("resp_1")
     await s.close()
     blocked = tmp_path / "file"
