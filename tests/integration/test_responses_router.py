@@ -11,6 +11,8 @@ within max_output_tokens). Greedy decoding makes answers reproducible."""
 from __future__ import annotations
 
 import asyncio
+import itertools
+import json
 import os
 import time
 from collections.abc import AsyncIterator, Callable
@@ -218,7 +220,7 @@ async def test_a_chain_extends_each_turn_and_reads_it_from_cache(
         previous = resp.id
     cached = [t.usage.input_tokens_details.cached_tokens for t in turns]
     assert cached == sorted(cached) and cached[-1] > cached[0], cached
-    for before, after in zip(turns, turns[1:], strict=False):
+    for before, after in itertools.pairwise(turns):
         assert after.model_extra["kvmesh"]["prompt"] == "extended"
         assert after.previous_response_id == before.id
         assert reused(before, after) >= 0.99, (reused(before, after), cached)
@@ -229,7 +231,7 @@ async def test_a_chain_extends_each_turn_and_reads_it_from_cache(
         records = [await store.get(t.id) for t in turns]
     finally:
         await store.close()
-    for before, after in zip(records, records[1:], strict=False):
+    for before, after in itertools.pairwise(records):
         assert before is not None and after is not None
         previous_ids = [*before.prompt_ids, *before.output_ids]
         assert list(after.prompt_ids[: len(previous_ids)]) == previous_ids
@@ -256,8 +258,6 @@ async def test_function_tool_loop(client: openai.AsyncOpenAI):
     assert first.status == "completed"
     calls = [item for item in first.output if item.type == "function_call"]
     assert calls and calls[0].name == "weather", first.output
-    import json
-
     assert json.loads(calls[0].arguments)["city"] in ("Paris", "Rome")
     second = await client.responses.create(
         **args,
