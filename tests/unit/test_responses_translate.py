@@ -4,6 +4,7 @@ event stream (services/router/http/responses.py, responses_stream.py). Pure: eve
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import pytest
@@ -223,6 +224,32 @@ def test_text_format_is_structured_output():
 )
 def test_bad_requests_name_what_to_fix(body: dict[str, Any], param: str, says: str):
     with pytest.raises(BadRequest, match=says) as exc:
+        build(**body)
+    assert exc.value.param == param
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "says"),
+    [
+        pytest.param(
+            {"input": "x", "max_output_tokens": "9"},
+            "max_output_tokens",
+            "max_output_tokens",
+            id="max",
+        ),
+        pytest.param(
+            {"input": "x", "tools": [{"type": "function"}]},
+            "tools[0].name",
+            "tools[0].name",
+            id="tool",
+        ),
+        pytest.param(
+            {"input": "x", "temperature": "hot"}, "temperature", "temperature", id="temperature"
+        ),
+    ],
+)
+def test_chat_path_errors_name_the_responses_parameter(body: dict[str, Any], param: str, says: str):
+    with pytest.raises(BadRequest, match=re.escape(says)) as exc:
         build(**body)
     assert exc.value.param == param
 

@@ -384,9 +384,12 @@ def build(
         if key is not None and not isinstance(key, str):
             raise BadRequest("prompt_cache_key: must be a string", "prompt_cache_key")
         session = previous.session_id if previous is not None else (key or request_id)
-    parsed = parsing.parse_chat(
-        chat, replace(ext, session_id=session), request_id, default_max_tokens
-    )
+    try:
+        parsed = parsing.parse_chat(
+            chat, replace(ext, session_id=session), request_id, default_max_tokens
+        )
+    except BadRequest as exc:  # the chat path's names for what the Responses request calls
+        raise _renamed(exc) from None
     parsed = replace(parsed, max_tokens_param="max_output_tokens")
     return ResponsesRequest(
         chat=parsed,
@@ -399,19 +402,31 @@ def build(
     )
 
 
+def _param(param: str) -> str:
+    """A chat request's parameter as the Responses request names it."""
+    if param.startswith("messages"):
+        return "input"  # the conversation as a whole: instructions, stored turns, input
+    if param in ("max_tokens", "max_completion_tokens"):
+        return "max_output_tokens"
+    if param.startswith("response_format"):
+        return "text.format"
+    return param.replace(".function.", ".")  # tools[0].function.name -> tools[0].name
+
+
+def _renamed(exc: BadRequest) -> BadRequest:
+    if exc.param is None:
+        return exc
+    param = _param(exc.param)
+    message = str(exc).replace(exc.param, param, 1)
+    if param == "max_output_tokens":
+        message = message.replace("max_tokens", "max_output_tokens")
+    return BadRequest(message, param)
+
+
 def bad_request(exc: errors.KvmeshError, request: ResponsesRequest) -> errors.KvmeshError:
     """A router error about the chat request, naming the Responses parameter."""
     mapped = parsing.router_error(exc, request.chat)
-    if isinstance(mapped, BadRequest) and mapped.param is not None:
-        param = mapped.param
-        if param.startswith("messages"):
-            param = "input"  # the conversation as a whole: instructions, stored turns, input
-        elif param == "max_tokens":
-            param = "max_output_tokens"
-        elif param == "response_format":
-            param = "text.format"
-        mapped.param = param
-    return mapped
+    return _renamed(mapped) if isinstance(mapped, BadRequest) else mapped
 
 
 # ---- answers ---------------------------------------------------------------------------------
