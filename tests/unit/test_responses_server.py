@@ -89,6 +89,23 @@ async def test_create_retrieve_chain_delete(store: ResponseStore):
     assert [m["role"] for m in kept.history] == ["user", "assistant", "user", "assistant"]
 
 
+async def test_the_sdk_stream_helper_accumulates_the_events(store: ResponseStore):
+    """``client.responses.stream`` rebuilds the Response from the events (it appends each
+    content part to its item): the snapshot must be the final Response."""
+    server = await serve(store, RenderingRouter())
+    try:
+        async with (
+            client(server) as c,
+            c.responses.stream(model="tiny", input="hi", max_output_tokens=4) as stream,
+        ):
+            texts = [e.delta async for e in stream if e.type == "response.output_text.delta"]
+            final = await stream.get_final_response()
+    finally:
+        await server.close()
+    assert texts == ["Hel", "lo"]
+    assert final.output_text == "Hello" and len(final.output[0].content) == 1  # type: ignore[union-attr]
+
+
 async def test_responses_belong_to_their_tenant(store: ResponseStore):
     server = await serve(store, RenderingRouter(), api_keys={"k-a": "team-a", "k-b": "team-b"})
     try:

@@ -139,7 +139,10 @@ class ResponseEvents(_Answer):
         self.items.append(item)
         self._open = True
         index = len(self.items) - 1
-        out.append(self._event("response.output_item.added", output_index=index, item=_copy(item)))
+        added = _copy(item)
+        if item["type"] == "message":
+            added["content"] = []  # its part comes with response.content_part.added
+        out.append(self._event("response.output_item.added", output_index=index, item=added))
         if item["type"] == "message":
             part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
             out.append(
