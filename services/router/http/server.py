@@ -103,7 +103,8 @@ def sse(payload: dict[str, Any]) -> bytes:
 
 class OpenAIServer:
     """OpenAI-compatible HTTP (``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``;
-    Anthropic's ``/v1/messages``; with a ``responses_store``, ``/v1/responses``) in front of the router's gRPC API at ``router_address``, served on ``host:port`` (0: a free
+    Anthropic's ``/v1/messages``; with a ``responses_store``, ``/v1/responses``) in front of
+    the router's gRPC API at ``router_address``, served on ``host:port`` (0: a free
     port, see ``port`` after ``start``). Runs on the caller's asyncio loop.
 
     ``keys``: the API key table in force (``core.auth``; docs/tenants.md), checked per request
