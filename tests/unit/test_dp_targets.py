@@ -107,3 +107,34 @@ async def test_round_robin_pick_alternates() -> None:
     engine = RankedSimEngine([_rank(), _rank()], pick="round-robin")
     assert [engine.choose_rank() for _ in range(4)] == [0, 1, 0, 1]
     await engine.close()
+
+
+def test_kvmesh_up_passes_data_parallel_flags_to_every_worker(tmp_path, monkeypatch) -> None:
+    from kvmesh.cli import _mesh_spec
+    from kvmesh.cli import parse_args as cli_args
+    from kvmesh.launcher import Mesh
+
+    monkeypatch.setenv("KVMESH_HOME", str(tmp_path))
+    base = ["up", "--etcd", "x:1", "--workers", "2", "--model", "tiny"]
+    spec = _mesh_spec(cli_args([*base, "--data-parallel-size", "2", "--enable-expert-parallel"]))
+    assert spec.worker_args == ("--data-parallel-size", "2", "--enable-expert-parallel")
+    argv = Mesh(spec)._worker_argv("w1", [])
+    assert argv[argv.index("--data-parallel-size") + 1] == "2"
+    assert _mesh_spec(cli_args(base)).worker_args == ()
+    with pytest.raises(SystemExit):
+        _mesh_spec(cli_args([*base, "--data-parallel-size", "0"]))
+
+
+def test_worker_flags_check_data_parallel_settings() -> None:
+    from services.worker.main import parse_args
+
+    cfg = parse_args(["--engine", "simulated", "--data-parallel-size", "2"], environ={})
+    assert cfg.engine.data_parallel_size == 2
+    from services.worker.main import simulated_engine
+
+    engine = simulated_engine(cfg)
+    assert isinstance(engine, RankedSimEngine) and len(engine.ranks) == 2
+    with pytest.raises(SystemExit):
+        parse_args(["--engine", "simulated", "--data-parallel-size", "0"], environ={})
+    with pytest.raises(SystemExit):
+        parse_args(["--engine", "simulated", "--enable-expert-parallel"], environ={})
