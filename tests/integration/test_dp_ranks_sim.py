@@ -123,9 +123,18 @@ async def test_each_rank_is_a_target_and_turns_return_to_their_rank(cluster):
         assert held[1 - rank] == 0, (s, held)
     # Per-rank index entries and loads, under the rank's target id.
     assert router.index.stats().workers == WORKERS * RANKS
-    for t in targets():
-        view = router.workers.get(WorkerId(t))
-        assert view is not None and view.load.prefix_cache_queried_tokens > 0, t
+
+    def rank_loads_seen() -> bool:  # each target's load stream is its rank's, not the sum
+        for t in targets():
+            wid, rank = split_target(t)
+            view = router.workers.get(WorkerId(t))
+            engine = engines[int(wid.rsplit("-", 1)[1])]
+            want = engine.ranks[rank].load().prefix_cache_queried_tokens  # type: ignore[index]
+            if view is None or want == 0 or view.load.prefix_cache_queried_tokens != want:
+                return False
+        return True
+
+    await eventually(rank_loads_seen, 5.0)
 
 
 async def test_rank_streams_and_bad_ranks_over_grpc(cluster):
