@@ -11,8 +11,10 @@ robin. Implements ``services.worker.core.RankedEngine``.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Sequence
+import contextlib
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import replace
+from typing import cast
 
 from kvmesh import errors
 
@@ -100,6 +102,11 @@ class RankedSimEngine:
         return min(range(len(self._ranks)), key=lambda r: (self._in_flight[r], r))
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[OutputDelta]:
+        rid = request.request_id
+        if self.is_running(rid):  # on any rank: ids are the worker's, not a rank's
+            raise errors.InvalidArgument(
+                f"request_id {rid!r} is already running on this worker; use a unique id"
+            )
         rank = request.data_parallel_rank
         if rank is None:
             rank = self.choose_rank()
@@ -110,8 +117,11 @@ class RankedSimEngine:
             )
         self._in_flight[rank] += 1
         try:
-            async for delta in self._ranks[rank].generate(request):
-                yield delta
+            # aclosing: our consumer closing early closes the rank's stream now (its abort).
+            inner = cast(AsyncGenerator[OutputDelta, None], self._ranks[rank].generate(request))
+            async with contextlib.aclosing(inner) as stream:
+                async for delta in stream:
+                    yield delta
         finally:
             self._in_flight[rank] -= 1
 
