@@ -7,6 +7,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
+from typing import cast
 
 import grpc
 
@@ -186,7 +187,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.draining = False
         engine.add_load_listener(self._changes.notify)
         ranked = engine.info.data_parallel_size > 1 and isinstance(engine, RankedEngine)
-        self._ranked: RankedEngine | None = engine if ranked else None  # type: ignore[assignment]
+        self._ranked = cast(RankedEngine, engine) if ranked else None
         # With several ranks: each rank's KV event hub (kv_events is then unused).
         self.rank_kv_events: tuple[KvEventHub, ...] = ()
 
@@ -207,11 +208,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return load_to_pb(self._ranked.rank_load(rank), in_flight, target_id(self._worker_id, rank))
 
     def _check_rank(self, rank: int | None) -> None:
-        """A WatchLoad / WatchKvEvents rank must name one of the engine's."""
-        size = self._engine.info.data_parallel_size
-        if rank is not None and (size <= 1 and rank == 0):
-            return
-        validation.check_rank(rank, size)
+        """A WatchLoad / WatchKvEvents rank must name one of the engine's (0 on one rank)."""
+        validation.check_rank(rank, self._engine.info.data_parallel_size)
 
     # ---- lifecycle (driven by main) --------------------------------------------------------
     async def wait_idle(self, timeout_s: float) -> bool:
