@@ -188,7 +188,35 @@ def _add_mesh_flags(p: argparse.ArgumentParser, default_port: int) -> None:
         help="only the first N workers speculate, the rest decode plainly: a mixed fleet "
         "(default: all)",
     )
+    dp = p.add_argument_group(
+        "data-parallel ranks", "passed to every worker (docs/engine.md#data-parallel-ranks)"
+    )
+    dp.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="data-parallel ranks per worker, each its own KV cache and routing target "
+        "(default: 1)",
+    )
+    dp.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="MoE experts sharded across each worker's data-parallel ranks (vLLM)",
+    )
     p.set_defaults(mesh_parser=p)
+
+
+def dp_worker_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> tuple[str, ...]:
+    """The workers' --data-parallel-size / --enable-expert-parallel flags (a usage error if bad)."""
+    if a.data_parallel_size < 1:
+        p.error(f"--data-parallel-size must be >= 1, got {a.data_parallel_size}")
+    args: tuple[str, ...] = ()
+    if a.data_parallel_size > 1:
+        args += ("--data-parallel-size", str(a.data_parallel_size))
+    if a.enable_expert_parallel:
+        args += ("--enable-expert-parallel",)
+    return args
 
 
 def speculative_config(p: argparse.ArgumentParser, a: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -353,6 +381,7 @@ def _mesh_spec(a: argparse.Namespace):  # type: ignore[no-untyped-def]
         model_path=model_path,
         spec_worker_args=speculative_worker_args(a.mesh_parser, a, model_path),
         spec_workers=a.spec_workers,
+        worker_args=dp_worker_args(a.mesh_parser, a),
         # A built-in model is served under its short name (tiny, smollm2).
         served_model_name=a.served_model_name or (a.model if a.model in MODEL_NAMES else ""),
         workers=_both_workers(a),

@@ -183,6 +183,14 @@ class EngineConfig:
         choices=("fcfs", "priority"),
     )
     seed: int = setting(0, "engine-wide random seed (per-request seeds override it)")
+    data_parallel_size: int = setting(
+        1,
+        "data-parallel ranks of the engine, each with its own KV cache; the router routes to "
+        "each rank (docs/engine.md#data-parallel-ranks)",
+    )
+    enable_expert_parallel: bool = setting(
+        False, "MoE experts sharded across the data-parallel ranks (vLLM; docs/engine.md)"
+    )
     # When a signal reaches the engine core directly (Ctrl-C, or a signal to the whole process
     # group). Unless set, the worker's --drain-grace-s rounded up (main.py).
     core_drain_s: int = setting(
