@@ -52,7 +52,7 @@ from vllm.outputs import RequestOutput
 from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
-from vllm.v1.metrics.loggers import StatLoggerBase
+from vllm.v1.metrics.loggers import PrometheusStatLogger, StatLoggerBase
 from vllm.v1.metrics.stats import IterationStats, MultiModalCacheStats, SchedulerStats
 from vllm.v1.spec_decode.metrics import SpecDecodingStats
 
@@ -240,6 +240,37 @@ def _domain_error(exc: BaseException) -> errors.KvmeshError | None:
 MAX_LOAD_REPORTS = 65536  # load reports kept for requests not finished yet (oldest dropped)
 
 
+class _UnexportedPrometheus(PrometheusStatLogger):
+    """Takes the place of the Prometheus stat logger vLLM always adds unless given one: that one
+    fills vLLM's global registry, which no worker exports (the worker's /metrics serves its own
+    registry, vLLM's names included: ``vllm_metrics.py``), at ~10 us of the worker's CPU per
+    output token (cProfile of ``kvmesh node`` under ``vllm bench serve``). Records nothing."""
+
+    def __init__(self, vllm_config: object, engine_indexes: list[int] | None = None) -> None:
+        self.engine_indexes = engine_indexes or [0]
+
+    def record(self, *args: object, **kwargs: object) -> None:
+        pass
+
+    def record_admission_rejection(self, reason: str) -> None:
+        pass
+
+    def record_sleep_state(self, sleep: int = 0, level: int = 0) -> None:
+        pass
+
+    def log_engine_initialized(self) -> None:
+        pass
+
+    def log(self) -> None:
+        pass
+
+
+def stat_loggers(sink_factory: Callable[..., StatLoggerBase], vllm_prometheus: bool) -> list[Any]:
+    """The stat logger factories given to AsyncLLM: the worker's sink, and unless
+    ``vllm_prometheus`` the stand-in that keeps vLLM from adding its own Prometheus logger."""
+    return [sink_factory] if vllm_prometheus else [sink_factory, _UnexportedPrometheus]
+
+
 class _StatsSink(StatLoggerBase):
     """A vLLM stat logger that keeps the latest scheduler stats and cumulative prefix cache
     counters (vLLM's are per-step deltas), and tells listeners after each update. Also keeps the
@@ -388,7 +419,8 @@ class VllmEngine:
         try:
             # The engine core process starts here; its OpenMP threads bind as it starts.
             with _environment(omp_environment(config.compute_cpus) if config.compute_cpus else {}):
-                llm = AsyncLLM.from_engine_args(args, stat_loggers=[stats_factory])
+                loggers = stat_loggers(stats_factory, config.vllm_prometheus)
+                llm = AsyncLLM.from_engine_args(args, stat_loggers=loggers)
         except BaseException:
             await close_readers()
             raise
