@@ -27,6 +27,7 @@ cd "$(dirname "$0")/.."
 
 PROJECT=${KVMESH_COMPOSE_PROJECT:-kvmeshtest}
 export KVMESH_MODEL=${KVMESH_MODEL:-tiny}
+export KVMESH_KV_CPU_BYTES=${KVMESH_KV_CPU_BYTES:-512MiB}  # the kvmanager's RAM tier
 PY=${PYTHON:-.venv/bin/python}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # this tree's kvmesh for the host-side checks
 COMPOSE=(podman-compose -p "$PROJECT" -f docker/docker-compose.yml)

@@ -602,6 +602,7 @@ def ignore_patterns() -> list[str]:
         ("kvmesh/cli.py", False),
         ("kvmesh/v1/worker_pb2.py", False),
         ("services/worker/main.py", False),
+        ("benchmarks/replay/cli.py", False),
         ("kvmesh/__pycache__/cli.cpython-311.pyc", True),
         (".venv/bin/python", True),
         (".git/HEAD", True),
@@ -623,7 +624,7 @@ def test_everything_the_dockerfile_copies_is_in_the_context(dockerfile, ignore_p
     for source in sources:
         assert (ROOT / source).exists(), source
         assert not ignored(source, ignore_patterns), f"{source} is excluded by .dockerignore"
-    for package in ("kvmesh", "services"):
+    for package in ("kvmesh", "services", "benchmarks"):  # what pyproject.toml packages
         for path in (ROOT / package).rglob("*.py"):
             rel = path.relative_to(ROOT).as_posix()
             assert not ignored(rel, ignore_patterns), f"{rel} would be missing from the image"

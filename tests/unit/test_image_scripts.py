@@ -111,3 +111,22 @@ def test_compose_test_variables_keep_the_file_consistent() -> None:
         assert argv[argv.index("--model") + 1] == "/models/tiny"
         assert argv[argv.index("--served-model-name") + 1] == "tiny"
     assert "--write-through" in kvmesh_argv(services["kvmanager"]), "the disk tier survives"
+
+
+def test_the_image_copies_every_package_the_wheel_holds() -> None:
+    """`pip install .` in the image packages what pyproject.toml includes; a package missing from
+    the build context fails at run time (`kvmesh` imports benchmarks.replay's command)."""
+    import tomllib
+
+    from tests.unit.test_docker_files import DOCKERFILE, dockerfile_instructions
+
+    include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "packages"
+    ]["find"]["include"]
+    packages = {p.rstrip("*") for p in include}
+    copied = {
+        rest.split()[0]
+        for _, word, rest in dockerfile_instructions(DOCKERFILE.read_text())
+        if word == "COPY" and "--from=" not in rest
+    }
+    assert packages <= copied
