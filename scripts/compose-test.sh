@@ -30,7 +30,10 @@ export KVMESH_MODEL=${KVMESH_MODEL:-tiny}
 export KVMESH_KV_CPU_BYTES=${KVMESH_KV_CPU_BYTES:-512MiB}  # the kvmanager's RAM tier
 PY=${PYTHON:-.venv/bin/python}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # this tree's kvmesh for the host-side checks
+# compose.podman.yml: one shared tmpfs /dev/shm for the kvmanager and its workers (podman-compose
+# ignores `ipc:`); KVMESH_NO_SHM_OVERRIDE=1 runs the main file alone (KV bytes then go inline).
 COMPOSE=(podman-compose -p "$PROJECT" -f docker/docker-compose.yml)
+[ "${KVMESH_NO_SHM_OVERRIDE:-0}" = 1 ] || COMPOSE+=(-f docker/compose.podman.yml)
 T0=$(date +%s)
 say() { echo "[compose-test +$(($(date +%s) - T0))s] $*"; }
 compose() { "${COMPOSE[@]}" "$@" >>"$LOG" 2>&1; }
@@ -75,6 +78,7 @@ teardown() {
     podman volume ls -q --filter "label=io.podman.compose.project=$PROJECT" |
       xargs -r podman volume rm -f >>"$LOG" 2>&1 || true
     podman network rm -f "${PROJECT}_default" >>"$LOG" 2>&1 || true
+    [ "$rc" -ne 0 ] || rm -f "$LOG"
   fi
   exit "$rc"
 }
@@ -119,6 +123,10 @@ fi
 say "project $PROJECT, model $KVMESH_MODEL, etcd ${KVMESH_ETCD_IMAGE:-quay.io/coreos/etcd:v3.5.17}, router $ROUTER (gRPC) $HTTP (HTTP); podman-compose log $LOG"
 
 up() { compose up -d --no-build --no-deps "$@"; }
+if [ "${KVMESH_NO_SHM_OVERRIDE:-0}" != 1 ]; then  # podman-compose 1.0.3 ignores driver_opts
+  podman volume create --label "io.podman.compose.project=$PROJECT" --opt type=tmpfs \
+    --opt device=tmpfs --opt o=uid=10001,gid=10001,mode=0700 "${PROJECT}_kv-shm" >>"$LOG"
+fi
 up etcd && wait_healthy etcd 60
 up model && wait_exited_ok model 300
 up kvmanager && wait_healthy kvmanager 120
@@ -130,6 +138,11 @@ say "round 1: streamed gRPC and OpenAI requests, each repeated"
 before=$(kv_info)
 say "kvmanager before restart: $before"
 [ "$(disk_blocks "$before")" -gt 0 ] || { say "the disk tier holds no blocks"; exit 1; }
+shm_attached() { podman logs "$(container kvmanager)" 2>&1 | grep -c "attached shared memory" || true; }
+say "shared-memory segments the kvmanager attached: $(shm_attached)"
+if [ "${KVMESH_NO_SHM_OVERRIDE:-0}" != 1 ] && [ "$(shm_attached)" -lt 1 ]; then
+  say "no worker attached shared memory: KV bytes went inline"; exit 1
+fi
 
 say "podman-compose restart kvmanager"
 start=$(date +%s)
@@ -145,5 +158,5 @@ say "restarting both workers (their own KV caches empty): round 1's prompts must
 compose restart prefill-0 decode-0
 for s in prefill-0 decode-0 router; do wait_healthy "$s" 600; done
 "$PY" scripts/compose_check.py requests --router "$ROUTER" --http "$HTTP" --model "$KVMESH_MODEL" --tag 1 --min-cached-first 32
-say "kvmanager at the end: $(kv_info)"
+say "kvmanager at the end: $(kv_info); segments attached since its restart: $(shm_attached)"
 say "PASSED in $(($(date +%s) - T0)) s"

@@ -130,3 +130,25 @@ def test_the_image_copies_every_package_the_wheel_holds() -> None:
         if word == "COPY" and "--from=" not in rest
     }
     assert packages <= copied
+
+
+def test_the_podman_override_shares_one_tmpfs_dev_shm() -> None:
+    """podman-compose ignores `ipc:`; docker/compose.podman.yml mounts one tmpfs volume at
+    /dev/shm in the kvmanager and its workers instead, owned by the image's user."""
+    from tests.unit.test_docker_files import DOCKERFILE, WORKERS, dockerfile_instructions
+
+    override = yaml.safe_load((ROOT / "docker" / "compose.podman.yml").read_text())
+    main = yaml.safe_load(COMPOSE_FILE.read_text())
+    assert set(override["services"]) == {"kvmanager", *WORKERS} <= set(main["services"])
+    for name, service in override["services"].items():
+        assert service == {"volumes": ["kv-shm:/dev/shm"]}, name
+    opts = override["volumes"]["kv-shm"]["driver_opts"]
+    assert (opts["type"], opts["device"]) == ("tmpfs", "tmpfs")
+    (user,) = [
+        rest for _, word, rest in dockerfile_instructions(DOCKERFILE.read_text()) if word == "USER"
+    ]
+    uid, gid = user.split(":")
+    assert f"uid={uid},gid={gid}" in opts["o"]
+    # compose-test.sh creates the volume with the same options (podman-compose ignores them).
+    script = (ROOT / "scripts" / "compose-test.sh").read_text()
+    assert f"--opt o={opts['o']}" in script
