@@ -6,10 +6,13 @@
 #   2. the services start in dependency order, each waited for: etcd healthy, the model job
 #      exited 0, the kvmanager healthy, then the router and both workers healthy;
 #   3. through the router's published ports: a streamed gRPC Generate and an OpenAI chat
-#      completion (openai SDK), each repeated: the repeat must report cached prompt tokens;
+#      completion (openai SDK), each repeated: the repeat must report cached prompt tokens; a
+#      long prompt (> 1024 tokens) that the router prefills on prefill-0 and decode-0 then loads
+#      from the kvmanager; at least one worker's shared memory attached to the kvmanager;
 #   4. `podman-compose restart kvmanager`: its disk tier must list the same blocks after the
 #      restart (a new process: another epoch); then both workers restart too (their own KV cache
-#      empty) and the same prompts must still come back cached, now from the kvmanager's disk;
+#      empty) and the same prompts must still come back cached, the first one's KV read from the
+#      kvmanager's disk tier (Usage.cached_disk_tokens);
 #   5. everything is torn down, volumes included, also on failure or Ctrl-C.
 #
 # Health: podman runs compose health checks from systemd timers, and where there is no systemd
@@ -133,8 +136,8 @@ up kvmanager && wait_healthy kvmanager 120
 up router prefill-0 decode-0
 for s in router prefill-0 decode-0; do wait_healthy "$s" 600; done
 
-say "round 1: streamed gRPC and OpenAI requests, each repeated"
-"$PY" scripts/compose_check.py requests --router "$ROUTER" --http "$HTTP" --model "$KVMESH_MODEL" --tag 1
+say "round 1: streamed gRPC and OpenAI requests, each repeated; a long prompt split prefill/decode"
+"$PY" scripts/compose_check.py requests --router "$ROUTER" --http "$HTTP" --model "$KVMESH_MODEL" --tag 1 --pd-tokens 1100
 before=$(kv_info)
 say "kvmanager before restart: $before"
 [ "$(disk_blocks "$before")" -gt 0 ] || { say "the disk tier holds no blocks"; exit 1; }
@@ -157,6 +160,6 @@ say "kvmanager after restart ($(($(date +%s) - start)) s): $after"
 say "restarting both workers (their own KV caches empty): round 1's prompts must come from the kvmanager's disk tier"
 compose restart prefill-0 decode-0
 for s in prefill-0 decode-0 router; do wait_healthy "$s" 600; done
-"$PY" scripts/compose_check.py requests --router "$ROUTER" --http "$HTTP" --model "$KVMESH_MODEL" --tag 1 --min-cached-first 32
+"$PY" scripts/compose_check.py requests --router "$ROUTER" --http "$HTTP" --model "$KVMESH_MODEL" --tag 1 --min-cached-first 32 --min-disk-first 32
 say "kvmanager at the end: $(kv_info); segments attached since its restart: $(shm_attached)"
 say "PASSED in $(($(date +%s) - T0)) s"

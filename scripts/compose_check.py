@@ -35,7 +35,9 @@ def fail(message: str) -> None:
     raise SystemExit(1)
 
 
-async def grpc_stream(router: str, model: str, prompt: str, timeout_s: float) -> dict[str, Any]:
+async def grpc_stream(
+    router: str, model: str, prompt: str | list[int], timeout_s: float
+) -> dict[str, Any]:
     from kvmesh.client import RouterClient, make_request
 
     async with RouterClient(router) as client:
@@ -57,6 +59,13 @@ async def grpc_stream(router: str, model: str, prompt: str, timeout_s: float) ->
         "tokens": len(c.token_ids),
         "prompt_tokens": c.usage.prompt_tokens,
         "cached_tokens": c.usage.cached_prompt_tokens,
+        # where the cached tokens' KV came from: the engine's own cache, the node kvmanager's
+        # CPU tier, its disk tier
+        "cached_gpu_cpu_disk": [
+            c.usage.cached_gpu_tokens,
+            c.usage.cached_cpu_tokens,
+            c.usage.cached_disk_tokens,
+        ],
         "worker": c.usage.worker_id,
         "first_chunk_ms": round((c.first_chunk_s or 0.0) * 1000),
         "total_ms": round(c.total_s * 1000),
@@ -98,7 +107,18 @@ def cmd_requests(a: argparse.Namespace) -> None:
     )
     out["openai"] = openai_chat(a.http, a.model, prompt + " (OpenAI)", a.timeout_s)
     out["openai_repeat"] = openai_chat(a.http, a.model, prompt + " (OpenAI)", a.timeout_s)
+    if a.pd_tokens:
+        # Long and uncached: the router prefills it on prefill-0, which saves its KV to the
+        # kvmanager, and decode-0 loads it from there (docs/disaggregation.md).
+        long = " ".join(f"{PROMPT}{a.tag}.{i}" for i in range(a.pd_tokens // 150 + 1))
+        out["pd"] = asyncio.run(grpc_stream(a.router, a.model, long, a.timeout_s))
     print(json.dumps(out))
+    if a.pd_tokens:
+        _, cpu, disk = out["pd"]["cached_gpu_cpu_disk"]
+        if out["pd"]["prompt_tokens"] < a.pd_tokens or cpu + disk < a.pd_tokens - 64:
+            fail(f"pd: the long prompt's KV did not come through the kvmanager: {out['pd']}")
+    if out["grpc"]["cached_gpu_cpu_disk"][2] < a.min_disk_first:
+        fail(f"grpc: wanted >= {a.min_disk_first} tokens from the disk tier: {out['grpc']}")
     wanted = {"grpc": a.min_cached_first, "openai": a.min_cached_first}
     wanted |= {"grpc_repeat": a.min_cached, "openai_repeat": a.min_cached}
     for name, least in wanted.items():
@@ -132,6 +152,12 @@ def main() -> None:
     r.add_argument("--tag", default="1", help="makes this round's prompts differ from others'")
     r.add_argument("--min-cached", type=int, default=32, help="cached tokens a repeat must report")
     r.add_argument("--min-cached-first", type=int, default=0, help="... and the first of each pair")
+    r.add_argument(
+        "--min-disk-first", type=int, default=0, help="tokens the first gRPC call loads from disk"
+    )
+    r.add_argument(
+        "--pd-tokens", type=int, default=0, help="also a prompt this long, prefill/decode split"
+    )
     r.add_argument("--timeout-s", type=float, default=300.0)
     r.set_defaults(func=cmd_requests)
     k = sub.add_parser("kv-info")
