@@ -23,9 +23,9 @@ ENGINE=${KVMESH_ENGINE:-cpu}
 TAG=${KVMESH_IMAGE:-kvmesh:$ENGINE}
 BASE=${KVMESH_BASE_IMAGE:-}
 DEFAULT_BASE=python:3.11-slim-bookworm
-LOCAL_BASE=kvmesh-base:bookworm
+LOCAL_BASE=${KVMESH_LOCAL_BASE:-kvmesh-base:bookworm}  # the bootstrapped base's name
 ETCD_IMAGE=${KVMESH_ETCD_IMAGE:-quay.io/coreos/etcd:v3.5.17}
-LOCAL_ETCD=kvmesh-etcd:local
+LOCAL_ETCD=${KVMESH_LOCAL_ETCD:-kvmesh-etcd:local}
 log() { echo "image: $*" >&2; }
 
 if command -v podman >/dev/null 2>&1 && [ "${CONTAINER_CLI:-podman}" = podman ]; then
@@ -36,6 +36,8 @@ else
   CLI=${CONTAINER_CLI:-docker}
 fi
 
+work=$(mktemp -d); trap 'rm -rf "$work"' EXIT
+
 have_image() { $CLI image inspect "$1" >/dev/null 2>&1; }
 pull() { have_image "$1" || timeout "${KVMESH_PULL_TIMEOUT_S:-60}" $CLI pull -q "$1" >/dev/null 2>&1; }
 
@@ -43,7 +45,7 @@ bootstrap_base() {  # a Debian bookworm base from Debian's archive: no registry 
   have_image "$LOCAL_BASE" && return 0
   command -v mmdebstrap >/dev/null || { log "mmdebstrap missing (apt-get install mmdebstrap)"; exit 1; }
   [ "$CLI" = podman ] || [ "$CLI" = docker ] || exit 1
-  local tar; tar=$(mktemp --suffix=.tar); trap 'rm -f "$tar"' RETURN
+  local tar start; tar="$work/base.tar"; start=$(date +%s)
   log "no registry: bootstrapping $LOCAL_BASE with mmdebstrap (Debian bookworm, minbase)"
   mmdebstrap --quiet --variant=minbase \
     --include=python3,python3-venv,ca-certificates,libnuma1,passwd \
@@ -52,6 +54,8 @@ bootstrap_base() {  # a Debian bookworm base from Debian's archive: no registry 
     "deb http://deb.debian.org/debian bookworm-updates main" \
     "deb http://deb.debian.org/debian-security bookworm-security main"
   $CLI import --change 'ENV LANG=C.UTF-8' --change 'CMD ["/bin/bash"]' "$tar" "$LOCAL_BASE" >/dev/null
+  rm -f "$tar"
+  log "bootstrapped $LOCAL_BASE in $(($(date +%s) - start)) s"
 }
 
 if [ -z "$BASE" ] && [ "$ENGINE" = cpu ]; then
@@ -60,7 +64,6 @@ fi
 log "engine $ENGINE, base ${BASE:-the default}, tag $TAG ($CLI)"
 
 # ---- the host's pip configuration, as build secrets ----------------------------------------------
-work=$(mktemp -d); trap 'rm -rf "$work"' EXIT
 PIP=${PIP:-}
 [ -n "$PIP" ] || for p in pip3 pip .venv/bin/pip; do command -v "$p" >/dev/null 2>&1 && { PIP=$p; break; }; done
 secrets=() mounts=() build_args=()
