@@ -19,7 +19,7 @@ from kvmesh import errors
 from . import anthropic, parsing, rendering
 from .anthropic_stream import EventStream, MessageCollector, sse_event
 from .auth import identity_of
-from .backend import RouterBackend, count_tokens
+from .backend import RouterBackend, count_tokens, first_message
 from .errors import (
     BadRequest,
     MethodNotAllowed,
@@ -109,16 +109,10 @@ class AnthropicEndpoints:
             return error_response(exc, rid)
         stream = self._backend().generate(parsed.chat.generate, self._timeout_s)
         async with contextlib.aclosing(stream):
-            try:
-                # Errors before the first message (unknown model, bad prompt, no worker) get
-                # their own HTTP status, streaming or not.
-                first = await anext(stream)
+            try:  # errors before the first message get their own HTTP status, streaming or not
+                first = await first_message(stream)
             except errors.KvmeshError as exc:
                 return error_response(parsing.router_error(exc, parsed.chat), rid)
-            except StopAsyncIteration:
-                return error_response(
-                    errors.Unavailable("the router ended the stream without an answer"), rid
-                )
             if parsed.stream:
                 events = EventStream(parsed, block_size)
                 return await self._stream(request, events, first, stream)

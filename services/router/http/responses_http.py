@@ -30,7 +30,7 @@ from ..state import ResponseStore
 from . import extensions, parsing, rendering, responses
 from .anthropic_stream import sse_event
 from .auth import identity_of
-from .backend import PromptRenderer, RouterBackend
+from .backend import PromptRenderer, RouterBackend, first_message
 from .errors import error_body, retry_after_headers
 from .responses import ResponsesRequest
 from .responses_stream import ResponseCollector, ResponseEvents
@@ -169,16 +169,10 @@ class ResponsesEndpoints:
         created_at = int(time.time())
         stream = self._backend().generate(token_request(parsed.chat, ids), self._timeout_s)
         async with contextlib.aclosing(stream):
-            try:
-                # Errors before the first message (unknown model, prompt too long, no worker)
-                # get their own HTTP status, streaming or not.
-                first = await anext(stream)
+            try:  # errors before the first message get their own HTTP status, streaming or not
+                first = await first_message(stream)
             except errors.KvmeshError as exc:
                 return error_response(responses.bad_request(exc, parsed), rid)
-            except StopAsyncIteration:
-                return error_response(
-                    errors.Unavailable("the router ended the stream without an answer"), rid
-                )
             if parsed.stream:
                 events = ResponseEvents(parsed, created_at, block_size, extended)
                 return await self._stream(request, events, ids, first, stream)
