@@ -8,10 +8,10 @@ from vllm.v1.metrics.loggers import PrometheusStatLogger, StatLoggerManager
 from vllm.v1.metrics.stats import IterationStats, SchedulerStats
 
 from services.worker.config import EngineConfig
-from services.worker.engine import _StatsSink, stat_loggers
+from services.worker.stats import StatsSink, stat_loggers
 
 
-def manager(vllm_prometheus: bool, sink: _StatsSink) -> StatLoggerManager:
+def manager(vllm_prometheus: bool, sink: StatsSink) -> StatLoggerManager:
     return StatLoggerManager(
         vllm_config=object(),  # type: ignore[arg-type]  # read only by vLLM's own loggers
         custom_stat_loggers=stat_loggers(lambda _config, _index=0: sink, vllm_prometheus),
@@ -21,7 +21,7 @@ def manager(vllm_prometheus: bool, sink: _StatsSink) -> StatLoggerManager:
 
 def test_by_default_vllm_adds_no_prometheus_logger_and_the_sink_still_records() -> None:
     assert EngineConfig().vllm_prometheus is False
-    sink = _StatsSink()
+    sink = StatsSink()
     m = manager(False, sink)
     real = [
         lg
@@ -39,4 +39,4 @@ def test_by_default_vllm_adds_no_prometheus_logger_and_the_sink_still_records() 
 
 
 def test_asked_for_vllm_keeps_its_own_prometheus_logger() -> None:
-    assert len(stat_loggers(lambda _c, _i=0: _StatsSink(), True)) == 1  # vLLM then adds its own
+    assert len(stat_loggers(lambda _c, _i=0: StatsSink(), True)) == 1  # vLLM then adds its own
