@@ -28,6 +28,16 @@ if TYPE_CHECKING:  # kvmesh.tls imports grpc: the CLI imports it where a command
     from kvmesh.tls import Tls
 
 DEFAULT_ROUTER = "127.0.0.1:50051"
+# Subcommands that run a service: (name, module with main(argv), help).
+SERVICE_COMMANDS = {
+    s[0]: s
+    for s in (
+        ("router", "services.router.main", "run one router process"),
+        ("worker", "services.worker.main", "run one worker process"),
+        ("kvmanager", "services.kvmanager.main", "run one kvmanager process"),
+        ("node", "services.node.main", "run a router and a worker in one process"),
+    )
+}
 # kvmesh.telemetry.Exporter's values, without importing grpc and OpenTelemetry to build the parser.
 TRACE_EXPORTERS = ("none", "console", "otlp")
 # Where OpenTelemetry's OTLP exporter finds its collector when --otlp-endpoint is empty.
@@ -188,7 +198,35 @@ def _add_mesh_flags(p: argparse.ArgumentParser, default_port: int) -> None:
         help="only the first N workers speculate, the rest decode plainly: a mixed fleet "
         "(default: all)",
     )
+    dp = p.add_argument_group(
+        "data-parallel ranks", "passed to every worker (docs/engine.md#data-parallel-ranks)"
+    )
+    dp.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="data-parallel ranks per worker, each its own KV cache and routing target "
+        "(default: 1)",
+    )
+    dp.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="MoE experts sharded across each worker's data-parallel ranks (vLLM)",
+    )
     p.set_defaults(mesh_parser=p)
+
+
+def dp_worker_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> tuple[str, ...]:
+    """The workers' --data-parallel-size / --enable-expert-parallel flags (a usage error if bad)."""
+    if a.data_parallel_size < 1:
+        p.error(f"--data-parallel-size must be >= 1, got {a.data_parallel_size}")
+    args: tuple[str, ...] = ()
+    if a.data_parallel_size > 1:
+        args += ("--data-parallel-size", str(a.data_parallel_size))
+    if a.enable_expert_parallel:
+        args += ("--enable-expert-parallel",)
+    return args
 
 
 def speculative_config(p: argparse.ArgumentParser, a: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -353,6 +391,7 @@ def _mesh_spec(a: argparse.Namespace):  # type: ignore[no-untyped-def]
         model_path=model_path,
         spec_worker_args=speculative_worker_args(a.mesh_parser, a, model_path),
         spec_workers=a.spec_workers,
+        worker_args=dp_worker_args(a.mesh_parser, a),
         # A built-in model is served under its short name (tiny, smollm2).
         served_model_name=a.served_model_name or (a.model if a.model in MODEL_NAMES else ""),
         workers=_both_workers(a),
@@ -727,12 +766,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     replay_cli.register(sub)
 
-    for name, module, what in (
-        ("router", "services.router.main", "run one router process"),
-        ("worker", "services.worker.main", "run one worker process"),
-        ("kvmanager", "services.kvmanager.main", "run one kvmanager process"),
-        ("node", "services.node.main", "run a router and a worker in one process"),
-    ):
+    for name, module, what in SERVICE_COMMANDS.values():
         p = sub.add_parser(
             name,
             help=f"{what} (see kvmesh {name} --help)",
@@ -762,8 +796,12 @@ def parse_args(
 def main(argv: list[str] | None = None) -> int:
     import logging
 
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
+    # The services set up logging themselves, at their --log-level; configuring the root logger
+    # first would make theirs a no-op (basicConfig), and `kvmesh kvmanager` (the image's
+    # entrypoint) then logged nothing below WARNING.
+    if args.command not in SERVICE_COMMANDS:
+        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         return int(args.func(args) or 0)
     except ModelNotFound as exc:

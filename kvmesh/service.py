@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import gc
 import logging
 import signal
 import weakref
@@ -56,6 +57,7 @@ from kvmesh.discovery.security import EtcdCredentials
 from kvmesh.errors import KvmeshError
 from kvmesh.grpc_errors import ErrorStatus
 from kvmesh.metrics import MetricsServer, serve_metrics
+from kvmesh.profiling import profiled
 from kvmesh.telemetry import server_interceptors
 from kvmesh.tls import Tls
 
@@ -144,6 +146,7 @@ class ServiceHost:
             for name in ("", *self.service_names):
                 await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
             yield self
+            freeze_heap()
             for name in ("", *self.service_names):
                 await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         except BaseException:
@@ -358,6 +361,17 @@ async def _main(serve: Coroutine[Any, Any, None]) -> None:
         await _stop_leftover_servers()
 
 
+def freeze_heap() -> None:
+    """Everything alive once a service has started (the modules of vLLM, torch and transformers,
+    a tokenizer, the engine's config) is moved out of the garbage collector's reach, as vLLM's
+    engine core does after start-up: a full collection then walks only what serving allocates.
+    Measured in a router under 600 concurrent streams (``kvmesh bench streams --profile-dir``):
+    each full collection took ~245 ms of the event loop before, every stream stalled meanwhile.
+    The one collection here runs before health turns SERVING."""
+    gc.collect()
+    gc.freeze()
+
+
 def run(serve: Coroutine[Any, Any, None], service: str) -> int:
     """``asyncio.run(serve)``: 0; a failure the operator fixes (a domain error such as a bad
     setting, or the OS's: a port in use) is one error line and exit status 2 (start-up undid
@@ -365,7 +379,8 @@ def run(serve: Coroutine[Any, Any, None], service: str) -> int:
     signal handlers are in place is one line and 130. Any gRPC server still up is stopped
     before the loop closes."""
     try:
-        asyncio.run(_main(serve))
+        with profiled(service):
+            asyncio.run(_main(serve))
     except (KvmeshError, OSError) as exc:
         log.error("%s failed: %s", service, exc)
         return 2

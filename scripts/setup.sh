@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Sets up everything kvmesh needs on a fresh Debian/Ubuntu machine with Python 3.11:
-# the etcd server (apt), a virtualenv in .venv with kvmesh and its engine, and nothing else.
+# the etcd and redis servers (apt), a virtualenv in .venv with kvmesh and its engine, and nothing else.
 # Idempotent: a second run only checks. Called by `make demo` and `make test`.
 #
 # Engine choice: the regular `vllm` package (CUDA) when `nvidia-smi` lists a GPU, else
@@ -17,6 +17,15 @@ if ! command -v etcd >/dev/null 2>&1; then
   $SUDO apt-get install -y -q etcd-server >/dev/null 2>&1 || {
     $SUDO apt-get update -q >/dev/null && $SUDO apt-get install -y -q etcd-server >/dev/null; }
 fi
+# The Responses API's shared state for several routers (--responses-store redis), and its tests.
+if ! command -v redis-server >/dev/null 2>&1; then
+  echo "setup: installing redis-server (apt)"
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get install -y -q redis-server >/dev/null 2>&1 || {
+    $SUDO apt-get update -q >/dev/null && $SUDO apt-get install -y -q redis-server >/dev/null; }
+fi
+command -v systemctl >/dev/null 2>&1 && systemctl is-active --quiet redis-server 2>/dev/null && \
+  { systemctl stop redis-server || true; }
 # Debian's package starts a system etcd on :2379; kvmesh never uses it (it starts its own on free
 # ports), so stop it where systemd runs, to keep the port and the CPU free.
 command -v systemctl >/dev/null 2>&1 && systemctl is-active --quiet etcd 2>/dev/null && \

@@ -107,6 +107,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--no-peer-fetch", action="store_true", help="nodes do not fetch from peers")
     p.add_argument("--json", action="store_true", help="print one JSON object per policy")
+    p.add_argument(
+        "--dp-ranks",
+        type=int,
+        default=1,
+        help="data-parallel ranks per worker (each its own KV cache): every policy is run per "
+        "rank and per worker (benchmarks/replay/dp.py); 1 (default): no ranks",
+    )
+    p.add_argument(
+        "--dp-pick",
+        default="least-loaded",
+        choices=("least-loaded", "round-robin"),
+        help="with --dp-ranks, per-worker routing: how the worker's front end picks the rank",
+    )
     p.set_defaults(func=run)
     tiers_cli.register(sub)
     disagg_cli.register(sub)
@@ -168,6 +181,10 @@ def run(a: argparse.Namespace) -> int:
     from .policies import BUILTIN
     from .router_policy import RouterPolicy
 
+    if a.dp_ranks > 1:
+        from . import dp
+
+        return dp.run(a, list(_requests(a)))
     cfg = replace(SimWorkerConfig(), capacity_blocks=a.capacity_blocks, block_size=a.block_size)
     mesh = mesh_config(a)
     rows = []

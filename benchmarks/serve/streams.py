@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from kvmesh.launcher import Mesh, MeshSpec, child_env
+from kvmesh.profiling import ENV
 
 from .targets import REPO, cpu_seconds
 
@@ -49,6 +50,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--out-dir", type=Path, default=None)
+    p.add_argument(
+        "--profile-dir",
+        type=Path,
+        default=None,
+        help="run the router and workers under cProfile, writing DIR/<service>-<pid>.pstats "
+        "(kvmesh.profiling); costs them ~1.5-2x CPU, so figures of such a run are not comparable",
+    )
     p.set_defaults(func=cmd_streams)
 
 
@@ -87,6 +95,7 @@ def cmd_streams(a: argparse.Namespace) -> int:
         router_policy=a.policy,
         worker_args=sim_args,
         log_dir=out_dir / "mesh",
+        env={ENV: str(a.profile_dir.resolve())} if a.profile_dir else {},
     )
     rows = []
     with Mesh(spec) as mesh:

@@ -16,7 +16,7 @@ import json
 import logging
 import re
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from enum import StrEnum
 from typing import NewType
 
@@ -114,6 +114,12 @@ class WorkerRecord:
     # Most requests its engine runs at once (vLLM's max_num_seqs): routers count what they send
     # beyond it as waiting before the worker's next load report says so. 0: not known.
     max_running_requests: int = 0
+    # Data-parallel ranks of its engine, each with its own KV cache: the router routes to each
+    # (worker, rank) as a target of its own (``routing_targets``). 1: one.
+    data_parallel_size: int = 1
+    # Set only on a routing target of a worker with several ranks (never in etcd): its rank.
+    # -1: the whole worker.
+    data_parallel_rank: int = -1
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -127,6 +133,37 @@ class WorkerRecord:
         data["role"] = Role(data.get("role", Role.BOTH))
         data["state"] = WorkerState(data.get("state", WorkerState.SERVING))
         return cls(**data)
+
+
+RANK_SEP = "#r"
+"""``<worker_id>#r<rank>``: the id of one data-parallel rank of a worker as a routing target
+(the KV index, the scheduler, the load and KV event streams know it by that id). ``#`` is not
+allowed in a worker id, so a target id never collides with one."""
+
+
+def target_id(worker_id: str, rank: int) -> WorkerId:
+    """The routing target id of ``worker_id``'s data-parallel rank ``rank``."""
+    return WorkerId(f"{worker_id}{RANK_SEP}{rank}")
+
+
+def split_target(target: str) -> tuple[WorkerId, int | None]:
+    """(worker id, rank) of a routing target id; (the id, None) for a whole worker's."""
+    base, sep, rank = target.rpartition(RANK_SEP)
+    if sep and base and rank.isdigit():
+        return WorkerId(base), int(rank)
+    return WorkerId(target), None
+
+
+def routing_targets(record: WorkerRecord) -> tuple[WorkerRecord, ...]:
+    """The routing targets of a registered worker: itself, or with ``data_parallel_size`` > 1
+    one record per rank (id ``<worker_id>#r<rank>``, ``data_parallel_rank`` set; same address,
+    node and model), so that each rank, with its own KV cache, is scored and loaded on its own."""
+    if record.data_parallel_size <= 1:
+        return (record,)
+    return tuple(
+        replace(record, worker_id=target_id(record.worker_id, r), data_parallel_rank=r)
+        for r in range(record.data_parallel_size)
+    )
 
 
 @dataclass(frozen=True, slots=True)

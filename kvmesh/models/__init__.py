@@ -10,6 +10,8 @@
   (``--spec-method mtp``; kvmesh/models/tiny_mtp.py).
 - ``tiny-eagle``: an EAGLE-1 draft head for the tiny model (``--spec-method eagle
   --spec-draft-model tiny-eagle``; kvmesh/models/tiny_eagle.py).
+- ``tiny-moe``: the tiny model's sizes and tokenizer as a Qwen3-MoE (4 experts, 2 per token),
+  for data-parallel and expert-parallel tests (kvmesh/models/tiny_moe.py).
 
 ``ensure_model(name, cache_root)`` returns a ready model directory, building it once;
 ``resolve_model(name_or_path)`` does that under ``model_cache_root()`` for a built-in name and
@@ -31,7 +33,7 @@ from kvmesh.errors import InvalidArgument, KvmeshError
 
 log = logging.getLogger(__name__)
 
-MODEL_NAMES = ("tiny", "smollm2", "tiny-draft", "tiny-mtp", "tiny-eagle")
+MODEL_NAMES = ("tiny", "smollm2", "tiny-draft", "tiny-mtp", "tiny-eagle", "tiny-moe")
 
 
 class ModelSourceMissing(KvmeshError):
@@ -123,6 +125,10 @@ def ensure_model(name: str, cache_root: Path) -> Path:
         from kvmesh.models.tiny_eagle import ensure_tiny_eagle
 
         return ensure_tiny_eagle(cache_root)
+    if name == "tiny-moe":
+        from kvmesh.models.tiny_moe import ensure_tiny_moe
+
+        return ensure_tiny_moe(cache_root)
     raise InvalidArgument(f"unknown built-in model {name!r}; known: {', '.join(MODEL_NAMES)}")
 
 

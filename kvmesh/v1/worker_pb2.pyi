@@ -20,20 +20,22 @@ KV_TIER_CPU: KvTier
 KV_TIER_DISK: KvTier
 
 class WorkerGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "kv_source", "cache_salt", "priority")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "kv_source", "cache_salt", "priority", "data_parallel_rank")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     KV_SOURCE_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    DATA_PARALLEL_RANK_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     kv_source: KvSource
     cache_salt: str
     priority: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv_source: _Optional[_Union[KvSource, _Mapping]] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[int] = ...) -> None: ...
+    data_parallel_rank: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv_source: _Optional[_Union[KvSource, _Mapping]] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[int] = ..., data_parallel_rank: _Optional[int] = ...) -> None: ...
 
 class KvSource(_message.Message):
     __slots__ = ("kvmanager_id", "blocks", "handoff_wait_s")
@@ -109,10 +111,12 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WatchLoadRequest(_message.Message):
-    __slots__ = ("min_interval_s",)
+    __slots__ = ("min_interval_s", "data_parallel_rank")
     MIN_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    DATA_PARALLEL_RANK_FIELD_NUMBER: _ClassVar[int]
     min_interval_s: float
-    def __init__(self, min_interval_s: _Optional[float] = ...) -> None: ...
+    data_parallel_rank: int
+    def __init__(self, min_interval_s: _Optional[float] = ..., data_parallel_rank: _Optional[int] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
     __slots__ = ("worker_id", "running_requests", "waiting_requests", "kv_cache_usage", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "in_flight_requests", "prefill_computed_tokens", "prefill_seconds", "generation_tokens", "spec_drafts", "spec_draft_tokens", "spec_accepted_tokens", "spec_accepted_tokens_per_position")
@@ -151,28 +155,32 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "model", "max_model_len", "block_size", "vocab_size", "role")
+    __slots__ = ("worker_id", "model", "max_model_len", "block_size", "vocab_size", "role", "data_parallel_size")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
+    DATA_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     model: str
     max_model_len: int
     block_size: int
     vocab_size: int
     role: _common_pb2.WorkerRole
-    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., role: _Optional[_Union[_common_pb2.WorkerRole, str]] = ...) -> None: ...
+    data_parallel_size: int
+    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., role: _Optional[_Union[_common_pb2.WorkerRole, str]] = ..., data_parallel_size: _Optional[int] = ...) -> None: ...
 
 class WatchKvEventsRequest(_message.Message):
-    __slots__ = ("epoch", "from_seq")
+    __slots__ = ("epoch", "from_seq", "data_parallel_rank")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     FROM_SEQ_FIELD_NUMBER: _ClassVar[int]
+    DATA_PARALLEL_RANK_FIELD_NUMBER: _ClassVar[int]
     epoch: str
     from_seq: int
-    def __init__(self, epoch: _Optional[str] = ..., from_seq: _Optional[int] = ...) -> None: ...
+    data_parallel_rank: int
+    def __init__(self, epoch: _Optional[str] = ..., from_seq: _Optional[int] = ..., data_parallel_rank: _Optional[int] = ...) -> None: ...
 
 class BlockStored(_message.Message):
     __slots__ = ("block_hashes", "parent_hash", "tier", "block_size")

@@ -16,6 +16,7 @@ from kvmesh.tls import TlsConfig
 from .core.admission import AdmissionConfig
 from .core.disagg import DisaggConfig
 from .http.cors import CorsPolicy
+from .state.records import ResponsesConfig
 
 MIB = 1 << 20
 
@@ -159,6 +160,11 @@ class RouterConfig:
         2.0, "how often the API key file is checked for changes, seconds; 0: only on SIGHUP"
     )
     http_max_body_bytes: int = setting(8 * MIB, "largest HTTP request body, bytes; larger: 413")
+    responses: ResponsesConfig = setting(
+        factory=ResponsesConfig,
+        doc="the Responses API's stored responses (state/; docs/agents.md#responses-api)",
+        prefix="responses-",
+    )
     cors: CorsPolicy = setting(
         factory=CorsPolicy, doc="CORS of the HTTP API (http/cors.py), as vLLM's flags", prefix=""
     )

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
@@ -72,12 +73,14 @@ OpenEvents = Callable[[str, int], EventCall]
 WatchFactory = Callable[[grpc.aio.Channel], OpenEvents]
 
 
-def worker_events(channel: grpc.aio.Channel) -> OpenEvents:
-    """``Worker.WatchKvEvents``."""
+def worker_events(channel: grpc.aio.Channel, rank: int | None = None) -> OpenEvents:
+    """``Worker.WatchKvEvents``; ``rank``: of that data-parallel rank (its own log)."""
     stub = worker_pb2_grpc.WorkerStub(channel)
 
     def open_(epoch: str, from_seq: int) -> EventCall:
-        request = worker_pb2.WatchKvEventsRequest(epoch=epoch, from_seq=from_seq)
+        request = worker_pb2.WatchKvEventsRequest(
+            epoch=epoch, from_seq=from_seq, data_parallel_rank=rank
+        )
         return stub.WatchKvEvents(request)
 
     return open_
@@ -314,6 +317,7 @@ class KvEventSync:
         for rec in (*change.added, *change.updated):
             if self._subscribers.address(rec.worker_id) == rec.address:
                 continue
+            rank = rec.data_parallel_rank
             sub = KvEventSubscriber(
                 rec.worker_id,
                 rec.address,
@@ -322,6 +326,7 @@ class KvEventSync:
                 self._live,
                 self._backoff_s,
                 self._max_message_bytes,
+                watch=functools.partial(worker_events, rank=rank) if rank >= 0 else worker_events,
                 tls=self._tls,
             )
             self._subscribers.put(rec.worker_id, rec.address, sub)

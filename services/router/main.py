@@ -53,6 +53,7 @@ from .mux import ServeStream
 from .pool import WorkerPool
 from .prompt import PromptBuilder
 from .servicer import RouterServicer
+from .state import ResponseStore, open_store
 from .tiersync import TierSync
 from .tokenizer import Tokenizers
 
@@ -217,7 +218,9 @@ async def start_router(
         host.refresh_every(config.metrics_refresh_s, refresh)
         host.refresh_every(1.0, lambda: on_change(workers.expire_unregistered()))
         if config.http_port >= 0:  # up early: its /health says why the router is not ready
-            http = _front_door(config, servicer, workers, metrics, keys, tls)
+            store = open_store(config.responses, config.cluster)  # opened on first use
+            host.callback(store.close)
+            http = _front_door(config, servicer, workers, metrics, keys, tls, store)
             await http.start()
             host.callback(http.close)
         await host.until_etcd(watcher.start)
@@ -312,6 +315,7 @@ def _front_door(
     metrics: RouterMetrics,
     keys: KeySource | None,
     tls: Tls | None,
+    store: ResponseStore,
 ) -> OpenAIServer:
     """The OpenAI-compatible HTTP API, calling this router's servicer in-process (no loopback
     gRPC hop)."""
@@ -332,6 +336,7 @@ def _front_door(
             v.record.vllm_version for v in workers.all() if v.serving and v.record.vllm_version
         ),
         ssl_context=tls.server_ssl_context() if tls is not None else None,
+        responses_store=store,
     )
 
 

@@ -269,12 +269,17 @@ class WorkerMux:
     """The router's data path to one worker: a ``GenerateMany`` stream, opened on first use and
     again after it breaks."""
 
-    def __init__(self, stub: StreamStub, worker_id: str) -> None:
+    def __init__(self, stub: StreamStub, worker_id: str, rank: int | None = None) -> None:
+        """``rank``: the target is that data-parallel rank of the worker: every request sent
+        here names it (``data_parallel_rank``)."""
         self._stub = stub
         self._worker_id = worker_id
+        self._rank = rank
         self._stream: _Stream | None = None
 
     def generate(self, request: worker_pb2.WorkerGenerateRequest, timeout_s: float) -> MuxCall:
+        if self._rank is not None:
+            request.data_parallel_rank = self._rank
         stream = self._stream
         if stream is None or stream.broken:
             # Opened outside the request's trace: the stream outlives it and serves others.

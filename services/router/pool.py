@@ -50,14 +50,15 @@ class WorkerPool:
                 continue
             self._drop(rec.worker_id)
             channel = open_channel(rec.address, self._tls, interceptors=client_interceptors())
+            rank = rec.data_parallel_rank if rec.data_parallel_rank >= 0 else None
             task = asyncio.create_task(
-                self._watch_load(rec.worker_id, channel), name=f"load-{rec.worker_id}"
+                self._watch_load(rec.worker_id, channel, rank), name=f"load-{rec.worker_id}"
             )
             serve = self._local.get(rec.worker_id)
             stub: StreamStub = (
                 worker_pb2_grpc.WorkerStub(channel) if serve is None else InProcessStub(serve)
             )
-            mux = WorkerMux(stub, rec.worker_id)
+            mux = WorkerMux(stub, rec.worker_id, rank)
             self._conns.put(rec.worker_id, rec.address, _Conn(channel, task, mux))
             log.info(
                 "worker %s at %s joined%s",
@@ -80,13 +81,18 @@ class WorkerPool:
         if self._conns.drop(worker_id) is not None:
             log.info("worker %s at %s left", worker_id, address)
 
-    async def _watch_load(self, worker_id: WorkerId, channel: grpc.aio.Channel) -> None:
+    async def _watch_load(
+        self, worker_id: WorkerId, channel: grpc.aio.Channel, rank: int | None = None
+    ) -> None:
+        """``rank``: a data-parallel rank's target: that rank's load."""
         stub = worker_pb2_grpc.WorkerStub(channel)
         attempt = 0
         while True:
             try:
                 stream = stub.WatchLoad(
-                    worker_pb2.WatchLoadRequest(min_interval_s=self._load_interval_s)
+                    worker_pb2.WatchLoadRequest(
+                        min_interval_s=self._load_interval_s, data_parallel_rank=rank
+                    )
                 )
                 async for msg in stream:
                     attempt = 0

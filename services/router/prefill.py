@@ -20,7 +20,7 @@ from enum import StrEnum
 
 import grpc
 
-from kvmesh.discovery.keys import WorkerId
+from kvmesh.discovery.keys import WorkerId, split_target
 from kvmesh.telemetry import tracer
 from kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
@@ -74,9 +74,11 @@ async def run_prefill(
     route: RouteRequest,
     sampling: common_pb2.SamplingParams,
     timeout_s: float,
+    rank: int | None = None,
 ) -> PrefillResult:
     """Calls ``Worker.Generate`` with the prompt and one token; drains the stream. Never raises
-    for a worker failure (cancellation propagates)."""
+    for a worker failure (cancellation propagates). ``rank``: the target is that data-parallel
+    rank of the worker."""
     started = time.monotonic()
     call = stub.Generate(
         worker_pb2.WorkerGenerateRequest(
@@ -85,6 +87,7 @@ async def run_prefill(
             sampling=one_token(sampling),
             cache_salt=route.cache_salt,  # the decode worker fetches the blocks by its hashes
             priority=route.priority,
+            data_parallel_rank=rank,
         ),
         timeout=max(timeout_s, 0.001),
     )
@@ -217,7 +220,11 @@ class Prefills:
             with _tracer.start_as_current_span("prefill") as span:
                 span.set_attribute("worker_id", wid)
                 result = await run_prefill(
-                    stub, route, sampling, min(left, self.config.prefill_timeout_s)
+                    stub,
+                    route,
+                    sampling,
+                    min(left, self.config.prefill_timeout_s),
+                    split_target(wid)[1],
                 )
                 span.set_attribute("ok", result.fallback is None)
         finally:

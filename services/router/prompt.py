@@ -25,6 +25,8 @@ from opentelemetry import trace
 from kvmesh.kv.hashing import SessionHashes
 from kvmesh.telemetry import tracer
 
+from . import continuation
+from .continuation import Prior
 from .hashing import PromptHasher
 from .tokenizer import TemplateInput, Tokenizers
 
@@ -124,6 +126,31 @@ class PromptBuilder:
             return len(encode())
         loop = asyncio.get_running_loop()
         return len(await loop.run_in_executor(self._executor, encode))
+
+    async def render(
+        self,
+        model: str,
+        path: str,
+        chat: TemplateInput,
+        prior: Prior | None = None,
+        new_from: int = 0,
+    ) -> tuple[list[int], bool]:
+        """``chat``'s prompt ids, and whether they extend ``prior`` exactly: its stored prompt
+        and output ids, then the new messages ``chat.messages[new_from:]`` (the Responses API's
+        ``previous_response_id``: ``continuation.extend``); when they cannot, or without a
+        prior, the whole conversation rendered. A long one in the executor."""
+
+        def job() -> tuple[list[int], bool]:
+            if prior is not None:
+                template = self._tokenizers.template(model, path)
+                ids = continuation.extend(template, prior, chat.messages, chat.tools, new_from)
+                if ids is not None:
+                    return ids, True
+            return self._tokenizers.encode_chat_now(model, path, chat), False
+
+        if self._inline(model, path, PromptInput(chat=chat)):
+            return job()
+        return await asyncio.get_running_loop().run_in_executor(self._executor, job)
 
     async def decode(self, model: str, path: str, token_ids: Sequence[int]) -> str:
         """``token_ids``' text, in the executor (a resumed stream's seam: docs/failover.md)."""

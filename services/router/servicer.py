@@ -25,6 +25,7 @@ from .admission import AdmissionGate
 from .attempt import Active, AttemptRunner
 from .auth import CALLER, KeySource
 from .config import RouterConfig
+from .continuation import Prior
 from .core import validation
 from .core.disagg import DisaggHandler
 from .core.forced_tools import TOOLS_FIELD, ForcedChoice
@@ -276,6 +277,20 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         routing or generating: the Anthropic front door's count_tokens."""
         model = self._workers.model(request.model)
         return await self._prompts.count(model.name, model.model_path, prompt_input(request))
+
+    async def render_prompt(
+        self, request: router_pb2.GenerateRequest, prior: Prior | None, new_from: int
+    ) -> tuple[list[int], bool]:
+        """A chat request's prompt ids, and whether they extend ``prior`` (the previous turn's
+        stored prompt and output ids) exactly (``PromptBuilder.render``): the Responses front
+        door's ``previous_response_id``. The chat is checked as ``Generate`` checks it."""
+        model = self._workers.model(request.model)
+        source = prompt_input(request)
+        if source.chat is None:
+            raise errors.InvalidArgument("render_prompt takes a chat request", "chat")
+        return await self._prompts.render(
+            model.name, model.model_path, source.chat, prior, new_from
+        )
 
     # ---- Abort, ListModels ----------------------------------------------------------------
     async def Abort(

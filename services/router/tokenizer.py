@@ -12,7 +12,7 @@ import asyncio
 import json
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import Any
@@ -110,6 +110,16 @@ class Tokenizers:
         # The template already holds the special tokens (BOS included), as vLLM does.
         return list(tok(rendered, add_special_tokens=False)["input_ids"])
 
+    def template(self, model: str, path: str) -> HfChatTemplate:
+        """``model``'s chat template and tokenizer as ``continuation.ChatTemplate`` (loaded on
+        the calling thread)."""
+        tok = self._load(model, path)
+        if not getattr(tok, "chat_template", None):
+            raise InvalidArgument(
+                f"model {model!r} has no chat template; send text or token_ids instead"
+            )
+        return HfChatTemplate(model, tok)
+
     async def encode_chat(
         self, model: str, path: str, chat: TemplateInput | Sequence[ChatMessage]
     ) -> list[int]:
@@ -117,6 +127,49 @@ class Tokenizers:
         return await asyncio.get_running_loop().run_in_executor(
             self._executor, self.encode_chat_now, model, path, chat
         )
+
+
+class HfChatTemplate:
+    """A Hugging Face tokenizer's chat template and tokenizer, as ``continuation.ChatTemplate``
+    (the Responses API's next prompt, extending its previous turn's tokens)."""
+
+    def __init__(self, model: str, tok: Any) -> None:
+        self._model = model
+        self._tok = tok
+        self._special = frozenset(int(i) for i in tok.all_special_ids)
+
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None,
+        add_generation_prompt: bool,
+    ) -> str:
+        from jinja2 import TemplateError, TemplateSyntaxError
+
+        try:
+            return str(
+                self._tok.apply_chat_template(
+                    [dict(m) for m in messages],
+                    tools=[dict(t) for t in tools] if tools else None,
+                    tokenize=False,
+                    add_generation_prompt=add_generation_prompt,
+                )
+            )
+        except TemplateSyntaxError:
+            raise
+        except TemplateError as exc:
+            raise InvalidArgument(
+                f"the chat template of model {self._model!r} refused the messages: {exc}",
+                "chat.messages",
+            ) from None
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok(text, add_special_tokens=False)["input_ids"])
+
+    def special_text(self, token_id: int) -> str | None:
+        if token_id not in self._special:
+            return None
+        return str(self._tok.decode([token_id], skip_special_tokens=False))
 
 
 @dataclass(frozen=True, slots=True)

@@ -176,6 +176,12 @@ class EngineConfig:
         True, "reuse KV of shared prompt prefixes", flag="prefix-caching"
     )
     max_num_seqs: int = setting(0, "most requests running at once; 0: vLLM's default")
+    vllm_prometheus: bool = setting(
+        False,
+        "also run vLLM's own Prometheus stat logger, which fills prometheus_client's global "
+        "registry (not served: /metrics has the same vLLM names from the worker's registry); "
+        "off saves ~10 us of worker CPU per output token",
+    )
     scheduling_policy: str = setting(
         "fcfs",
         "vLLM's scheduling policy: fcfs, or priority (its queue ordered by the router's "
@@ -183,6 +189,14 @@ class EngineConfig:
         choices=("fcfs", "priority"),
     )
     seed: int = setting(0, "engine-wide random seed (per-request seeds override it)")
+    data_parallel_size: int = setting(
+        1,
+        "data-parallel ranks of the engine, each with its own KV cache; the router routes to "
+        "each rank (docs/engine.md#data-parallel-ranks)",
+    )
+    enable_expert_parallel: bool = setting(
+        False, "MoE experts sharded across the data-parallel ranks (vLLM; docs/engine.md)"
+    )
     # When a signal reaches the engine core directly (Ctrl-C, or a signal to the whole process
     # group). Unless set, the worker's --drain-grace-s rounded up (main.py).
     core_drain_s: int = setting(

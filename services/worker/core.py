@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from kvmesh.kv.events import KvEvent
 from kvmesh.sampling import Sampling
@@ -46,6 +46,9 @@ class GenerateRequest:
     cache_salt: str = field(default="", repr=False)
     # The router's priority band (higher first); an engine with priority scheduling orders by it.
     priority: int = 0
+    # The data-parallel rank to run it on (an engine with several, EngineInfo.data_parallel_size);
+    # None: the engine chooses.
+    data_parallel_rank: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,6 +244,8 @@ class EngineInfo:
     # drafted per step; "" and 0 when off.
     speculative_method: str = ""
     num_speculative_tokens: int = 0
+    # Data-parallel ranks, each with its own KV cache (a ``RankedEngine``); 1: one.
+    data_parallel_size: int = 1
 
 
 class Engine(Protocol):
@@ -275,3 +280,25 @@ class Engine(Protocol):
         ...
 
     async def close(self) -> None: ...
+
+
+@runtime_checkable
+class RankedEngine(Engine, Protocol):
+    """An engine with several data-parallel ranks (``info.data_parallel_size`` > 1), each with
+    its own KV cache and scheduler: ``generate`` runs a request on its ``data_parallel_rank``
+    (or one the engine picks), ``load`` is the sum over ranks. The worker serves each rank's
+    load and KV events on their own (docs/engine.md#data-parallel-ranks)."""
+
+    def rank_load(self, rank: int) -> EngineLoad:
+        """Rank ``rank``'s own counters (0 <= rank < data_parallel_size)."""
+        ...
+
+    def rank_of(self, request_id: str) -> int | None:
+        """The rank running ``request_id`` now; None when none is."""
+        ...
+
+    def set_rank_kv_event_sink(self, rank: int, sink: KvEventSink) -> None:
+        """As ``set_kv_event_sink``, for rank ``rank``'s KV events only (its own cache). An
+        engine given per-rank sinks sends each rank's events there and no longer to the
+        ``set_kv_event_sink`` one."""
+        ...

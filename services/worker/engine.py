@@ -52,7 +52,7 @@ from vllm.outputs import RequestOutput
 from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
-from vllm.v1.metrics.loggers import StatLoggerBase
+from vllm.v1.metrics.loggers import PrometheusStatLogger, StatLoggerBase
 from vllm.v1.metrics.stats import IterationStats, MultiModalCacheStats, SchedulerStats
 from vllm.v1.spec_decode.metrics import SpecDecodingStats
 
@@ -79,7 +79,8 @@ from .core import (
     TokenLogprob,
     TopLogprob,
 )
-from .kv_events import VllmKvEvents
+from .dp import rank_event_configs, sum_loads
+from .kv_events import VllmKvEvents, events_config
 from .speculative import check_models, vllm_speculative_config
 from .vllm_ext import EXTENSION_CLS
 
@@ -121,6 +122,10 @@ def build_engine_args(
         kwargs["max_num_seqs"] = config.max_num_seqs
     if config.scheduling_policy != "fcfs":
         kwargs["scheduling_policy"] = config.scheduling_policy
+    if config.data_parallel_size > 1:
+        kwargs["data_parallel_size"] = config.data_parallel_size
+    if config.enable_expert_parallel:
+        kwargs["enable_expert_parallel"] = True
     events = kv_events_config if kv_events_config is not None else config.kv_events_config
     if events is not None:
         from vllm.config import KVEventsConfig
@@ -235,6 +240,37 @@ def _domain_error(exc: BaseException) -> errors.KvmeshError | None:
 MAX_LOAD_REPORTS = 65536  # load reports kept for requests not finished yet (oldest dropped)
 
 
+class _UnexportedPrometheus(PrometheusStatLogger):
+    """Takes the place of the Prometheus stat logger vLLM always adds unless given one: that one
+    fills vLLM's global registry, which no worker exports (the worker's /metrics serves its own
+    registry, vLLM's names included: ``vllm_metrics.py``), at ~10 us of the worker's CPU per
+    output token (cProfile of ``kvmesh node`` under ``vllm bench serve``). Records nothing."""
+
+    def __init__(self, vllm_config: object, engine_indexes: list[int] | None = None) -> None:
+        self.engine_indexes = engine_indexes or [0]
+
+    def record(self, *args: object, **kwargs: object) -> None:
+        pass
+
+    def record_admission_rejection(self, reason: str) -> None:
+        pass
+
+    def record_sleep_state(self, sleep: int = 0, level: int = 0) -> None:
+        pass
+
+    def log_engine_initialized(self) -> None:
+        pass
+
+    def log(self) -> None:
+        pass
+
+
+def stat_loggers(sink_factory: Callable[..., StatLoggerBase], vllm_prometheus: bool) -> list[Any]:
+    """The stat logger factories given to AsyncLLM: the worker's sink, and unless
+    ``vllm_prometheus`` the stand-in that keeps vLLM from adding its own Prometheus logger."""
+    return [sink_factory] if vllm_prometheus else [sink_factory, _UnexportedPrometheus]
+
+
 class _StatsSink(StatLoggerBase):
     """A vLLM stat logger that keeps the latest scheduler stats and cumulative prefix cache
     counters (vLLM's are per-step deltas), and tells listeners after each update. Also keeps the
@@ -326,13 +362,24 @@ class VllmEngine:
     """One vLLM engine. Build with ``await VllmEngine.start(config)``; ``close()`` when done."""
 
     def __init__(
-        self, llm: AsyncLLM, stats: _StatsSink, info: EngineInfo, kv_events: VllmKvEvents
+        self,
+        llm: AsyncLLM,
+        stats: _StatsSink,
+        info: EngineInfo,
+        kv_events: VllmKvEvents,
+        rank_stats: Sequence[_StatsSink] = (),
+        rank_events: Sequence[VllmKvEvents] = (),
     ) -> None:
+        """``rank_stats`` / ``rank_events``: with several data-parallel ranks, each rank's stat
+        logger and KV event reader (``stats`` and ``kv_events`` are then rank 0's)."""
         self._llm = llm
         self._stats = stats
         self._info = info
         self._kv_events = kv_events
+        self._rank_stats = tuple(rank_stats) or (stats,)
+        self._rank_events = tuple(rank_events) or (kv_events,)
         self._running: set[str] = set()
+        self._rank_of: dict[str, int] = {}  # running requests sent to a rank
         # vLLM refuses a priority unless its scheduler orders by priority (lower first there).
         self._by_priority = llm.vllm_config.scheduler_config.policy == "priority"
 
@@ -340,33 +387,49 @@ class VllmEngine:
     async def start(cls, config: EngineConfig) -> VllmEngine:
         """Starts the engine (spawns its core process; seconds) and waits until it is ready."""
         # Subscribed before the engine exists, so its first KV events have a reader.
-        kv_events = VllmKvEvents.open(
-            config.kv_events_config, engine_only=config.kv_transfer_config is None
-        )
+        engine_only = config.kv_transfer_config is None
+        ranks = max(config.data_parallel_size, 1)
+        if ranks > 1:  # one reader per rank, at the rank's offset port (services/worker/dp.py)
+            readers = [
+                VllmKvEvents(events_config(c, ""), None, engine_only)
+                for c in rank_event_configs(config.kv_events_config, ranks)
+            ]
+        else:
+            readers = [VllmKvEvents.open(config.kv_events_config, engine_only=engine_only)]
+        kv_events = readers[0]
+
+        async def close_readers() -> None:
+            for reader in readers:
+                await reader.close()
+
         try:
             args = build_engine_args(config, kv_events.config)
         except BaseException:
-            await kv_events.close()
+            await close_readers()
             raise
-        stats = _StatsSink()
+        sinks = [_StatsSink() for _ in range(ranks)]
+        stats = sinks[0]
         started = time.monotonic()
         detokenizer.install()  # a prompt ending inside a character: only the new text streams
 
         # Blocks this thread until the core process is ready; nothing else runs before it.
-        def stats_factory(_vllm_config: object, _engine_index: int = 0) -> StatLoggerBase:
-            return stats
+        def stats_factory(_vllm_config: object, engine_index: int = 0) -> StatLoggerBase:
+            return sinks[engine_index] if 0 <= engine_index < ranks else stats
 
         try:
             # The engine core process starts here; its OpenMP threads bind as it starts.
             with _environment(omp_environment(config.compute_cpus) if config.compute_cpus else {}):
-                llm = AsyncLLM.from_engine_args(args, stat_loggers=[stats_factory])
+                loggers = stat_loggers(stats_factory, config.vllm_prometheus)
+                llm = AsyncLLM.from_engine_args(args, stat_loggers=loggers)
         except BaseException:
-            await kv_events.close()
+            await close_readers()
             raise
         try:
-            await kv_events.start()
+            for reader in readers:
+                await reader.start()
             amx = await llm.collective_rpc("kvmesh_init_amx")
-            await llm.collective_rpc("kvmesh_die_with_parent", args=(os.getpid(),))
+            parent = os.getpid() if ranks == 1 else 0  # ranks: the model runs in their children
+            await llm.collective_rpc("kvmesh_die_with_parent", args=(parent,))
             layouts = await llm.collective_rpc("kvmesh_kv_layout")
             if config.compute_cpus and config.service_cpus:
                 moved = await llm.collective_rpc(
@@ -399,10 +462,11 @@ class VllmEngine:
                 max_running_requests=llm.vllm_config.scheduler_config.max_num_seqs,
                 speculative_method=str(spec.method or "") if spec is not None else "",
                 num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
+                data_parallel_size=ranks,
             )
         except BaseException:
             llm.shutdown()
-            await kv_events.close()
+            await close_readers()
             raise
         log.info(
             "engine ready in %.1f s: model=%s dtype=%s max_model_len=%d block_size=%d "
@@ -419,6 +483,8 @@ class VllmEngine:
             if info.speculative_method
             else "off",
         )
+        if ranks > 1:
+            return cls(llm, stats, info, kv_events, sinks, readers)
         return cls(llm, stats, info, kv_events)
 
     @property
@@ -434,7 +500,20 @@ class VllmEngine:
         return request_id in self._running
 
     def load(self) -> EngineLoad:
-        s = self._stats.latest
+        if len(self._rank_stats) > 1:
+            return sum_loads([self.rank_load(r) for r in range(len(self._rank_stats))])
+        return self._load_of(self._stats)
+
+    def rank_load(self, rank: int) -> EngineLoad:
+        """Data-parallel rank ``rank``'s own counters (its stat logger)."""
+        return self._load_of(self._rank_stats[rank])
+
+    def rank_of(self, request_id: str) -> int | None:
+        """The rank a running request was sent to; None when vLLM chose (or it is not running)."""
+        return self._rank_of.get(request_id)
+
+    def _load_of(self, stats: _StatsSink) -> EngineLoad:
+        s = stats.latest
         running, waiting = s.num_running_reqs, s.num_waiting_reqs + s.num_skipped_waiting_reqs
         usage = s.kv_cache_usage
         if self._llm.get_num_unfinished_requests() == 0 and (running or waiting):
@@ -445,20 +524,34 @@ class VllmEngine:
             running_requests=running,
             waiting_requests=waiting,
             kv_cache_usage=min(max(usage, 0.0), 1.0),
-            prefix_cache_queried_tokens=self._stats.queried_tokens,
-            prefix_cache_hit_tokens=self._stats.hit_tokens,
-            preemptions=self._stats.preemptions,
-            prefill_computed_tokens=self._stats.prefill_tokens,
-            prefill_s=self._stats.prefill_s,
-            generation_tokens=self._stats.generation_tokens,
-            spec=self._stats.spec,
+            prefix_cache_queried_tokens=stats.queried_tokens,
+            prefix_cache_hit_tokens=stats.hit_tokens,
+            preemptions=stats.preemptions,
+            prefill_computed_tokens=stats.prefill_tokens,
+            prefill_s=stats.prefill_s,
+            generation_tokens=stats.generation_tokens,
+            spec=stats.spec,
         )
 
     def add_load_listener(self, listener: Callable[[], None]) -> None:
-        self._stats.listeners.append(listener)
+        for stats in self._rank_stats:
+            stats.listeners.append(listener)
 
     def set_kv_event_sink(self, sink: KvEventSink) -> None:
-        self._kv_events.set_sink(sink)
+        """Every rank's events into ``sink`` (with ranks, ``set_rank_kv_event_sink`` is exact)."""
+        for reader in self._rank_events:
+            reader.set_sink(sink)
+
+    def set_rank_kv_event_sink(self, rank: int, sink: KvEventSink) -> None:
+        self._rank_events[rank].set_sink(sink)
+
+    def _take_report(self, request_id: str) -> LoadReport | None:
+        """The connector's load report of a request, from whichever rank ran it."""
+        for stats in self._rank_stats:
+            report = stats.take_report(request_id)
+            if report is not None:
+                return report
+        return None
 
     @property
     def kv_events(self) -> VllmKvEvents:
@@ -495,12 +588,15 @@ class VllmEngine:
         top_n = request.sampling.logprobs  # None: no logprobs asked for (nothing to convert)
         prompt_top_n = request.sampling.prompt_logprobs
         self._running.add(rid)
+        if request.data_parallel_rank is not None:
+            self._rank_of[rid] = request.data_parallel_rank
         try:
             stream = self._llm.generate(
                 engine_input,
                 params,
                 rid,
                 priority=-request.priority if self._by_priority else 0,
+                data_parallel_rank=request.data_parallel_rank,
             )
             # aclosing: if our consumer stops early, vLLM's generator is closed right away,
             # which aborts the request in the engine.
@@ -559,7 +655,8 @@ class VllmEngine:
                         return
         finally:
             self._running.discard(rid)
-            self._stats.take_report(rid)
+            self._take_report(rid)
+            self._rank_of.pop(rid, None)
 
     def _check_structured(self, so: StructuredOutputsParams) -> None:
         """The engine's own check of a structured output (the one vLLM runs when the request is
@@ -609,7 +706,7 @@ class VllmEngine:
     ) -> CachedTokens:
         """``engine_cached`` (vLLM's num_cached_tokens) by source: the connector's load report
         from the final output, else from its stats, else none (all the engine's own)."""
-        from_stats = self._stats.take_report(rid)
+        from_stats = self._take_report(rid)
         from_output = LoadReport.from_params(params)
         report = from_output or from_stats or LoadReport()
         if report.loaded or report.failed:
@@ -651,7 +748,8 @@ class VllmEngine:
         # AsyncLLM.__del__ calls shutdown() again, possibly at interpreter exit when vLLM's
         # module globals are already gone ("'NoneType' object is not callable").
         llm.shutdown = _already_shut_down  # type: ignore[method-assign]
-        await self._kv_events.close()
+        for reader in self._rank_events:
+            await reader.close()
 
 
 @contextlib.contextmanager

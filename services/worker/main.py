@@ -56,6 +56,10 @@ def parse_args(argv: list[str] | None, environ: Mapping[str, str] | None = None)
     if config.engine_kind == "vllm" and not config.engine.model:
         p.error("--model PATH is required with the vllm engine")
     engine = config.engine
+    if engine.data_parallel_size < 1:
+        p.error(f"--data-parallel-size must be >= 1, got {engine.data_parallel_size}")
+    if engine.enable_expert_parallel and config.engine_kind != "vllm":
+        p.error("--enable-expert-parallel needs --engine vllm (the simulator has no experts)")
     if config.engine_kind == "vllm" and engine.speculative.enabled:
         from kvmesh.errors import InvalidArgument
 
@@ -116,7 +120,16 @@ def simulated_engine(config: WorkerConfig):  # type: ignore[no-untyped-def]
     def salted(token_ids: Sequence[int], cache_salt: str) -> list[BlockHash]:
         return block_hashes(token_ids, hash_cfg, keys=salt_keys(cache_salt))
 
-    return SimulatedEngine(cfg, hasher=partial(block_hashes, cfg=hash_cfg), salted_hasher=salted)
+    def one() -> SimulatedEngine:
+        return SimulatedEngine(
+            cfg, hasher=partial(block_hashes, cfg=hash_cfg), salted_hasher=salted
+        )
+
+    if e.data_parallel_size > 1:  # ranks: each a simulated engine (cache, clock) of its own
+        from .sim.ranks import RankedSimEngine
+
+        return RankedSimEngine([one() for _ in range(e.data_parallel_size)])
+    return one()
 
 
 async def start_engine(config: WorkerConfig) -> Engine:

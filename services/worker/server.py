@@ -13,7 +13,14 @@ import grpc
 
 from kvmesh import __version__
 from kvmesh.discovery.hosts import node_name
-from kvmesh.discovery.keys import WorkerId, WorkerRecord, WorkerState, check_name, worker_key
+from kvmesh.discovery.keys import (
+    WorkerId,
+    WorkerRecord,
+    WorkerState,
+    check_name,
+    target_id,
+    worker_key,
+)
 from kvmesh.kv.eventlog import KvEventLog
 from kvmesh.kv.fanout import KvEventHub
 from kvmesh.metrics import MetricsServer
@@ -21,7 +28,7 @@ from kvmesh.service import Bind, ServiceHost
 from kvmesh.v1 import worker_pb2, worker_pb2_grpc
 
 from .config import WorkerConfig
-from .core import Engine
+from .core import Engine, RankedEngine
 from .metrics import EtcdState, KvEventState, WorkerMetrics
 from .servicer import WorkerServicer
 
@@ -100,6 +107,22 @@ def layout_key_of(connector_layout: str) -> str:
     return kv_layout(connector_layout).key
 
 
+def _rank_hubs(
+    engine: RankedEngine, worker_id: str, config: WorkerConfig
+) -> tuple[KvEventHub, ...]:
+    """One KV event log and fan-out per data-parallel rank (each rank its own cache), named by
+    the rank's target id (``<worker>#r<rank>``: what the router's index keys it by)."""
+    hubs = []
+    for rank in range(engine.info.data_parallel_size):
+        log_ = KvEventLog(
+            target_id(worker_id, rank), uuid.uuid4().hex, config.kv_event_buffer_batches
+        )
+        hub = KvEventHub(log_, config.kv_event_queue_batches)
+        engine.set_rank_kv_event_sink(rank, hub.publish)
+        hubs.append(hub)
+    return tuple(hubs)
+
+
 def default_worker_id(port: int) -> str:
     """``<hostname>-<port>``, made a valid etcd key segment."""
     return check_name("worker id", f"{node_name()}-{port}")
@@ -135,6 +158,8 @@ async def start_worker(config: WorkerConfig, engine: Engine) -> RunningWorker:
             max_send_bytes=max_send,
             metrics=metrics,
         )
+        if info.data_parallel_size > 1 and isinstance(engine, RankedEngine):
+            servicer.rank_kv_events = _rank_hubs(engine, worker_id, config)
         worker_pb2_grpc.add_WorkerServicer_to_server(servicer, host.server)
         record = WorkerRecord(
             worker_id=WorkerId(worker_id),
@@ -151,6 +176,7 @@ async def start_worker(config: WorkerConfig, engine: Engine) -> RunningWorker:
             kv_layout=config.kv_layout or layout_key_of(info.connector_layout),
             vllm_version=info.vllm_version,
             max_running_requests=info.max_running_requests,
+            data_parallel_size=max(info.data_parallel_size, 1),
         )
         host.on_draining.append(lambda: setattr(servicer, "draining", True))
         host.draining_record = lambda: dataclasses.replace(

@@ -7,11 +7,12 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
+from typing import cast
 
 import grpc
 
 from kvmesh import errors
-from kvmesh.discovery.keys import Role
+from kvmesh.discovery.keys import Role, target_id
 from kvmesh.grpc_errors import status_for
 from kvmesh.kv.fanout import KvEventHub
 from kvmesh.kv_stream import serve_kv_events
@@ -26,6 +27,7 @@ from .core import (
     GenerateRequest,
     KvSource,
     OutputDelta,
+    RankedEngine,
     RequestPhases,
     TokenLogprob,
 )
@@ -63,6 +65,7 @@ def request_from_pb(r: worker_pb2.WorkerGenerateRequest) -> GenerateRequest:
         kv_source=source,
         cache_salt=r.cache_salt,
         priority=r.priority,
+        data_parallel_rank=r.data_parallel_rank if r.HasField("data_parallel_rank") else None,
     )
 
 
@@ -183,6 +186,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._closed = False
         self.draining = False
         engine.add_load_listener(self._changes.notify)
+        ranked = engine.info.data_parallel_size > 1 and isinstance(engine, RankedEngine)
+        self._ranked = cast(RankedEngine, engine) if ranked else None
+        # With several ranks: each rank's KV event hub (kv_events is then unused).
+        self.rank_kv_events: tuple[KvEventHub, ...] = ()
 
     @property
     def in_flight(self) -> int:
@@ -192,8 +199,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def worker_id(self) -> str:
         return self._worker_id
 
-    def load(self) -> worker_pb2.WorkerLoad:
-        return load_to_pb(self._engine.load(), self.in_flight, self._worker_id)
+    def load(self, rank: int | None = None) -> worker_pb2.WorkerLoad:
+        """The whole worker's load, or (``rank``, on a ``RankedEngine``) that rank's, named by
+        its target id."""
+        if rank is None or self._ranked is None:
+            return load_to_pb(self._engine.load(), self.in_flight, self._worker_id)
+        in_flight = sum(1 for r in self._active if self._ranked.rank_of(r) == rank)
+        return load_to_pb(self._ranked.rank_load(rank), in_flight, target_id(self._worker_id, rank))
+
+    def _check_rank(self, rank: int | None) -> None:
+        """A WatchLoad / WatchKvEvents rank must name one of the engine's (0 on one rank)."""
+        validation.check_rank(rank, self._engine.info.data_parallel_size)
 
     # ---- lifecycle (driven by main) --------------------------------------------------------
     async def wait_idle(self, timeout_s: float) -> bool:
@@ -218,6 +234,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._changes.notify()
         if self._kv_events is not None:
             self._kv_events.close()
+        for hub in self.rank_kv_events:
+            hub.close()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
 
@@ -388,10 +406,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             raise errors.InvalidArgument(
                 f"min_interval_s must be >= 0 (0: the worker's default), got {interval:g}"
             )
+        rank = request.data_parallel_rank if request.HasField("data_parallel_rank") else None
+        self._check_rank(rank)
         last: worker_pb2.WorkerLoad | None = None
         while not self._closed:
             seen = self._changes.version
-            load = self.load()
+            load = self.load(rank)
             if load != last:
                 yield load
                 last = load
@@ -409,12 +429,24 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             block_size=info.block_size,
             vocab_size=info.vocab_size,
             role=ROLE_PB[self._role],
+            data_parallel_size=max(info.data_parallel_size, 1),
         )
 
     async def WatchKvEvents(
         self, request: worker_pb2.WatchKvEventsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.KvEventBatch]:
         hub = self._kv_events
+        rank = request.data_parallel_rank if request.HasField("data_parallel_rank") else None
+        self._check_rank(rank)
+        if self.rank_kv_events:
+            if rank is None:
+                await context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"this worker's engine has {len(self.rank_kv_events)} data-parallel ranks, "
+                    "each with its own KV cache: set data_parallel_rank to watch one",
+                )
+                return
+            hub = self.rank_kv_events[rank]
         if hub is None:
             await context.abort(
                 grpc.StatusCode.UNIMPLEMENTED, "this worker's engine publishes no KV events"

@@ -81,6 +81,16 @@ class TracedEngine:
     def set_kv_event_sink(self, sink: KvEventSink) -> None:
         self._inner.set_kv_event_sink(sink)
 
+    # RankedEngine (an inner engine with data-parallel ranks; the servicer asks only then)
+    def rank_load(self, rank: int) -> EngineLoad:
+        return self._inner.rank_load(rank)  # type: ignore[attr-defined,no-any-return]
+
+    def rank_of(self, request_id: str) -> int | None:
+        return self._inner.rank_of(request_id)  # type: ignore[attr-defined,no-any-return]
+
+    def set_rank_kv_event_sink(self, rank: int, sink: KvEventSink) -> None:
+        self._inner.set_rank_kv_event_sink(rank, sink)  # type: ignore[attr-defined]
+
     async def abort(self, request_id: str) -> None:
         await self._inner.abort(request_id)
 

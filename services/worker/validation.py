@@ -24,6 +24,17 @@ def check_request(request: GenerateRequest, info: EngineInfo) -> None:
     if request.kv_source is not None:
         check_kv_source(request.kv_source, len(request.prompt_token_ids), info.block_size)
     check_cache_salt(request.cache_salt)
+    check_rank(request.data_parallel_rank, info.data_parallel_size)
+
+
+def check_rank(rank: int | None, size: int) -> None:
+    """A data-parallel rank names one of the engine's ranks (or is unset: the engine picks)."""
+    if rank is not None and not 0 <= rank < max(size, 1):
+        raise InvalidArgument(
+            f"data_parallel_rank is {rank}; this worker's engine has {max(size, 1)} "
+            f"data-parallel rank(s), so use 0 to {max(size, 1) - 1} or leave it unset",
+            "data_parallel_rank",
+        )
 
 
 def check_kv_source(source: KvSource, prompt_tokens: int, block_size: int) -> None:

@@ -42,7 +42,9 @@ class KvmeshWorkerExtension:
         """Makes the kernel SIGKILL this (engine core) process when the worker process dies.
 
         Without it a worker killed with SIGKILL leaves its engine core running as an orphan
-        that holds the KV cache memory. Linux only; returns whether it was set up."""
+        that holds the KV cache memory. Linux only; returns whether it was set up.
+        ``parent_pid`` 0: with data-parallel ranks the model runs in a process of each rank's
+        engine core (vLLM's multiprocessing executor), whose death it then follows instead."""
         try:
             libc = ctypes.CDLL(None, use_errno=True)
             pr_set_pdeathsig = 1
@@ -50,7 +52,7 @@ class KvmeshWorkerExtension:
                 return False
         except (OSError, AttributeError):
             return False
-        if os.getppid() != parent_pid:  # the parent died before we asked
+        if parent_pid and os.getppid() != parent_pid:  # the parent died before we asked
             os.kill(os.getpid(), signal.SIGKILL)
         return True
 

@@ -13,11 +13,21 @@ import pytest
 
 from kvmesh.etcd_server import LocalEtcd
 
+from .local_redis import LocalRedis
+
 
 @pytest.fixture(scope="session")
 def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalEtcd]:
     """One etcd for the session. Tests use their own key prefixes and must not stop it."""
     with LocalEtcd(data_dir=tmp_path_factory.mktemp("etcd")) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRedis]:
+    """One real redis-server for the session (the routers' shared Responses state). Tests use
+    their own key prefixes (clusters)."""
+    with LocalRedis(tmp_path_factory.mktemp("redis")) as server:
         yield server
 
 

@@ -1,6 +1,6 @@
 """The ``Engine`` protocol's contract (``services/worker/core.py``), one suite run against both
-implementations: ``VllmEngine`` on the tiny model (float32; one engine started for the module)
-and ``SimulatedEngine``. What the servicer relies on: deltas ending with exactly one finish,
+implementations: ``VllmEngine`` on the tiny model (float32; one engine started for the module),
+``SimulatedEngine`` and ``RankedSimEngine`` (two simulated data-parallel ranks). What the servicer relies on: deltas ending with exactly one finish,
 abort and early close ending a running request, ``is_running``, the ``info`` and ``load()``
 fields, load listeners, and the KV event sink getting ``BlockStored`` for a prompt's blocks."""
 
@@ -36,7 +36,7 @@ SIM = SimEngineConfig(
 
 @dataclass
 class Subject:
-    name: str  # "vllm" or "sim"
+    name: str  # "vllm", "sim" or "sim-ranks"
     engine: Engine
     events: list[KvEvent] = field(default_factory=list)  # everything its sink was given
     load_changes: list[int] = field(default_factory=lambda: [0])  # [calls of its listener]
@@ -71,6 +71,10 @@ def vllm_environment() -> Iterator[None]:
 async def start(name: str, tiny_model: Path) -> Engine:
     if name == "sim":
         return SimulatedEngine(SIM)
+    if name == "sim-ranks":  # two data-parallel ranks, the engine picking one per request
+        from services.worker.sim.ranks import RankedSimEngine
+
+        return RankedSimEngine([SimulatedEngine(SIM), SimulatedEngine(SIM)])
     from services.worker.config import EngineConfig
     from services.worker.engine import VllmEngine
 
@@ -85,7 +89,7 @@ async def start(name: str, tiny_model: Path) -> Engine:
     return await VllmEngine.start(config)
 
 
-@pytest.fixture(scope="module", params=["sim", "vllm"])
+@pytest.fixture(scope="module", params=["sim", "sim-ranks", "vllm"])
 async def subject(request: pytest.FixtureRequest, tiny_model: Path) -> AsyncIterator[Subject]:
     name: str = request.param
     with vllm_environment() if name == "vllm" else contextlib.nullcontext():

@@ -329,3 +329,21 @@ def test_tiny_eagle_is_deterministic_in_eagles_layout(tmp_path: Path) -> None:
     )
     assert "layers.0.input_layernorm.weight" not in names  # EAGLE's first layer has no input norm
     assert tuple(fc.shape) == (tiny.HIDDEN_SIZE, 2 * tiny.HIDDEN_SIZE)
+
+
+def test_tiny_moe_is_deterministic_and_loads_as_a_qwen3_moe(tmp_path: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from kvmesh.models import tiny_moe
+
+    first = tiny_moe.build_tiny_moe(tmp_path / "a")
+    assert _hashes(tiny_moe.build_tiny_moe(tmp_path / "b")) == _hashes(first)
+    config = json.loads((first / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3MoeForCausalLM"]
+    assert config["num_experts"] % 2 == 0  # experts split evenly over 2 expert-parallel ranks
+    model, info = AutoModelForCausalLM.from_pretrained(str(first), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info  # every weight named
+    with torch.no_grad():
+        logits = model(torch.tensor([[5, 6, 7, 8]])).logits
+    assert tuple(logits.shape) == (1, 4, tiny.VOCAB_SIZE)

@@ -13,7 +13,13 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
 from kvmesh import errors
-from kvmesh.discovery.keys import WorkerId, WorkerRecord, WorkerState
+from kvmesh.discovery.keys import (
+    WorkerId,
+    WorkerRecord,
+    WorkerState,
+    routing_targets,
+    split_target,
+)
 
 from .types import LoadSnapshot
 
@@ -84,6 +90,11 @@ class Change:
 
 
 class WorkerSet:
+    """Routing targets by id. A registered worker is one target, or, with several data-parallel
+    ranks (``WorkerRecord.data_parallel_size``), one per rank (``keys.routing_targets``: ids
+    ``<worker>#r<rank>``); a ``Change`` names targets, so channels, load and KV event streams
+    are per rank, and etcd's delete of the worker removes all of its ranks."""
+
     def __init__(self, linger_s: float = 0.0, clock: Callable[[], float] = time.monotonic) -> None:
         """``linger_s``: how long a worker whose etcd record vanished stays while its load
         stream is live (etcd unreachable long enough for its lease to expire, then back: the
@@ -96,7 +107,7 @@ class WorkerSet:
     def apply_snapshot(self, records: Iterable[WorkerRecord]) -> Change:
         """All registered workers, as a (re)started watch lists them; the last record of an id
         wins."""
-        by_id = {r.worker_id: r for r in records}
+        by_id = {t.worker_id: t for r in records for t in routing_targets(r)}
         removed = tuple(w for w in self._workers if w not in by_id and not self._linger(w))
         for wid in removed:
             del self._workers[wid]
@@ -108,15 +119,30 @@ class WorkerSet:
         return Change(added=tuple(added), removed=removed, updated=tuple(updated))
 
     def apply_put(self, record: WorkerRecord) -> Change:
-        existed = record.worker_id in self._workers
-        self._upsert(record)
-        return Change(updated=(record,)) if existed else Change(added=(record,))
+        targets = routing_targets(record)
+        keep = {t.worker_id for t in targets}
+        stale = tuple(t for t in self._targets_of(record.worker_id) if t not in keep)
+        for tid in stale:  # its rank count changed
+            del self._workers[tid]
+        added: list[WorkerRecord] = []
+        updated: list[WorkerRecord] = []
+        for t in targets:
+            (updated if t.worker_id in self._workers else added).append(t)
+            self._upsert(t)
+        return Change(added=tuple(added), removed=stale, updated=tuple(updated))
 
     def apply_delete(self, worker_id: WorkerId) -> Change:
-        if worker_id not in self._workers or self._linger(worker_id):
-            return Change()
-        del self._workers[worker_id]
-        return Change(removed=(worker_id,))
+        """The worker's etcd record is gone: the worker, or all of its ranks."""
+        removed = []
+        for tid in self._targets_of(worker_id):
+            if not self._linger(tid):
+                del self._workers[tid]
+                removed.append(tid)
+        return Change(removed=tuple(removed)) if removed else Change()
+
+    def _targets_of(self, worker_id: WorkerId) -> list[WorkerId]:
+        """The target ids of a registered worker: its own, or its ranks'."""
+        return [t for t in self._workers if t == worker_id or split_target(t)[0] == worker_id]
 
     def _linger(self, worker_id: WorkerId) -> bool:
         """Keeps a serving worker whose record vanished while its load stream is live."""
@@ -217,7 +243,7 @@ class WorkerSet:
                     block_size=first.block_size,
                     vocab_size=first.vocab_size,
                     model_path=first.model_path,
-                    workers=len(views),
+                    workers=len({split_target(v.record.worker_id)[0] for v in views}),
                 )
             )
         return out

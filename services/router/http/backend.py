@@ -19,6 +19,8 @@ from kvmesh.telemetry import tracer
 from kvmesh.tls import Tls, open_channel
 from kvmesh.v1 import router_pb2, router_pb2_grpc
 
+from ..continuation import Prior
+
 _tracer = tracer(__name__)
 GENERATE_SPAN = "/kvmesh.v1.Router/Generate"  # the name the gRPC API's server span has
 
@@ -66,6 +68,18 @@ async def count_tokens(
     finally:
         await stream.aclose()
     raise errors.Unavailable("the router ended the stream without an answer")
+
+
+@runtime_checkable
+class PromptRenderer(Protocol):
+    """A backend that renders a chat request's prompt to token ids, extending a previous turn's
+    ids exactly when it can (the in-process router: its tokenizer and chat template). The
+    Responses API's stored conversations need it: the next turn's prompt is built from the
+    stored ids, and sent as token ids."""
+
+    async def render_prompt(
+        self, request: router_pb2.GenerateRequest, prior: Prior | None, new_from: int
+    ) -> tuple[list[int], bool]: ...
 
 
 def error_from_rpc(exc: grpc.aio.AioRpcError) -> errors.KvmeshError:
@@ -121,6 +135,10 @@ class RouterStream(Protocol):
 
     async def count_tokens(self, request: router_pb2.GenerateRequest) -> int: ...
 
+    async def render_prompt(
+        self, request: router_pb2.GenerateRequest, prior: Prior | None, new_from: int
+    ) -> tuple[list[int], bool]: ...
+
 
 class InProcessRouterBackend:
     """The router's own servicer, called in its process: what ``kvmesh router`` serves HTTP
@@ -169,6 +187,11 @@ class InProcessRouterBackend:
 
     async def count_tokens(self, request: router_pb2.GenerateRequest, timeout_s: float) -> int:
         return await self._servicer.count_tokens(request)
+
+    async def render_prompt(
+        self, request: router_pb2.GenerateRequest, prior: Prior | None, new_from: int
+    ) -> tuple[list[int], bool]:
+        return await self._servicer.render_prompt(request, prior, new_from)
 
     async def close(self) -> None:
         pass

@@ -36,6 +36,16 @@ class MethodNotAllowed(errors.InvalidArgument):
     """The path exists but not for this HTTP method."""
 
 
+class ResponseNotFound(errors.NotFound):
+    """No stored response by that id (never stored, expired, deleted, or another tenant's);
+    ``param`` and ``openai_code`` as OpenAI answers them."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        self.openai_code = code
+
+
 @dataclass(frozen=True, slots=True)
 class HttpStatus:
     status: int
@@ -47,6 +57,7 @@ class HttpStatus:
 HTTP_OF: dict[type[BaseException], HttpStatus] = {
     MethodNotAllowed: HttpStatus(405, "invalid_request_error", "method_not_allowed"),
     UnknownRoute: HttpStatus(404, "invalid_request_error", "unknown_url"),
+    ResponseNotFound: HttpStatus(404, "invalid_request_error", None),
     BadRequest: HttpStatus(400, "invalid_request_error", None),
     errors.Unauthenticated: HttpStatus(401, "invalid_request_error", "invalid_api_key"),
     errors.PermissionDenied: HttpStatus(403, "invalid_request_error", "permission_denied"),
@@ -76,9 +87,8 @@ def error_body(exc: BaseException, request_id: str = "") -> tuple[int, dict[str,
     else:
         message = str(exc)
     param = getattr(exc, "param", None)
-    return st.status, {
-        "error": {"message": message, "type": st.type, "param": param, "code": st.code}
-    }
+    code = getattr(exc, "openai_code", None) or st.code
+    return st.status, {"error": {"message": message, "type": st.type, "param": param, "code": code}}
 
 
 def retry_after_headers(exc: BaseException) -> dict[str, str]:

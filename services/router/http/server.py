@@ -22,7 +22,8 @@ from kvmesh import __version__, errors
 from kvmesh.tls import Tls
 
 from ..core.auth import KeyTable, static_table
-from . import anthropic_http, choices, extensions, parsing, rendering
+from ..state import ResponseStore
+from . import anthropic_http, choices, extensions, parsing, rendering, responses_http
 from .auth import api_key_middleware, identity_of
 from .backend import GrpcRouterBackend, RouterBackend
 from .cors import CorsPolicy
@@ -101,8 +102,9 @@ def sse(payload: dict[str, Any]) -> bytes:
 
 
 class OpenAIServer:
-    """OpenAI-compatible HTTP (``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``)
-    in front of the router's gRPC API at ``router_address``, served on ``host:port`` (0: a free
+    """OpenAI-compatible HTTP (``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``;
+    Anthropic's ``/v1/messages``; with a ``responses_store``, ``/v1/responses``) in front of
+    the router's gRPC API at ``router_address``, served on ``host:port`` (0: a free
     port, see ``port`` after ``start``). Runs on the caller's asyncio loop.
 
     ``keys``: the API key table in force (``core.auth``; docs/tenants.md), checked per request
@@ -139,10 +141,13 @@ class OpenAIServer:
         vllm_versions: Callable[[], Iterable[str]] | None = None,
         ssl_context: ssl.SSLContext | None = None,
         router_tls: Tls | None = None,
+        responses_store: ResponseStore | None = None,
     ) -> None:
         """``ssl_context``: serve HTTPS with it (``kvmesh.tls.Tls.server_ssl_context``, the
         router's certificate); None: plain HTTP. ``router_tls``: the TLS of the channel to
-        ``router_address`` (``kvmesh/tls.py``)."""
+        ``router_address`` (``kvmesh/tls.py``). ``responses_store``: serve the Responses API
+        (``/v1/responses``) with its state there (``services/router/state``; the caller closes
+        it); None: not served."""
         if backend is None and not router_address:
             raise ValueError("OpenAIServer needs router_address or backend")
         self.router_address = router_address
@@ -168,6 +173,7 @@ class OpenAIServer:
         self._vllm_versions = vllm_versions
         self._ssl = ssl_context
         self._router_tls = router_tls
+        self._responses_store = responses_store
         self._runner: web.AppRunner | None = None
         self._created = int(time.time())
 
@@ -191,6 +197,15 @@ class OpenAIServer:
             timeout_s=self._timeout_s,
             models_timeout_s=self._models_timeout_s,
         ).add_routes(app)  # POST /v1/messages, /v1/messages/count_tokens
+        if self._responses_store is not None:  # POST /v1/responses, GET and DELETE its {id}
+            responses_http.ResponsesEndpoints(
+                lambda: self.backend,
+                self._responses_store,
+                self._read_json,
+                timeout_s=self._timeout_s,
+                models_timeout_s=self._models_timeout_s,
+                default_max_tokens=self._default_max_tokens,
+            ).add_routes(app)
         app.router.add_get("/health", self._health)
         app.router.add_get("/version", self._version)
         if self._registry is not None:
