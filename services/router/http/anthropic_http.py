@@ -27,6 +27,7 @@ from .errors import (
     UnknownRoute,
     retry_after_headers,
 )
+from .sse import open_event_stream
 
 log = logging.getLogger(__name__)
 
@@ -144,16 +145,7 @@ class AnthropicEndpoints:
         after the headers is an ``error`` event, which the SDKs raise. A client that goes away
         makes a write fail, which closes ``stream`` and cancels the router call."""
         rid = out.request.id
-        resp = web.StreamResponse(
-            status=200,
-            headers={
-                "Content-Type": "text/event-stream",
-                "Cache-Control": "no-cache",
-                "request-id": rid,
-                "x-request-id": rid,
-            },
-        )
-        await resp.prepare(request)
+        resp = await open_event_stream(request, rid, {"request-id": rid})
         try:
             for event, data in out.start():
                 await resp.write(sse_event(event, _encode(data)))

@@ -34,6 +34,7 @@ from .backend import PromptRenderer, RouterBackend, first_message
 from .errors import error_body, retry_after_headers
 from .responses import ResponsesRequest
 from .responses_stream import ResponseCollector, ResponseEvents
+from .sse import open_event_stream
 
 log = logging.getLogger(__name__)
 
@@ -220,15 +221,7 @@ class ResponsesEndpoints:
         before its ``response.completed`` goes out, so a client chaining at once finds it. An
         error after the headers is an ``error`` event."""
         rid = out.request.id
-        resp = web.StreamResponse(
-            status=200,
-            headers={
-                "Content-Type": "text/event-stream",
-                "Cache-Control": "no-cache",
-                "x-request-id": rid,
-            },
-        )
-        await resp.prepare(request)
+        resp = await open_event_stream(request, rid)
         try:
             for event, data in out.start():
                 await resp.write(sse_event(event, _encode(data)))

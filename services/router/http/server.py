@@ -36,6 +36,7 @@ from .errors import (
     retry_after_headers,
 )
 from .fanout import FanOut
+from .sse import open_event_stream
 
 log = logging.getLogger(__name__)
 
@@ -469,15 +470,7 @@ class OpenAIServer:
         object, not in headers. A client that goes away makes a write (or the handler) fail,
         which closes ``stream`` and cancels the router call."""
         rid = out.request.id
-        resp = web.StreamResponse(
-            status=200,
-            headers={
-                "Content-Type": "text/event-stream",
-                "Cache-Control": "no-cache",
-                "x-request-id": rid,
-            },
-        )
-        await resp.prepare(request)
+        resp = await open_event_stream(request, rid)
         try:
             while True:
                 for payload in out.feed(msg):
