@@ -90,8 +90,25 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "--admission-queue-max-requests 64 --admission-queue-ttl-s 10",
         help="flags of the router in the admission mode (beside --admission)",
     )
+    p.add_argument(
+        "--worker-args",
+        default="",
+        help="more flags of every simulated worker (e.g. --long-prefill-token-threshold 64)",
+    )
+    p.add_argument(
+        "--floor",
+        action="store_true",
+        help="instead: the interactive TTFT floor on one simulated engine in virtual time, per "
+        "engine and low-band limits (benchmarks/priority/floor.py; a second, no processes)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="one JSON object per mode")
+    p.add_argument(
+        "--results-jsonl",
+        type=Path,
+        default=None,
+        help="write every request's result (phase, tenant, TTFT, engine queue and prefill) here",
+    )
     p.set_defaults(func=run)
 
 
@@ -154,6 +171,7 @@ async def mesh(a: argparse.Namespace, tmp: Path) -> AsyncIterator[tuple[LocalEtc
                             f"--etcd={etcd.endpoint}",
                             "--metrics-port=-1",
                             "--log-level=WARNING",
+                            *a.worker_args.split(),
                         ],
                         tmp / f"worker-{i}.log",
                         "KVMESH_WORKER_READY",
@@ -386,6 +404,12 @@ async def run_mode(
             rows += summarize("burst", in_burst, a.burst_s)
             fleet_busy = await busy
             client_lag = await lag
+            if a.results_jsonl is not None:
+                with a.results_jsonl.open("a") as f:
+                    for phase, rs in (("alone", alone), ("burst", burst)):
+                        for r in rs:
+                            f.write(json.dumps({"mode": mode, "phase": phase, **asdict(r)}))
+                            f.write("\n")
     finally:
         await stop(router)
         await settle(workers)
@@ -446,6 +470,11 @@ async def _main(a: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def run(a: argparse.Namespace) -> int:
+    if a.floor:
+        from .floor import main as floor_main
+
+        print(floor_main())
+        return 0
     reports = asyncio.run(_main(a))
     if a.json:
         for rep in reports:

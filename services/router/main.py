@@ -204,6 +204,8 @@ async def start_router(
             host.callback(key_file.close)
         host.callback(executor.shutdown, False, cancel_futures=True)
         host.callback(pool.close)
+        if servicer.admission is not None:  # its pump, and the shared rate limits' client
+            host.callback(servicer.admission.close)
         host.callback(kv_sync.close)
         host.callback(tier_sync.close)
         port = await host.start_server()

@@ -66,6 +66,13 @@ class AdmissionConfig:
         "prefilled would take this long at its measured prefill rate (the wait before a new "
         "request's prefill starts), seconds; 0: not a signal",
     )
+    engines_by_priority: bool = setting(
+        False,
+        "the workers schedule by priority (kvmesh worker --scheduling-policy priority): a "
+        "request's prefill waits only for the prefills of its band and higher there, so the "
+        "prefill-backlog limit counts only those (a lower band's long prefill does not hold a "
+        "higher band's request in the router)",
+    )
     prefill_s_per_token: float = setting(
         5e-5, "prefill time per token until the workers have reported their own, seconds"
     )
@@ -106,6 +113,16 @@ class AdmissionConfig:
     reserve_priority: int = setting(
         1, "requests of at least this priority may use the --admission-reserve"
     )
+    redis_url: str = setting(
+        "",
+        "Redis shared by every router of the cluster, redis://[:password@]host:port/db, "
+        "rediss:// or unix:// (a password: set it in the environment, not a flag): per-tenant "
+        "rate limits hold over all routers together; empty: each router over its own requests "
+        "(docs/tenants.md)",
+    )
+    redis_timeout_s: float = setting(
+        0.5, "deadline of one shared rate-limit call, seconds (then the router's own buckets)"
+    )
     pump_interval_s: float = setting(
         0.02,
         "while requests wait, how often the workers' state is looked at again (beside every "
@@ -130,6 +147,7 @@ class AdmissionConfig:
             "drain-window-s": self.drain_window_s,
             "pump-interval-s": self.pump_interval_s,
             "prefill-s-per-token": self.prefill_s_per_token,
+            "redis-timeout-s": self.redis_timeout_s,
         }
         for name, v in positive.items():
             if not v > 0.0:
@@ -146,6 +164,10 @@ class AdmissionConfig:
         if not 0.0 <= self.reserve < 1.0:
             raise InvalidArgument(
                 f"--admission-reserve is {self.reserve}; use a fraction in [0, 1)"
+            )
+        if self.redis_url and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise InvalidArgument(
+                "--admission-redis-url does not start with redis://, rediss:// or unix://"
             )
         if not self.retry_after_max_s >= self.retry_after_min_s:
             raise InvalidArgument(
