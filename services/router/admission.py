@@ -228,11 +228,15 @@ class AdmissionGate:
                 lambda wid: ledger.tally(wid).prefill_tokens * rates.s_per_token(wid),
                 share,
             )
+        # An engine that schedules by priority serves this band before the lower ones in its
+        # queue: its reported queue (all bands together) says nothing of this band's wait, the
+        # ledger's backlog of this band and higher does. The lowest bands still look at it.
         return capacity(
             views,
             self.config,
             lambda wid: ledger.tally(wid).prefill_tokens_from(band) * rates.s_per_token(wid),
             share,
+            queue_signal=band < self.config.reserve_priority,
         )
 
     def free_slots(self, model: str) -> tuple[Capacity, FreeSlots]:

@@ -259,7 +259,12 @@ async def start_router(
                 ", ".join(behind),
             )
         router_id = config.router_id or f"{socket.gethostname()}-{port}"
-        record = RouterRecord(router_id=router_id, address=host.address, version=__version__)
+        record = RouterRecord(
+            router_id=router_id,
+            address=host.address,
+            version=__version__,
+            metrics_url=host.metrics_server.url if host.metrics_server is not None else "",
+        )
         servicer.not_ready = "registering in etcd"
         await host.register(
             config.etcd_endpoints,

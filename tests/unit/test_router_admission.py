@@ -346,6 +346,26 @@ def test_a_request_that_would_wait_past_its_ttl_is_refused_at_once() -> None:
     assert f.arrive("b", priority=3).state is State.QUEUED  # nobody ahead in its band
 
 
+def test_the_predicted_wait_counts_the_tenants_turn_not_the_whole_band() -> None:
+    """A heavy tenant's long queue predicts a long wait for its own next request, not for a
+    light tenant's, which the fair order serves in turn: the light one is queued, not refused
+    for the heavy one's backlog."""
+    f = Fleet(slots=1, queue_ttl_s=3.5)
+    f.arrive("heavy")
+    for _ in range(6):  # 1 completion per second
+        f.clock.now += 1.0
+        f.finish()
+        f.arrive("heavy")
+    for _ in range(3):
+        f.arrive("heavy")  # 3 of heavy's wait now (and one runs)
+    late = f.arrive("heavy")  # 3 ahead: 4 s at 1/s > 3.5 s
+    assert late.rejection is not None and late.rejection.reason is Reason.PREDICTED_WAIT
+    light = f.arrive("light")  # 1 of heavy's goes before it (its counter is level): ~2 s
+    assert light.state is State.QUEUED
+    assert next(t for t in f.order() if t.tenant == "light") is light
+    assert light.wait_s <= 3.0
+
+
 def test_the_precheck_refuses_a_full_band_before_any_work() -> None:
     f = Fleet(slots=1, queue_max_requests=2)
     assert f.fc.precheck(M, "a", 0, 0) is None

@@ -451,7 +451,7 @@ class FlowControl:
             changed.append(victim)
         if cfg.reject_predicted_wait:
             rate = flow.drain.rate(now)
-            ahead = flow.queued_at_or_above(priority) + len(flow.granted)
+            ahead = self._ahead_of(flow, band, tenant)
             if rate > 0.0 and (ahead + 1) / rate > t.expires_s - now:
                 rejection = Rejection(
                     Reason.PREDICTED_WAIT,
@@ -725,6 +725,16 @@ class FlowControl:
         if not flow.granted:
             return None
         return min(flow.granted, key=lambda t: (t.band, -t.seq))
+
+    def _ahead_of(self, flow: _Flow, band: _Band, tenant: str) -> int:
+        """Requests that would start before a new one of ``tenant`` in ``band``: the higher
+        bands' waiting ones, the grants not yet started, its own tenant's queue, and of every
+        other tenant of the band at most as many as that plus one (the fair order takes turns;
+        a tenant with a long queue does not make another tenant's request wait behind all of
+        it, which would refuse the lighter tenant for the heavy one's backlog)."""
+        mine = len(band.queues.get(tenant, ()))
+        others = sum(min(len(q), mine + 1) for t, q in band.queues.items() if t != tenant)
+        return flow.queued_at_or_above(band.priority + 1) + len(flow.granted) + mine + others
 
     def _retry_after(self, flow: _Flow, priority: int, now: float) -> float:
         rate = flow.drain.rate(now)
