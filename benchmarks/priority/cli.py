@@ -275,7 +275,7 @@ class Load:
             if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
                 trailers = {k: v for k, v in exc.trailing_metadata() or ()}
                 retry = trailers.get("retry-after")
-                later = ("made room", "pre-empted", "queue TTL")  # core/admission.py's words
+                later = ("made room", "pre-empted", "(the queue TTL)")  # core/admission.py
                 details = exc.details() or ""
                 r = Result(
                     load.name,

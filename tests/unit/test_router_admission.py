@@ -366,6 +366,24 @@ def test_the_predicted_wait_counts_the_tenants_turn_not_the_whole_band() -> None
     assert light.wait_s <= 3.0
 
 
+def test_the_predicted_wait_counts_turns_by_cost() -> None:
+    """A light tenant's second costly request waits for as many of the heavy tenant's cheap
+    ones as the fair order grants first: its counter then is 300 ahead, so 4 of the heavy
+    tenant's 100-token requests go before it."""
+    f = Fleet(slots=1, queue_ttl_s=4.5)
+    f.arrive("heavy")
+    for _ in range(6):  # 1 completion per second
+        f.clock.now += 1.0
+        f.finish()
+        f.arrive("heavy")
+    for _ in range(5):
+        f.arrive("heavy")  # 6 wait (each costs 100)
+    assert f.arrive("light", uncached=300).state is State.QUEUED  # 1 heavy ahead: 2 s
+    late = f.arrive("light", uncached=300)  # its own + 4 of heavy's: 6 s at 1/s
+    assert late.rejection is not None and late.rejection.reason is Reason.PREDICTED_WAIT
+    assert "5 request(s) wait ahead" in late.rejection.message
+
+
 def test_the_precheck_refuses_a_full_band_before_any_work() -> None:
     f = Fleet(slots=1, queue_max_requests=2)
     assert f.fc.precheck(M, "a", 0, 0) is None

@@ -728,13 +728,24 @@ class FlowControl:
 
     def _ahead_of(self, flow: _Flow, band: _Band, tenant: str) -> int:
         """Requests that would start before a new one of ``tenant`` in ``band``: the higher
-        bands' waiting ones, the grants not yet started, its own tenant's queue, and of every
-        other tenant of the band at most as many as that plus one (the fair order takes turns;
-        a tenant with a long queue does not make another tenant's request wait behind all of
-        it, which would refuse the lighter tenant for the heavy one's backlog)."""
-        mine = len(band.queues.get(tenant, ()))
-        others = sum(min(len(q), mine + 1) for t, q in band.queues.items() if t != tenant)
-        return flow.queued_at_or_above(band.priority + 1) + len(flow.granted) + mine + others
+        bands' waiting ones, the grants not yet started, its tenant's own queue, and of every
+        other tenant of the band those the fair order grants first (while that tenant's counter,
+        growing by each one's cost, is not past the level this tenant's counter reaches when
+        the new request is at its head). Not the whole band: a tenant with a long queue must
+        not get a light tenant refused for its backlog."""
+        mine = band.queues.get(tenant, ())
+        level = band.counters.get(tenant, band.level()) + sum(t.cost for t in mine)
+        others = 0
+        for other, queue in band.queues.items():
+            if other == tenant:
+                continue
+            c = band.counters[other]
+            for t in queue:
+                if c > level:
+                    break
+                others += 1
+                c += t.cost
+        return flow.queued_at_or_above(band.priority + 1) + len(flow.granted) + len(mine) + others
 
     def _retry_after(self, flow: _Flow, priority: int, now: float) -> float:
         rate = flow.drain.rate(now)
