@@ -343,6 +343,10 @@ def test_a_request_that_would_wait_past_its_ttl_is_refused_at_once() -> None:
     late = f.arrive("a")  # 2 ahead: 3 s > 2 s
     assert late.rejection is not None and late.rejection.reason is Reason.PREDICTED_WAIT
     assert late.rejection.retry_after_s == pytest.approx(3.0, rel=0.05)
+    # The same refusal before any work on the prompt (it needs no cost).
+    early = f.fc.precheck(M, "a", 0, f.free())
+    assert early is not None and early.reason is Reason.PREDICTED_WAIT
+    assert f.fc.precheck(M, "b", 3, f.free()) is None
     assert f.arrive("b", priority=3).state is State.QUEUED  # nobody ahead in its band
 
 

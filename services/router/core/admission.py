@@ -354,8 +354,10 @@ class FlowControl:
     def precheck(
         self, model: str, tenant: str, priority: int, free_slots: FreeSlots
     ) -> Rejection | None:
-        """The refusal a request of this band would get now for a full queue, before its
-        prompt is tokenized (cheap: no cost is needed); None: it may come in."""
+        """The refusal a request of this band would get now for a full queue or a predicted
+        wait past the TTL, before its prompt is tokenized and hashed (cheap: neither needs its
+        cost; under a burst most refusals are decided here, so the prompts of requests that
+        are refused anyway take no CPU from the others); None: it may come in."""
         flow = self._flows.get(model)
         if flow is None:
             return None
@@ -364,11 +366,36 @@ class FlowControl:
         ):
             return None
         band = flow.bands.get(priority)
-        if band is None or band.queued < self.config.queue_max_requests:
+        if band is not None and band.queued >= self.config.queue_max_requests:
+            if self._hog(band, tenant) is None:
+                return self._full(flow, priority)
             return None
-        if self._hog(band, tenant) is None:
-            return self._full(flow, priority)
-        return None
+        return self._predicted_wait(flow, band, tenant, priority, self.config.queue_ttl_s)
+
+    def _predicted_wait(
+        self, flow: _Flow, band: _Band | None, tenant: str, priority: int, left_s: float
+    ) -> Rejection | None:
+        """The refusal of a request whose predicted wait is past ``left_s`` (its TTL or
+        deadline); None: it may wait."""
+        cfg = self.config
+        if not cfg.reject_predicted_wait:
+            return None
+        rate = flow.drain.rate(self._clock())
+        if rate <= 0.0:
+            return None
+        if band is None:
+            ahead = flow.queued_at_or_above(priority + 1) + len(flow.granted)
+        else:
+            ahead = self._ahead_of(flow, band, tenant)
+        if (ahead + 1) / rate <= left_s:
+            return None
+        return Rejection(
+            Reason.PREDICTED_WAIT,
+            f"the fleet is saturated and {ahead} request(s) wait ahead of this one at "
+            f"{rate:.1f}/s: it would not start within its queue TTL "
+            f"({cfg.queue_ttl_s:g} s); retry after the Retry-After",
+            self._clamp((ahead + 1) / rate),
+        )
 
     @staticmethod
     def _hog(band: _Band, tenant: str) -> str | None:
@@ -449,18 +476,9 @@ class FlowControl:
                 self._retry_after(flow, victim.band, now),
             )
             changed.append(victim)
-        if cfg.reject_predicted_wait:
-            rate = flow.drain.rate(now)
-            ahead = self._ahead_of(flow, band, tenant)
-            if rate > 0.0 and (ahead + 1) / rate > t.expires_s - now:
-                rejection = Rejection(
-                    Reason.PREDICTED_WAIT,
-                    f"the fleet is saturated and {ahead} request(s) wait ahead of this one at "
-                    f"{rate:.1f}/s: it would not start within its queue TTL "
-                    f"({cfg.queue_ttl_s:g} s); retry after the Retry-After",
-                    self._clamp((ahead + 1) / rate),
-                )
-                return self._refuse(flow, band, t, rejection), changed
+        rejection = self._predicted_wait(flow, band, tenant, priority, t.expires_s - now)
+        if rejection is not None:
+            return self._refuse(flow, band, t, rejection), changed
         self._enqueue(flow, band, t)
         t.waited = True
         changed += self.pump(model, free_slots)
@@ -734,7 +752,10 @@ class FlowControl:
         the new request is at its head). Not the whole band: a tenant with a long queue must
         not get a light tenant refused for its backlog."""
         mine = band.queues.get(tenant, ())
-        level = band.counters.get(tenant, band.level()) + sum(t.cost for t in mine)
+        start = band.counters.get(tenant, band.level())
+        if not mine:  # becoming backlogged: lifted to the level (arrive)
+            start = max(start, band.level())
+        level = start + sum(t.cost for t in mine)
         others = 0
         for other, queue in band.queues.items():
             if other == tenant:
