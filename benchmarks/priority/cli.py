@@ -14,6 +14,10 @@ refused (429 / RESOURCE_EXHAUSTED) and failed (deadline), TTFT p50 / p99, answer
 uncached prompt tokens and the refusals' latency; then the interactive tenant's TTFT p99 under
 the burst against without it, Jain's index of batch and flood over their uncached tokens served
 during the burst, and how busy the fleet was (share of samples with a running request).
+``--results-jsonl`` also writes every request's result (TTFT, the engine's queue and prefill
+time); ``--worker-args`` passes flags to the workers (``--long-prefill-token-threshold``);
+``--floor`` prints instead the interactive TTFT floor on one simulated engine in virtual time
+(``floor.py``).
 """
 
 from __future__ import annotations
