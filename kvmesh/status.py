@@ -1,6 +1,7 @@
 """``kvmesh status``: the cluster at a glance. Reads the cluster's records from etcd (workers,
 kvmanagers, routers), then asks every service in parallel, each under a short deadline: workers
-for GetLoad and GetInfo, kvmanagers for GetInfo (tier fill), routers for their gRPC health. A
+for GetLoad and GetInfo, kvmanagers for GetInfo (tier fill), routers for their gRPC health and
+the tenants' flow control on their /metrics (queued, admitted, rejected, tokens). A
 service that does not answer shows as unreachable with the reason; only etcd not answering is an
 error.
 
@@ -89,6 +90,19 @@ class RouterStatus:
 
 
 @dataclass(frozen=True, slots=True)
+class TenantStatus:
+    """One tenant's flow control, summed over the routers' /metrics (every model and band)."""
+
+    tenant: str  # the key file's name; "-" on an open router
+    queued: int = 0  # waiting now
+    admitted: int = 0
+    rejected: int = 0
+    rejected_by: tuple[tuple[str, int], ...] = ()  # (reason, count), most first
+    uncached_tokens: int = 0  # prompt tokens prefilled for it
+    output_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class ClusterStatus:
     cluster: str
     etcd: str  # the endpoint(s) read
@@ -96,6 +110,7 @@ class ClusterStatus:
     kvmanagers: tuple[KvManagerStatus, ...] = ()
     routers: tuple[RouterStatus, ...] = ()
     bad_records: tuple[str, ...] = field(default=())  # keys whose value could not be parsed
+    tenants: tuple[TenantStatus, ...] = ()  # from the routers' /metrics (flow control on)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -179,6 +194,88 @@ async def _kvmanager(rec: KvManagerRecord, timeout_s: float, tls: Tls | None) ->
     return replace(base, reachable=True, tiers=tiers)
 
 
+TENANT_METRICS = (
+    "kvmesh_router_admission_queue_depth",
+    "kvmesh_router_admission_admitted_total",
+    "kvmesh_router_admission_rejected_total",
+    "kvmesh_router_tenant_tokens_total",
+)
+
+
+def tenant_samples(text: str) -> list[tuple[str, dict[str, str], float]]:
+    """The flow-control samples of one router's Prometheus text (name, labels, value)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = []
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in TENANT_METRICS:
+                out.append((sample.name, dict(sample.labels), float(sample.value)))
+    return out
+
+
+def tenants_of(samples: Sequence[tuple[str, dict[str, str], float]]) -> tuple[TenantStatus, ...]:
+    """Sums the samples of every router per tenant (pure)."""
+    acc: dict[str, dict[str, float]] = {}
+    reasons: dict[str, dict[str, float]] = {}
+    for name, labels, value in samples:
+        tenant = labels.get("tenant", "-")
+        row = acc.setdefault(tenant, {})
+        if name == "kvmesh_router_admission_queue_depth":
+            row["queued"] = row.get("queued", 0.0) + value
+        elif name == "kvmesh_router_admission_admitted_total":
+            row["admitted"] = row.get("admitted", 0.0) + value
+        elif name == "kvmesh_router_admission_rejected_total":
+            row["rejected"] = row.get("rejected", 0.0) + value
+            by = reasons.setdefault(tenant, {})
+            reason = labels.get("reason", "?")
+            by[reason] = by.get(reason, 0.0) + value
+        elif labels.get("kind") in ("prompt-uncached", "output"):
+            key = "uncached" if labels["kind"] == "prompt-uncached" else "output"
+            row[key] = row.get(key, 0.0) + value
+    out = []
+    for tenant, row in sorted(acc.items()):
+        counts = sorted(
+            ((r, int(n)) for r, n in reasons.get(tenant, {}).items() if n), key=lambda x: -x[1]
+        )
+        out.append(
+            TenantStatus(
+                tenant,
+                int(row.get("queued", 0)),
+                int(row.get("admitted", 0)),
+                int(row.get("rejected", 0)),
+                tuple(counts),
+                int(row.get("uncached", 0)),
+                int(row.get("output", 0)),
+            )
+        )
+    return tuple(t for t in out if t.queued or t.admitted or t.rejected or t.output_tokens)
+
+
+async def _router_metrics(
+    rec: RouterRecord, timeout_s: float
+) -> list[tuple[str, dict[str, str], float]]:
+    """The router's flow-control samples; none when it publishes no metrics URL or does not
+    answer within ``timeout_s`` (its row says whether it is reachable)."""
+    if not rec.metrics_url:
+        return []
+    import aiohttp
+
+    try:
+        timeout = aiohttp.ClientTimeout(total=timeout_s)
+        async with (
+            aiohttp.ClientSession(timeout=timeout) as session,
+            session.get(rec.metrics_url) as resp,
+        ):
+            if resp.status != 200:
+                return []
+            text = await resp.text()
+    except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+        log.info("router %s metrics at %s: %s", rec.router_id, rec.metrics_url, _describe(exc))
+        return []
+    return tenant_samples(text)
+
+
 async def _router(rec: RouterRecord, timeout_s: float, tls: Tls | None) -> RouterStatus:
     base = RouterStatus(router_id=rec.router_id, address=rec.address, version=rec.version)
 
@@ -239,10 +336,11 @@ async def gather(
         except (ValueError, KeyError, TypeError) as exc:
             log.warning("unreadable record %s: %s", key, exc)
             bad.append(key)
-    w, k, r = await asyncio.gather(
+    w, k, r, m = await asyncio.gather(
         asyncio.gather(*(_worker(x, timeout_s, tls) for x in workers)),
         asyncio.gather(*(_kvmanager(x, timeout_s, tls) for x in kvmanagers)),
         asyncio.gather(*(_router(x, timeout_s, tls) for x in routers)),
+        asyncio.gather(*(_router_metrics(x, timeout_s) for x in routers)),
     )
     return ClusterStatus(
         cluster=cluster,
@@ -251,6 +349,7 @@ async def gather(
         kvmanagers=tuple(sorted(k, key=lambda s: s.kvmanager_id)),
         routers=tuple(sorted(r, key=lambda s: s.router_id)),
         bad_records=tuple(bad),
+        tenants=tenants_of([sample for samples in m for sample in samples]),
     )
 
 
@@ -355,6 +454,22 @@ def format_table(s: ClusterStatus) -> str:
             if r.error:
                 problems.append(f"router {r.router_id}: {r.error}")
         out += _table(["ID", "STATE", "ADDRESS", "VERSION"], rows, right=set())
+    if s.tenants:
+        out += ["", f"TENANTS ({len(s.tenants)}, flow control over every router)"]
+        rows = [
+            [
+                t.tenant,
+                _num(t.queued),
+                _num(t.admitted),
+                _num(t.rejected),
+                ", ".join(f"{r} {n}" for r, n in t.rejected_by) or "-",
+                _num(t.uncached_tokens),
+                _num(t.output_tokens),
+            ]
+            for t in s.tenants
+        ]
+        header = ["TENANT", "QUEUED", "ADMITTED", "REJECTED", "BY REASON", "UNCACHED", "OUTPUT"]
+        out += _table(header, rows, right={1, 2, 3, 5, 6})
     for key in s.bad_records:
         problems.append(f"unreadable etcd record {key}")
     if problems:

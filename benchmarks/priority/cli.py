@@ -14,6 +14,10 @@ refused (429 / RESOURCE_EXHAUSTED) and failed (deadline), TTFT p50 / p99, answer
 uncached prompt tokens and the refusals' latency; then the interactive tenant's TTFT p99 under
 the burst against without it, Jain's index of batch and flood over their uncached tokens served
 during the burst, and how busy the fleet was (share of samples with a running request).
+``--results-jsonl`` also writes every request's result (TTFT, the engine's queue and prefill
+time); ``--worker-args`` passes flags to the workers (``--long-prefill-token-threshold``);
+``--floor`` prints instead the interactive TTFT floor on one simulated engine in virtual time
+(``floor.py``).
 """
 
 from __future__ import annotations
@@ -90,8 +94,25 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "--admission-queue-max-requests 64 --admission-queue-ttl-s 10",
         help="flags of the router in the admission mode (beside --admission)",
     )
+    p.add_argument(
+        "--worker-args",
+        default="",
+        help="more flags of every simulated worker (e.g. --long-prefill-token-threshold 64)",
+    )
+    p.add_argument(
+        "--floor",
+        action="store_true",
+        help="instead: the interactive TTFT floor on one simulated engine in virtual time, per "
+        "engine and low-band limits (benchmarks/priority/floor.py; a second, no processes)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="one JSON object per mode")
+    p.add_argument(
+        "--results-jsonl",
+        type=Path,
+        default=None,
+        help="write every request's result (phase, tenant, TTFT, engine queue and prefill) here",
+    )
     p.set_defaults(func=run)
 
 
@@ -154,6 +175,7 @@ async def mesh(a: argparse.Namespace, tmp: Path) -> AsyncIterator[tuple[LocalEtc
                             f"--etcd={etcd.endpoint}",
                             "--metrics-port=-1",
                             "--log-level=WARNING",
+                            *a.worker_args.split(),
                         ],
                         tmp / f"worker-{i}.log",
                         "KVMESH_WORKER_READY",
@@ -257,7 +279,7 @@ class Load:
             if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
                 trailers = {k: v for k, v in exc.trailing_metadata() or ()}
                 retry = trailers.get("retry-after")
-                later = ("made room", "pre-empted", "queue TTL")  # core/admission.py's words
+                later = ("made room", "pre-empted", "(the queue TTL)")  # core/admission.py
                 details = exc.details() or ""
                 r = Result(
                     load.name,
@@ -386,6 +408,12 @@ async def run_mode(
             rows += summarize("burst", in_burst, a.burst_s)
             fleet_busy = await busy
             client_lag = await lag
+            if a.results_jsonl is not None:
+                with a.results_jsonl.open("a") as f:
+                    for phase, rs in (("alone", alone), ("burst", burst)):
+                        for r in rs:
+                            f.write(json.dumps({"mode": mode, "phase": phase, **asdict(r)}))
+                            f.write("\n")
     finally:
         await stop(router)
         await settle(workers)
@@ -446,6 +474,11 @@ async def _main(a: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def run(a: argparse.Namespace) -> int:
+    if a.floor:
+        from .floor import main as floor_main
+
+        print(floor_main())
+        return 0
     reports = asyncio.run(_main(a))
     if a.json:
         for rep in reports:

@@ -171,6 +171,7 @@ class RouterRecord:
     router_id: str
     address: str
     version: str = ""
+    metrics_url: str = ""  # its Prometheus /metrics ("" : none); kvmesh status reads tenants there
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -179,7 +180,10 @@ class RouterRecord:
     def from_json(cls, raw: str | bytes) -> RouterRecord:
         data = json.loads(raw)
         return cls(
-            router_id=data["router_id"], address=data["address"], version=data.get("version", "")
+            router_id=data["router_id"],
+            address=data["address"],
+            version=data.get("version", ""),
+            metrics_url=data.get("metrics_url", ""),
         )
 
 

@@ -30,6 +30,7 @@ from .core.scheduler.rates import PrefillRates
 from .core.types import RouteRequest
 from .core.workers import WorkerSet
 from .metrics import AdmissionMetrics
+from .shared_limits import SharedRateLimiter
 
 log = logging.getLogger(__name__)
 NO_LIMITS = Limits()
@@ -45,14 +46,22 @@ class AdmissionGate:
         metrics: AdmissionMetrics,
         keyed: bool = False,
         clock: Callable[[], float] = time.monotonic,
+        cluster: str = "default",
     ) -> None:
-        """``keyed``: tenants come from API keys (metric labels carry their names)."""
+        """``keyed``: tenants come from API keys (metric labels carry their names);
+        ``cluster``: the prefix of the shared rate limits' keys (``config.redis_url``)."""
         self.config = config
         self.flow = FlowControl(config, clock)
         self._workers = workers
         self._scheduler = policy if isinstance(policy, Scheduler) else None
         self._rates = PrefillRates(config.prefill_s_per_token)
         self._limiter = RateLimiter(clock)
+        self._shared = (
+            SharedRateLimiter(config.redis_url, cluster, config.redis_timeout_s, self._limiter)
+            if config.redis_url
+            else None
+        )
+        self._charges: set[asyncio.Task[None]] = set()  # shared output-token charges in flight
         self._keys: Callable[[], KeyTable] | None = None
         self._limits_of: tuple[KeyTable | None, dict[str, Limits]] = (None, {})
         self._keyed = keyed
@@ -86,7 +95,10 @@ class AdmissionGate:
             self._count_rejected(model, band, tenant, Reason.NO_WORKER)
             raise self._no_worker(model)
         limits = self._limits(tenant)
-        wait_s = self._limiter.check(tenant, limits, route.prompt_tokens)
+        if self._shared is not None and limits.limited:
+            wait_s = await self._shared.check(tenant, limits, route.prompt_tokens)
+        else:
+            wait_s = self._limiter.check(tenant, limits, route.prompt_tokens)
         if wait_s > 0.0:
             self._count_rejected(model, band, tenant, Reason.RATE_LIMIT)
             raise errors.ResourceExhausted(
@@ -109,7 +121,7 @@ class AdmissionGate:
         )
         self._wake(changed)
         if ticket.state is State.REJECTED:
-            self._limiter.refund(tenant, limits, route.prompt_tokens)
+            await self._refund(tenant, limits, route.prompt_tokens)
             raise self._refused(ticket)
         if ticket.state is not State.RUNNING:
             await self._wait(ticket, limits, route.prompt_tokens)
@@ -126,7 +138,7 @@ class AdmissionGate:
                 await event.wait()
                 event.clear()
                 if ticket.state is State.REJECTED:
-                    self._limiter.refund(ticket.tenant, limits, prompt_tokens)
+                    await self._refund(ticket.tenant, limits, prompt_tokens)
                     raise self._refused(ticket)
                 if self.flow.started(ticket):
                     return
@@ -151,7 +163,7 @@ class AdmissionGate:
         """The request is over (``output_tokens`` None: it ended without a final message)."""
         self.flow.leave(ticket, output_tokens)
         if output_tokens is not None:
-            self._limiter.charge(ticket.tenant, self._limits(ticket.tenant), output_tokens)
+            self._charge(ticket.tenant, self._limits(ticket.tenant), output_tokens)
             tokens = self._metrics.tenant_tokens
             tenant = self._tenant_label(ticket.tenant)
             tokens.labels(ticket.model, tenant, "prompt-uncached").inc(
@@ -175,9 +187,33 @@ class AdmissionGate:
             self._pumper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._pumper
+        if self._charges:
+            await asyncio.gather(*self._charges, return_exceptions=True)
+        if self._shared is not None:
+            await self._shared.close()
+
+    # ---- rate limits -----------------------------------------------------------------------
+    async def _refund(self, tenant: str, limits: Limits, prompt_tokens: int) -> None:
+        if self._shared is not None and limits.limited:
+            await self._shared.refund(tenant, limits, prompt_tokens)
+        else:
+            self._limiter.refund(tenant, limits, prompt_tokens)
+
+    def _charge(self, tenant: str, limits: Limits, output_tokens: int) -> None:
+        """A finished request's output tokens, off the request's path when shared."""
+        if self._shared is None or limits.tokens_per_minute <= 0 or output_tokens <= 0:
+            self._limiter.charge(tenant, limits, output_tokens)
+            return
+        task = asyncio.get_running_loop().create_task(
+            self._shared.charge(tenant, limits, output_tokens)
+        )
+        self._charges.add(task)
+        task.add_done_callback(self._charges.discard)
 
     # ---- the workers' state ----------------------------------------------------------------
-    def capacity(self, model: str, share: float = 1.0) -> Capacity:
+    def capacity(self, model: str, share: float = 1.0, band: int | None = None) -> Capacity:
+        """``band``: count only the prefill backlog of that band and higher (engines that
+        schedule by priority); None: all of it."""
         views = self._workers.candidates(model)
         sched = self._scheduler
         if self.config.max_prefill_backlog_s <= 0.0 or sched is None:
@@ -185,23 +221,48 @@ class AdmissionGate:
         rates, ledger = self._rates, sched.ledger
         for v in views:
             rates.observe(v.record.worker_id, v.load)
+        if band is None:
+            return capacity(
+                views,
+                self.config,
+                lambda wid: ledger.tally(wid).prefill_tokens * rates.s_per_token(wid),
+                share,
+            )
+        # An engine that schedules by priority serves this band before the lower ones in its
+        # queue: its reported queue (all bands together) says nothing of this band's wait, the
+        # ledger's backlog of this band and higher does. The lowest bands still look at it.
         return capacity(
             views,
             self.config,
-            lambda wid: ledger.tally(wid).prefill_tokens * rates.s_per_token(wid),
+            lambda wid: ledger.tally(wid).prefill_tokens_from(band) * rates.s_per_token(wid),
             share,
+            queue_signal=band < self.config.reserve_priority,
         )
 
     def free_slots(self, model: str) -> tuple[Capacity, FreeSlots]:
         """The fleet's capacity, and its free slots per band (the reserve only for bands at or
-        above ``reserve_priority``)."""
+        above ``reserve_priority``; with ``engines_by_priority``, each band's backlog counted
+        from that band up)."""
         full = self.capacity(model)
         cfg = self.config
-        if cfg.reserve <= 0.0 or full.workers == 0:
+        by_band = cfg.engines_by_priority and cfg.max_prefill_backlog_s > 0.0
+        if (cfg.reserve <= 0.0 and not by_band) or full.workers == 0:
             return full, full.free_slots
-        low = self.capacity(model, 1.0 - cfg.reserve).free_slots
-        top, at = full.free_slots, cfg.reserve_priority
-        return full, lambda band: top if band >= at else low
+        at = cfg.reserve_priority
+        if not by_band:
+            low = self.capacity(model, 1.0 - cfg.reserve).free_slots
+            top = full.free_slots
+            return full, lambda band: top if band >= at else low
+        seen: dict[int, int] = {}
+
+        def per_band(band: int) -> int:
+            n = seen.get(band)
+            if n is None:
+                share = 1.0 if band >= at or cfg.reserve <= 0.0 else 1.0 - cfg.reserve
+                n = seen[band] = self.capacity(model, share, band).free_slots
+            return n
+
+        return full, per_band
 
     def _pump(self, model: str) -> None:
         if not self.flow.queued(model):

@@ -204,6 +204,8 @@ async def start_router(
             host.callback(key_file.close)
         host.callback(executor.shutdown, False, cancel_futures=True)
         host.callback(pool.close)
+        if servicer.admission is not None:  # its pump, and the shared rate limits' client
+            host.callback(servicer.admission.close)
         host.callback(kv_sync.close)
         host.callback(tier_sync.close)
         port = await host.start_server()
@@ -257,7 +259,12 @@ async def start_router(
                 ", ".join(behind),
             )
         router_id = config.router_id or f"{socket.gethostname()}-{port}"
-        record = RouterRecord(router_id=router_id, address=host.address, version=__version__)
+        record = RouterRecord(
+            router_id=router_id,
+            address=host.address,
+            version=__version__,
+            metrics_url=host.metrics_server.url if host.metrics_server is not None else "",
+        )
         servicer.not_ready = "registering in etcd"
         await host.register(
             config.etcd_endpoints,

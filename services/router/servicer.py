@@ -93,6 +93,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 policy,
                 self.metrics.admission,
                 keyed=bool(config.api_keys or config.api_keys_file),
+                cluster=config.cluster,
             )
         self._draining = False
         self.not_ready = ""  # while starting: why new requests are refused ("": ready)

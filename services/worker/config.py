@@ -188,6 +188,12 @@ class EngineConfig:
         "priority band, higher first; docs/tenants.md)",
         choices=("fcfs", "priority"),
     )
+    long_prefill_token_threshold: int = setting(
+        0,
+        "most prompt tokens one request prefills per engine step (vLLM's "
+        "long_prefill_token_threshold; the simulator too): short steps, so a higher band's "
+        "request does not wait behind a long prefill chunk (docs/tenants.md); 0: no cap",
+    )
     seed: int = setting(0, "engine-wide random seed (per-request seeds override it)")
     data_parallel_size: int = setting(
         1,

@@ -119,6 +119,8 @@ def build_engine_args(
         kwargs["max_num_seqs"] = config.max_num_seqs
     if config.scheduling_policy != "fcfs":
         kwargs["scheduling_policy"] = config.scheduling_policy
+    if config.long_prefill_token_threshold > 0:
+        kwargs["long_prefill_token_threshold"] = config.long_prefill_token_threshold
     if config.data_parallel_size > 1:
         kwargs["data_parallel_size"] = config.data_parallel_size
     if config.enable_expert_parallel:

@@ -110,6 +110,7 @@ def simulated_engine(config: WorkerConfig):  # type: ignore[no-untyped-def]
             block_size=e.block_size,
             max_running=config.sim_max_running,
             priority_scheduling=e.scheduling_policy == "priority",
+            long_prefill_tokens=e.long_prefill_token_threshold,
         ),
         speedup=config.sim_speedup,
         model=e.served_model_name or "simulated",

@@ -34,6 +34,7 @@ from services.worker.config import WorkerConfig
 from services.worker.server import start_worker
 from services.worker.sim.engine import SimEngineConfig, SimulatedEngine
 from services.worker.sim.model import SimWorkerConfig
+from tests.support import eventually
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -185,3 +186,57 @@ async def test_cli_table_json_and_exit_codes(etcd, cluster, capsys):
     down = ["status", "--etcd", dead_address(), "--cluster", CLUSTER, "--timeout-s", "0.5"]
     assert await asyncio.to_thread(cli.main, down) == 1
     assert "etcd unreachable" in capsys.readouterr().err
+
+
+async def test_status_shows_tenants_from_the_routers_metrics(etcd, tmp_path: Path):
+    """A keyed router with flow control publishes its /metrics URL in etcd; ``kvmesh status``
+    sums its tenant counters: admitted, rejected by reason (a rate limit here), tokens."""
+    import yaml
+
+    from kvmesh.client import make_request
+    from kvmesh.status import format_table
+    from kvmesh.v1 import router_pb2_grpc
+    from services.router.core.admission import AdmissionConfig
+    from services.router.core.auth import hash_key
+
+    name = "statustenants"
+    endpoints = tuple(etcd.endpoints)
+    keys = tmp_path / "keys.yaml"
+    tree = {"tenants": {"team-a": {"keys": [hash_key("sk-a")], "requests_per_minute": 1}}}
+    keys.write_text(yaml.safe_dump(tree))
+    worker = await start_worker(
+        WorkerConfig(worker_id="sim-t", cluster=name, etcd_endpoints=endpoints, metrics_port=-1),
+        sim_engine(),
+    )
+    router = await start_router(
+        RouterConfig(
+            router_id="router-t",
+            cluster=name,
+            etcd_endpoints=endpoints,
+            drain_grace_s=1.0,
+            http_port=-1,
+            api_keys_file=keys,
+            admission=AdmissionConfig(enabled=True),
+        )
+    )
+    try:
+        await eventually(lambda: len(router.workers) > 0, what="the worker is known")
+        async with grpc.aio.insecure_channel(router.address) as ch:
+            stub = router_pb2_grpc.RouterStub(ch)
+            meta = (("authorization", "Bearer sk-a"),)
+            req = make_request(list(range(1, 70)), max_tokens=3, ignore_eos=True)
+            [m async for m in stub.Generate(req, metadata=meta, timeout=20)]
+            with pytest.raises(grpc.aio.AioRpcError) as err:  # 1 request a minute
+                [m async for m in stub.Generate(req, metadata=meta, timeout=20)]
+            assert err.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+        s = await gather(list(endpoints), name, timeout_s=2.0)
+        assert s.routers[0].reachable
+        (t,) = s.tenants
+        assert (t.tenant, t.queued, t.admitted, t.rejected) == ("team-a", 0, 1, 1)
+        assert t.rejected_by == (("rate-limit", 1),)
+        assert t.uncached_tokens == 69 and t.output_tokens == 3
+        table = format_table(s)
+        assert "TENANTS (1" in table and "rate-limit 1" in table
+    finally:
+        await router.stop()
+        await worker.stop()

@@ -343,7 +343,49 @@ def test_a_request_that_would_wait_past_its_ttl_is_refused_at_once() -> None:
     late = f.arrive("a")  # 2 ahead: 3 s > 2 s
     assert late.rejection is not None and late.rejection.reason is Reason.PREDICTED_WAIT
     assert late.rejection.retry_after_s == pytest.approx(3.0, rel=0.05)
+    # The same refusal before any work on the prompt (it needs no cost).
+    early = f.fc.precheck(M, "a", 0, f.free())
+    assert early is not None and early.reason is Reason.PREDICTED_WAIT
+    assert f.fc.precheck(M, "b", 3, f.free()) is None
     assert f.arrive("b", priority=3).state is State.QUEUED  # nobody ahead in its band
+
+
+def test_the_predicted_wait_counts_the_tenants_turn_not_the_whole_band() -> None:
+    """A heavy tenant's long queue predicts a long wait for its own next request, not for a
+    light tenant's, which the fair order serves in turn: the light one is queued, not refused
+    for the heavy one's backlog."""
+    f = Fleet(slots=1, queue_ttl_s=3.5)
+    f.arrive("heavy")
+    for _ in range(6):  # 1 completion per second
+        f.clock.now += 1.0
+        f.finish()
+        f.arrive("heavy")
+    for _ in range(3):
+        f.arrive("heavy")  # 3 of heavy's wait now (and one runs)
+    late = f.arrive("heavy")  # 3 ahead: 4 s at 1/s > 3.5 s
+    assert late.rejection is not None and late.rejection.reason is Reason.PREDICTED_WAIT
+    light = f.arrive("light")  # 1 of heavy's goes before it (its counter is level): ~2 s
+    assert light.state is State.QUEUED
+    assert next(t for t in f.order() if t.tenant == "light") is light
+    assert light.wait_s <= 3.0
+
+
+def test_the_predicted_wait_counts_turns_by_cost() -> None:
+    """A light tenant's second costly request waits for as many of the heavy tenant's cheap
+    ones as the fair order grants first: its counter then is 300 ahead, so 4 of the heavy
+    tenant's 100-token requests go before it."""
+    f = Fleet(slots=1, queue_ttl_s=4.5)
+    f.arrive("heavy")
+    for _ in range(6):  # 1 completion per second
+        f.clock.now += 1.0
+        f.finish()
+        f.arrive("heavy")
+    for _ in range(5):
+        f.arrive("heavy")  # 6 wait (each costs 100)
+    assert f.arrive("light", uncached=300).state is State.QUEUED  # 1 heavy ahead: 2 s
+    late = f.arrive("light", uncached=300)  # its own + 4 of heavy's: 6 s at 1/s
+    assert late.rejection is not None and late.rejection.reason is Reason.PREDICTED_WAIT
+    assert "5 request(s) wait ahead" in late.rejection.message
 
 
 def test_the_precheck_refuses_a_full_band_before_any_work() -> None:

@@ -520,6 +520,27 @@ class TestFeedback:
         s.on_finished(req, d.worker_id)
         assert len(s.ledger) == 0 and s.ledger.tally(WorkerId("w00")).requests == 0
 
+    def test_ledger_counts_the_prefill_backlog_per_band(self):
+        """What a request of a band waits for on an engine that schedules by priority: the
+        prefills of its band and higher only."""
+        from services.router.core.scheduler import InFlightLedger
+
+        led, w = InFlightLedger(), WorkerId("w00")
+        led.routed("lo", w, 1000, 1000, priority=0)
+        led.routed("hi", w, 100, 60, priority=10)
+        t = led.tally(w)
+        assert t.prefill_tokens == 1060
+        assert [t.prefill_tokens_from(p) for p in (-1, 0, 5, 10, 11)] == [1060, 1060, 60, 60, 0]
+        led.first_token("hi")
+        assert (t.prefill_tokens, t.prefill_tokens_from(10), t.prefill_by_band) == (
+            1000,
+            0,
+            {0: 1000},
+        )
+        led.finished("lo", None)
+        led.finished("hi", None)
+        assert led.tally(w).prefill_by_band == {}
+
     def test_retry_replaces_the_attempt(self):
         s = sched("name: t")
         req = request(2)

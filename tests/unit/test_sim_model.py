@@ -335,3 +335,20 @@ def test_a_decode_step_shared_with_a_prefill_chunk_lasts_longer(chunk: int):
     # "p" joins the next one, and the token after it waits for its chunk.
     gap = times[2] - times[1]
     assert gap == pytest.approx(0.01 + 1e-4 * chunk)
+
+
+def test_long_prefill_tokens_cap_each_request_chunk_so_a_short_one_is_not_held():
+    """vLLM's long_prefill_token_threshold: a 400-token prompt prefills 100 tokens a step, so a
+    short prompt arriving with it gets its first token after one step of 100 + its own tokens,
+    not after the long prompt's whole 400."""
+    cfg = replace(PREFILL_ONLY, capacity_blocks=200, step_s=0.001)
+    for cap, short_ttft in ((0, 0.001 + 0.400 + 0.008), (100, 0.001 + 0.100 + 0.008)):
+        w = SimulatedWorker(replace(cfg, long_prefill_tokens=cap))
+        done = run(w, 0, req("long", tuple(range(1, 101)), 400), req("short", (500, 501), 8))
+        by = {r.request_id: r for r in done}
+        assert by["short"].ttft_s == pytest.approx(short_ttft)
+        # The long one's prefill costs the same tokens either way, over more steps when capped.
+        steps = 1 if cap == 0 else 4
+        assert by["long"].ttft_s == pytest.approx(0.400 + 0.008 + steps * 0.001)
+    with pytest.raises(ValueError, match="long_prefill_tokens"):
+        SimWorkerConfig(long_prefill_tokens=-1)

@@ -127,3 +127,32 @@ def test_json_round_trips_every_field():
 )
 def test_human_bytes(n, text):
     assert human_bytes(n) == text
+
+
+def test_tenants_are_summed_over_routers_models_and_bands():
+    from kvmesh.status import tenant_samples, tenants_of
+
+    router_a = """# TYPE kvmesh_router_admission_admitted counter
+kvmesh_router_admission_admitted_total{model="m",band="10",tenant="web",how="immediate"} 5.0
+kvmesh_router_admission_admitted_total{model="m",band="10",tenant="web",how="queued"} 2.0
+kvmesh_router_admission_admitted_created{model="m",band="10",tenant="web",how="queued"} 1.7e9
+# TYPE kvmesh_router_admission_rejected counter
+kvmesh_router_admission_rejected_total{model="m",band="0",tenant="batch",reason="queue-full"} 3.0
+# TYPE kvmesh_router_admission_queue_depth gauge
+kvmesh_router_admission_queue_depth{model="m",band="0",tenant="batch"} 4.0
+# TYPE kvmesh_router_tenant_tokens counter
+kvmesh_router_tenant_tokens_total{model="m",tenant="web",kind="prompt-uncached"} 100.0
+kvmesh_router_tenant_tokens_total{model="m",tenant="web",kind="prompt-cached"} 900.0
+kvmesh_router_tenant_tokens_total{model="m",tenant="web",kind="output"} 30.0
+# TYPE other_total counter
+other_total 1.0
+"""
+    router_b = """# TYPE kvmesh_router_admission_rejected counter
+kvmesh_router_admission_rejected_total{model="m",band="0",tenant="batch",reason="rate-limit"} 1.0
+kvmesh_router_admission_rejected_total{model="m",band="0",tenant="batch",reason="queue-full"} 2.0
+kvmesh_router_admission_rejected_total{model="m",band="0",tenant="idle",reason="queue-full"} 0.0
+"""
+    batch, web = tenants_of(tenant_samples(router_a) + tenant_samples(router_b))  # by name
+    assert (batch.tenant, batch.queued, batch.admitted, batch.rejected) == ("batch", 4, 0, 6)
+    assert batch.rejected_by == (("queue-full", 5), ("rate-limit", 1))
+    assert (web.tenant, web.admitted, web.uncached_tokens, web.output_tokens) == ("web", 7, 100, 30)

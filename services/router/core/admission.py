@@ -66,6 +66,13 @@ class AdmissionConfig:
         "prefilled would take this long at its measured prefill rate (the wait before a new "
         "request's prefill starts), seconds; 0: not a signal",
     )
+    engines_by_priority: bool = setting(
+        False,
+        "the workers schedule by priority (kvmesh worker --scheduling-policy priority): a "
+        "request's prefill waits only for the prefills of its band and higher there, so the "
+        "prefill-backlog limit counts only those (a lower band's long prefill does not hold a "
+        "higher band's request in the router)",
+    )
     prefill_s_per_token: float = setting(
         5e-5, "prefill time per token until the workers have reported their own, seconds"
     )
@@ -106,6 +113,16 @@ class AdmissionConfig:
     reserve_priority: int = setting(
         1, "requests of at least this priority may use the --admission-reserve"
     )
+    redis_url: str = setting(
+        "",
+        "Redis shared by every router of the cluster, redis://[:password@]host:port/db, "
+        "rediss:// or unix:// (a password: set it in the environment, not a flag): per-tenant "
+        "rate limits hold over all routers together; empty: each router over its own requests "
+        "(docs/tenants.md)",
+    )
+    redis_timeout_s: float = setting(
+        0.5, "deadline of one shared rate-limit call, seconds (then the router's own buckets)"
+    )
     pump_interval_s: float = setting(
         0.02,
         "while requests wait, how often the workers' state is looked at again (beside every "
@@ -130,6 +147,7 @@ class AdmissionConfig:
             "drain-window-s": self.drain_window_s,
             "pump-interval-s": self.pump_interval_s,
             "prefill-s-per-token": self.prefill_s_per_token,
+            "redis-timeout-s": self.redis_timeout_s,
         }
         for name, v in positive.items():
             if not v > 0.0:
@@ -146,6 +164,10 @@ class AdmissionConfig:
         if not 0.0 <= self.reserve < 1.0:
             raise InvalidArgument(
                 f"--admission-reserve is {self.reserve}; use a fraction in [0, 1)"
+            )
+        if self.redis_url and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise InvalidArgument(
+                "--admission-redis-url does not start with redis://, rediss:// or unix://"
             )
         if not self.retry_after_max_s >= self.retry_after_min_s:
             raise InvalidArgument(
@@ -332,8 +354,10 @@ class FlowControl:
     def precheck(
         self, model: str, tenant: str, priority: int, free_slots: FreeSlots
     ) -> Rejection | None:
-        """The refusal a request of this band would get now for a full queue, before its
-        prompt is tokenized (cheap: no cost is needed); None: it may come in."""
+        """The refusal a request of this band would get now for a full queue or a predicted
+        wait past the TTL, before its prompt is tokenized and hashed (cheap: neither needs its
+        cost; under a burst most refusals are decided here, so the prompts of requests that
+        are refused anyway take no CPU from the others); None: it may come in."""
         flow = self._flows.get(model)
         if flow is None:
             return None
@@ -342,11 +366,36 @@ class FlowControl:
         ):
             return None
         band = flow.bands.get(priority)
-        if band is None or band.queued < self.config.queue_max_requests:
+        if band is not None and band.queued >= self.config.queue_max_requests:
+            if self._hog(band, tenant) is None:
+                return self._full(flow, priority)
             return None
-        if self._hog(band, tenant) is None:
-            return self._full(flow, priority)
-        return None
+        return self._predicted_wait(flow, band, tenant, priority, self.config.queue_ttl_s)
+
+    def _predicted_wait(
+        self, flow: _Flow, band: _Band | None, tenant: str, priority: int, left_s: float
+    ) -> Rejection | None:
+        """The refusal of a request whose predicted wait is past ``left_s`` (its TTL or
+        deadline); None: it may wait."""
+        cfg = self.config
+        if not cfg.reject_predicted_wait:
+            return None
+        rate = flow.drain.rate(self._clock())
+        if rate <= 0.0:
+            return None
+        if band is None:
+            ahead = flow.queued_at_or_above(priority + 1) + len(flow.granted)
+        else:
+            ahead = self._ahead_of(flow, band, tenant)
+        if (ahead + 1) / rate <= left_s:
+            return None
+        return Rejection(
+            Reason.PREDICTED_WAIT,
+            f"the fleet is saturated and {ahead} request(s) wait ahead of this one at "
+            f"{rate:.1f}/s: it would not start within its queue TTL "
+            f"({cfg.queue_ttl_s:g} s); retry after the Retry-After",
+            self._clamp((ahead + 1) / rate),
+        )
 
     @staticmethod
     def _hog(band: _Band, tenant: str) -> str | None:
@@ -427,18 +476,9 @@ class FlowControl:
                 self._retry_after(flow, victim.band, now),
             )
             changed.append(victim)
-        if cfg.reject_predicted_wait:
-            rate = flow.drain.rate(now)
-            ahead = flow.queued_at_or_above(priority) + len(flow.granted)
-            if rate > 0.0 and (ahead + 1) / rate > t.expires_s - now:
-                rejection = Rejection(
-                    Reason.PREDICTED_WAIT,
-                    f"the fleet is saturated and {ahead} request(s) wait ahead of this one at "
-                    f"{rate:.1f}/s: it would not start within its queue TTL "
-                    f"({cfg.queue_ttl_s:g} s); retry after the Retry-After",
-                    self._clamp((ahead + 1) / rate),
-                )
-                return self._refuse(flow, band, t, rejection), changed
+        rejection = self._predicted_wait(flow, band, tenant, priority, t.expires_s - now)
+        if rejection is not None:
+            return self._refuse(flow, band, t, rejection), changed
         self._enqueue(flow, band, t)
         t.waited = True
         changed += self.pump(model, free_slots)
@@ -703,6 +743,30 @@ class FlowControl:
         if not flow.granted:
             return None
         return min(flow.granted, key=lambda t: (t.band, -t.seq))
+
+    def _ahead_of(self, flow: _Flow, band: _Band, tenant: str) -> int:
+        """Requests that would start before a new one of ``tenant`` in ``band``: the higher
+        bands' waiting ones, the grants not yet started, its tenant's own queue, and of every
+        other tenant of the band those the fair order grants first (while that tenant's counter,
+        growing by each one's cost, is not past the level this tenant's counter reaches when
+        the new request is at its head). Not the whole band: a tenant with a long queue must
+        not get a light tenant refused for its backlog."""
+        mine = band.queues.get(tenant, ())
+        start = band.counters.get(tenant, band.level())
+        if not mine:  # becoming backlogged: lifted to the level (arrive)
+            start = max(start, band.level())
+        level = start + sum(t.cost for t in mine)
+        others = 0
+        for other, queue in band.queues.items():
+            if other == tenant:
+                continue
+            c = band.counters[other]
+            for t in queue:
+                if c > level:
+                    break
+                others += 1
+                c += t.cost
+        return flow.queued_at_or_above(band.priority + 1) + len(flow.granted) + len(mine) + others
 
     def _retry_after(self, flow: _Flow, priority: int, now: float) -> float:
         rate = flow.drain.rate(now)

@@ -34,13 +34,16 @@ def capacity(
     config: AdmissionConfig,
     backlog_s: Callable[[WorkerId], float] | None = None,
     share: float = 1.0,
+    queue_signal: bool = True,
 ) -> Capacity:
     """``views``: the model's candidates; ``backlog_s(worker)``: the seconds of prefill this
     router has queued on it (None: not a signal); ``share``: of each limit (below 1: a band
-    that may not use the reserve, ``AdmissionConfig.reserve``)."""
+    that may not use the reserve, ``AdmissionConfig.reserve``); ``queue_signal`` False: the
+    engines' waiting queues are not looked at (a band that jumps them: one free slot per worker
+    the other signals leave unsaturated)."""
     workers = free = 0
     why = ""
-    max_waiting = config.max_waiting
+    max_waiting = config.max_waiting if queue_signal else 0
     if max_waiting > 0 and share < 1.0:
         max_waiting = max(int(max_waiting * share), 1)
     max_kv = config.max_kv_usage * share if config.max_kv_usage < 1.0 else 1.0

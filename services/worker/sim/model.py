@@ -22,7 +22,8 @@ What it models (vLLM v1 with prefix caching and chunked prefill):
   the rest (vLLM's FCFS policy). The cache is looked up at admission; at most
   ``(prompt_tokens - 1) // block_size`` blocks can hit (vLLM recomputes the last prompt token).
 - **Steps.** Each engine step decodes one token for every request past its prefill and spends the
-  remaining ``max_batched_tokens`` on prefill chunks, oldest request first. A step lasts
+  remaining ``max_batched_tokens`` on prefill chunks, oldest request first (at most
+  ``long_prefill_tokens`` per request and step when set). A step lasts
   ``step_s + decode_s_per_seq * decoding + decode_s_per_context_token * their context tokens +
   prefill_s_per_token * chunk tokens + attention_s_per_token_pair * (query, key) pairs``. The
   step that completes a prompt also yields its first token. Identical decode-only steps are
@@ -70,12 +71,18 @@ class SimWorkerConfig:
     # vLLM's priority scheduling: the queue ordered by SimRequest.priority (higher first, then
     # arrival); off: FIFO (vLLM's fcfs). Running requests are never pre-empted either way.
     priority_scheduling: bool = False
+    # vLLM's long_prefill_token_threshold: most prompt tokens one request prefills per step
+    # (its prompt is cut into chunks of at most this), so a long prefill does not make one step
+    # long for every other request in it; 0: no cap (the step's budget).
+    long_prefill_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.capacity_blocks <= 0 or self.block_size <= 0:
             raise ValueError("capacity_blocks and block_size must be > 0")
         if self.max_running <= 0 or self.max_batched_tokens <= 0:
             raise ValueError("max_running and max_batched_tokens must be > 0")
+        if self.long_prefill_tokens < 0:
+            raise ValueError("long_prefill_tokens must be >= 0 (0: no cap)")
         times = (
             self.step_s,
             self.decode_s_per_seq,
@@ -441,10 +448,11 @@ class SimulatedWorker:
         decoding = self._decoding
         budget = cfg.max_batched_tokens - len(decoding)
         chunks: list[tuple[_Run, int, int]] = []
+        cap = cfg.long_prefill_tokens or cfg.max_batched_tokens
         for run in self._prefilling:
             if budget <= 0:
                 break
-            n = min(run.req.prompt_tokens - run.computed, budget)
+            n = min(run.req.prompt_tokens - run.computed, budget, cap)
             chunks.append((run, run.computed, run.computed + n))
             budget -= n
         waiting = self._waiting
@@ -457,7 +465,7 @@ class SimulatedWorker:
             run = waiting.popleft()
             self._waiting_tokens -= run.backlog
             self._prefilling.append(run)
-            n = min(run.req.prompt_tokens - run.computed, budget)
+            n = min(run.req.prompt_tokens - run.computed, budget, cap)
             chunks.append((run, run.computed, run.computed + n))
             budget -= n
         if not chunks and not decoding:

@@ -209,6 +209,7 @@ class Scheduler:
             decision.worker_id,
             request.prompt_tokens,
             request.prompt_tokens - cached,
+            request.priority,
         )
         for hook in self._on_routed:
             hook(request, decision)

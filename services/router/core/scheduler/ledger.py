@@ -7,7 +7,7 @@ model read it. Other routers' requests show up only in the workers' own load rep
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvmesh.discovery.keys import WorkerId
 
@@ -17,6 +17,7 @@ class _Entry:
     worker_id: WorkerId
     prompt_tokens: int
     prefill_tokens: int  # uncached tokens still to prefill; 0 after the first token
+    priority: int = 0
 
 
 @dataclass(slots=True)
@@ -24,6 +25,21 @@ class WorkerTally:
     requests: int = 0
     prompt_tokens: int = 0
     prefill_tokens: int = 0
+    # prefill_tokens by the requests' priority (only bands with tokens to prefill)
+    prefill_by_band: dict[int, int] = field(default_factory=dict)
+
+    def prefill_tokens_from(self, priority: int) -> int:
+        """Tokens still to prefill of requests of at least ``priority``: what a request of that
+        band waits for on an engine that schedules by priority."""
+        return sum(n for p, n in self.prefill_by_band.items() if p >= priority)
+
+    def _add_prefill(self, priority: int, n: int) -> None:
+        self.prefill_tokens += n
+        left = self.prefill_by_band.get(priority, 0) + n
+        if left:
+            self.prefill_by_band[priority] = left
+        else:
+            self.prefill_by_band.pop(priority, None)
 
 
 _ZERO = WorkerTally()
@@ -35,24 +51,29 @@ class InFlightLedger:
         self._workers: dict[WorkerId, WorkerTally] = {}
 
     def routed(
-        self, request_id: str, worker_id: WorkerId, prompt_tokens: int, uncached_tokens: int
+        self,
+        request_id: str,
+        worker_id: WorkerId,
+        prompt_tokens: int,
+        uncached_tokens: int,
+        priority: int = 0,
     ) -> None:
         self.finished(request_id, None)  # a retry replaces the earlier attempt
         prompt_tokens = max(prompt_tokens, 0)
         uncached = min(max(uncached_tokens, 0), prompt_tokens)
-        self._requests[request_id] = _Entry(worker_id, prompt_tokens, uncached)
+        self._requests[request_id] = _Entry(worker_id, prompt_tokens, uncached, priority)
         t = self._workers.get(worker_id)
         if t is None:
             t = self._workers[worker_id] = WorkerTally()
         t.requests += 1
         t.prompt_tokens += prompt_tokens
-        t.prefill_tokens += uncached
+        t._add_prefill(priority, uncached)
 
     def first_token(self, request_id: str) -> None:
         e = self._requests.get(request_id)
         if e is None or not e.prefill_tokens:
             return
-        self._workers[e.worker_id].prefill_tokens -= e.prefill_tokens
+        self._workers[e.worker_id]._add_prefill(e.priority, -e.prefill_tokens)
         e.prefill_tokens = 0
 
     def finished(self, request_id: str, worker_id: WorkerId | None) -> None:
@@ -64,7 +85,7 @@ class InFlightLedger:
         t = self._workers[e.worker_id]
         t.requests -= 1
         t.prompt_tokens -= e.prompt_tokens
-        t.prefill_tokens -= e.prefill_tokens
+        t._add_prefill(e.priority, -e.prefill_tokens)
         if not t.requests:
             del self._workers[e.worker_id]
 
