@@ -18,6 +18,7 @@ import signal
 import sys
 import time
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -415,8 +416,11 @@ def cmd_up(a: argparse.Namespace) -> int:
 
     t0 = time.monotonic()
     spec = _mesh_spec(a)
+    workers = _describe_workers(spec)
+    if a.nodes:  # no colocated router: it runs in the root namespace
+        workers = f"{a.nodes} nodes (network namespaces), each {_describe_workers(replace(spec, colocate=False))}"
     print(
-        f"kvmesh up: model {spec.model_path}, {_describe_workers(spec)}, logs in {a.log_dir or 'a temp dir'}",
+        f"kvmesh up: model {spec.model_path}, {workers}, logs in {a.log_dir or 'a temp dir'}",
         flush=True,
     )
     if a.nodes:

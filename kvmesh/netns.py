@@ -13,7 +13,8 @@ and no route outside 10.77.S.0/24 is added.
 
 Names carry the owning process id (``kvmn<pid>``), so runs side by side do not collide and a
 run killed with SIGKILL is cleaned up by the next one (``remove_stale``: every ``kvmn*``
-namespace and link whose pid is gone). A normal exit, SIGTERM and SIGINT clean up at once
+namespace and link whose pid is gone, the processes still in them, and the run's etcd and
+router in the root namespace, listed in ``PID_DIR``). A normal exit, SIGTERM and SIGINT clean up at once
 (atexit and signal handlers). Needs root (CAP_NET_ADMIN) and ``ip``; ``tc`` for shaping.
 """
 
@@ -30,6 +31,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -39,6 +41,9 @@ from kvmesh.launcher import Child, Mesh, MeshSpec
 log = logging.getLogger(__name__)
 
 PREFIX = "kvmn"  # every namespace and link this module makes starts with it
+# Pids of a run's processes in the root namespace (etcd, the router), one file per run, for a
+# later run to stop when this one was killed with SIGKILL.
+PID_DIR = Path("/run/kvmesh-netns")
 _OWNED = re.compile(rf"^{PREFIX}(\d+)")
 
 
@@ -93,9 +98,28 @@ def remove_stale() -> list[str]:
         if m and not _pid_alive(int(m.group(1))):
             _ip("link", "delete", link, check=False)
             gone.append(link)
+    for pidfile in PID_DIR.glob(f"{PREFIX}*.pids") if PID_DIR.is_dir() else ():
+        m = _OWNED.match(pidfile.name)
+        if m and not _pid_alive(int(m.group(1))):
+            _kill_listed(pidfile)
+            gone.append(pidfile.name)
     if gone:
-        log.info("removed stale namespaces and links: %s", ", ".join(gone))
+        log.info("removed stale namespaces, links and processes: %s", ", ".join(gone))
     return gone
+
+
+def _kill_listed(pidfile: Path) -> None:
+    """SIGKILL to each ``pid marker`` line's process whose command line still holds the marker
+    (the run's bridge address: a pid reused since is left alone); then the file goes."""
+    for line in pidfile.read_text().splitlines():
+        pid, _, marker = line.partition(" ")
+        with contextlib.suppress(OSError, ValueError):
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            if marker and marker in cmdline:
+                with contextlib.suppress(OSError):
+                    os.killpg(int(pid), signal.SIGKILL)  # its children too (the router's session)
+                os.kill(int(pid), signal.SIGKILL)
+    pidfile.unlink(missing_ok=True)
 
 
 def _kill_namespace(name: str) -> None:
@@ -273,28 +297,46 @@ class NodesMesh:
             self._start_etcd(self.root, host)
             endpoints = self.root.etcd_endpoints
             for node, (both, prefill, decode) in zip(self.lab.nodes, self.node_roles, strict=True):
-                mesh = Mesh(
-                    dataclasses.replace(
-                        self.spec,
-                        workers=both,
-                        prefill_workers=prefill,
-                        decode_workers=decode,
-                        etcd_endpoints=endpoints,
-                        node=node.name,
-                        bind_host=node.address,
-                        netns=node.name,
-                        router=False,
-                        colocate=False,
-                        bind_cpus=False,
-                        log_dir=self.log_dir / node.name,
+                self.nodes.append(
+                    Mesh(
+                        dataclasses.replace(
+                            self.spec,
+                            workers=both,
+                            prefill_workers=prefill,
+                            decode_workers=decode,
+                            etcd_endpoints=endpoints,
+                            node=node.name,
+                            bind_host=node.address,
+                            netns=node.name,
+                            router=False,
+                            colocate=False,
+                            bind_cpus=False,
+                            log_dir=self.log_dir / node.name,
+                        )
                     )
                 )
-                self.nodes.append(mesh)
-                mesh.start()
+            # The nodes start side by side (each waits for its engines); the first error wins.
+            with ThreadPoolExecutor(len(self.nodes), thread_name_prefix="kvmn-start") as pool:
+                for done in [pool.submit(m.start) for m in self.nodes]:
+                    done.result()
             self.root.start()  # the router, etcd already up
+            self._write_pids()
         except BaseException:
             self.stop()
             raise
+
+    @property
+    def pidfile(self) -> Path:
+        return PID_DIR / f"{self.lab.tag}.pids"
+
+    def _write_pids(self) -> None:
+        root = self.root
+        assert root is not None
+        pids = [c.proc.pid for c in (root.router,) if c is not None]
+        if root.etcd is not None and root.etcd.pid is not None:
+            pids.append(root.etcd.pid)
+        PID_DIR.mkdir(parents=True, exist_ok=True)
+        self.pidfile.write_text("".join(f"{p} {self.lab.bridge_address}\n" for p in pids))
 
     @staticmethod
     def _start_etcd(root: Mesh, host: str) -> None:
@@ -318,6 +360,7 @@ class NodesMesh:
             if self.root is not None:
                 self.root.stop()
         finally:
+            self.pidfile.unlink(missing_ok=True)
             self.lab.down()
 
     def kill_node(self, i: int) -> None:
