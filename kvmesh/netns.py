@@ -295,6 +295,7 @@ class NodesMesh:
                 )
             )
             self._start_etcd(self.root, host)
+            self._write_pids()  # again once the router runs
             endpoints = self.root.etcd_endpoints
             for node, (both, prefill, decode) in zip(self.lab.nodes, self.node_roles, strict=True):
                 self.nodes.append(

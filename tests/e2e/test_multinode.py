@@ -37,6 +37,10 @@ pytestmark = [
 
 PREFIX_TOKENS = 640  # 20 blocks of 32
 THINK_S = 0.8
+# Per stream under load. Longer streams are mid-stream at the teardown more surely, but on the
+# random-weight tiny model a long greedy stream decoded in a batch of six can leave a solo
+# recompute's argmax at a near-tie (seen once at 160 tokens, on a stream never resumed).
+LOAD_TOKENS = 64
 # The slow link: 512 kbit/s both ways (tbf; this kernel has no sch_netem for a delay). The
 # prefix's 20 blocks (about 0.33 MB on the tiny model) then take ~5 s, past the connector's
 # 2 s peer_fetch timeout.
@@ -222,18 +226,28 @@ async def test_node_namespace_torn_down_under_load(nodes: NodesMesh):
     async with RouterClient(nodes.router_address) as client:
         await client.wait_for_models()
         reqs = [
-            make_request(p, max_tokens=64, temperature=0.0, ignore_eos=True, session_id=f"l{i}")
+            make_request(
+                p, max_tokens=LOAD_TOKENS, temperature=0.0, ignore_eos=True, session_id=f"l{i}"
+            )
             for i, p in enumerate(prompts)
         ]
         tasks = [asyncio.create_task(client.complete(r, timeout_s=120)) for r in reqs]
-        await asyncio.sleep(1.5)  # streams running on both nodes
+        await asyncio.sleep(0.8)  # streams running on both nodes
         await asyncio.to_thread(nodes.kill_node, 1)
         done = await asyncio.gather(*tasks)
         survivor = nodes.nodes[0].workers[0].name
-        refs = [await recompute(client, p, 64) for p in prompts]
-    resumed = [c for c in done if c.usage is not None and c.usage.resumes > 0]
-    assert all(len(c.token_ids) == 64 for c in done), [len(c.token_ids) for c in done]
-    assert all(c.usage is not None and c.usage.worker_id == survivor for c in done)
-    assert [c.token_ids for c in done] == [r.token_ids for r in refs]
-    assert resumed, "some streams were on the node torn down, and went on elsewhere"
-    print(f"\nnode 1 torn down: {len(resumed)} of {len(done)} requests resumed on {survivor}")
+        refs = [await recompute(client, p, LOAD_TOKENS) for p in prompts]
+    where = [(c.usage.worker_id, c.usage.resumes) for c in done if c.usage is not None]
+    assert len(where) == len(done) and all(len(c.token_ids) == LOAD_TOKENS for c in done), where
+    resumed = [i for i, c in enumerate(done) if c.usage is not None and c.usage.resumes > 0]
+    assert resumed, f"some streams were on the node torn down, and went on elsewhere: {where}"
+    # A resumed stream is the uninterrupted one (docs/failover.md): the tokens of a recompute.
+    assert [done[i].token_ids for i in resumed] == [refs[i].token_ids for i in resumed], where
+    # A resumed stream ended on the survivor; one that had finished on node 1 before it went
+    # down is as good as any.
+    assert all(done[i].usage.worker_id == survivor for i in resumed), where  # type: ignore[union-attr]
+    same = sum(c.token_ids == r.token_ids for c, r in zip(done, refs, strict=True))
+    print(
+        f"\nnode 1 torn down: {len(resumed)} of {len(done)} requests resumed on {survivor};"
+        f" {same} of {len(done)} equal to a solo recompute; {where}"
+    )
