@@ -2,7 +2,7 @@
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test test-fast test-multinode up protos lint bench clean
+.PHONY: setup demo test test-fast test-multinode up protos lint bench clean image compose-test
 
 setup:
 	@scripts/setup.sh
@@ -30,6 +30,12 @@ lint: setup
 
 bench: setup
 	$(BIN)/python benchmarks/router_overhead.py
+
+image:  ## the kvmesh:cpu image (podman, else docker; bootstraps a Debian base if no registry answers)
+	scripts/image.sh
+
+compose-test: setup  ## build the image, run docker/docker-compose.yml with podman-compose, check it (minutes)
+	PYTHON=$(BIN)/python scripts/compose-test.sh
 
 clean:
 	rm -rf .models .pytest_cache

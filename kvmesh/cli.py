@@ -29,6 +29,16 @@ if TYPE_CHECKING:  # kvmesh.tls imports grpc: the CLI imports it where a command
     from kvmesh.tls import Tls
 
 DEFAULT_ROUTER = "127.0.0.1:50051"
+# Subcommands that run a service: (name, module with main(argv), help).
+SERVICE_COMMANDS = {
+    s[0]: s
+    for s in (
+        ("router", "services.router.main", "run one router process"),
+        ("worker", "services.worker.main", "run one worker process"),
+        ("kvmanager", "services.kvmanager.main", "run one kvmanager process"),
+        ("node", "services.node.main", "run a router and a worker in one process"),
+    )
+}
 # kvmesh.telemetry.Exporter's values, without importing grpc and OpenTelemetry to build the parser.
 TRACE_EXPORTERS = ("none", "console", "otlp")
 # Where OpenTelemetry's OTLP exporter finds its collector when --otlp-endpoint is empty.
@@ -773,12 +783,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     replay_cli.register(sub)
 
-    for name, module, what in (
-        ("router", "services.router.main", "run one router process"),
-        ("worker", "services.worker.main", "run one worker process"),
-        ("kvmanager", "services.kvmanager.main", "run one kvmanager process"),
-        ("node", "services.node.main", "run a router and a worker in one process"),
-    ):
+    for name, module, what in SERVICE_COMMANDS.values():
         p = sub.add_parser(
             name,
             help=f"{what} (see kvmesh {name} --help)",
@@ -808,8 +813,12 @@ def parse_args(
 def main(argv: list[str] | None = None) -> int:
     import logging
 
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
+    # The services set up logging themselves, at their --log-level; configuring the root logger
+    # first would make theirs a no-op (basicConfig), and `kvmesh kvmanager` (the image's
+    # entrypoint) then logged nothing below WARNING.
+    if args.command not in SERVICE_COMMANDS:
+        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         return int(args.func(args) or 0)
     except ModelNotFound as exc:

@@ -155,10 +155,11 @@ def replay(
     cfg = config or SimWorkerConfig()
     bs = cfg.block_size
     tiered = mesh is not None and mesh.tiered
-    if tiered:
-        # The fetch time is charged before the engine sees the request (mesh.py): the engine
-        # adds nothing for its loaded blocks.
-        cfg = replace(cfg, load_s_per_token=0.0)
+    if tiered and mesh is not None:
+        # The engine loads what it lacks from its node's CPU tier when it admits the request
+        # (the connector's lookup at scheduling time), at the CPU link's rate; what the node
+        # lacks comes to its CPU tier before (peer, disk: mesh.py).
+        cfg = replace(cfg, load_s_per_token=mesh.cpu.s_per_token)
     n_nodes = -(-workers // mesh.workers_per_node) if mesh is not None and tiered else 0
 
     def tier_sink(j: int) -> Callable[[Sequence[KvEvent]], None] | None:
@@ -272,6 +273,10 @@ def replay(
             apply_fetch(stores, node, req.block_hashes, plan)
             plans[rid] = plan
             external = plan.blocks if plan.blocks > hits[i] else 0
+            if stores[node].prefix(req.block_hashes, plan.gpu_blocks) >= plan.gpu_blocks:
+                # Written through, the node holds the engine's own prefix too: blocks the engine
+                # evicts while the request waits are loaded from the node at admission.
+                external = plan.blocks
             delay = plan.fetch_s
         sreq = SimRequest(rid, req.block_hashes, req.input_tokens, req.output_tokens, external)
         if delay > 0:

@@ -12,9 +12,16 @@ What it models (the KvmeshConnector and the kvmanager, services/worker/connector
   node whose tiers hold the longest prefix, when it beats the local prefix by at least
   ``peer_min_gain_blocks`` (the router's peer hint rule, core/peers.py). Fetched blocks land in
   the node's CPU tier (KvManager.FetchFromPeer puts them there) and, once loaded, in the engine.
-- **Time.** Each source is a ``Link``: ``latency_s + tokens * s_per_token``. The request reaches
-  the engine after its fetches (an asynchronous load: other requests keep running meanwhile) and
-  its loaded blocks count as cached there; its TTFT counts from its arrival at the router.
+- **Time.** Each source is a ``Link``: ``latency_s + tokens * s_per_token``, its whole time to
+  bring the KV into the engine. The last leg, node CPU tier -> engine, happens when the engine
+  admits the request (vLLM asks its KV connector at scheduling time), charged to the admitting
+  step at the CPU link's rate, for every block the engine lacks *then*: so a prefix the engine
+  held at routing but evicted while the request waited in its queue is loaded from the node
+  (written through) instead of recomputed. What the node's CPU tier lacks comes there first (a
+  peer fetch, a disk read: the link's time beyond the CPU leg, before the engine sees the
+  request; other requests keep running meanwhile). TTFT counts from the arrival at the router.
+  Blocks planned at routing are taken as still there at admission (the node's LRU may have
+  dropped some meanwhile; the replay does not check).
 
 Defaults are this project's own measurements (BENCHMARKS.md, "KV tiers and peer fetch"): a
 4,000-token prompt's TTFT from the node CPU tier is 0.28x of recomputing it, from the disk tier
@@ -219,7 +226,15 @@ def plan_fetch(
         if peer_node >= 0:
             peer = best - local
     bs = block_size
-    fetch = cfg.cpu.time_s(c * bs) + cfg.disk.time_s(d * bs) + cfg.peer.time_s(peer * bs)
+    # Before the engine sees the request: what its node's CPU tier lacks (a peer fetch, a disk
+    # read) comes there; the last leg, node CPU tier -> engine, is the engine's load at
+    # admission (cfg.cpu's rate, charged by the engine: SimWorkerConfig.load_s_per_token).
+    cpu_s = cfg.cpu.s_per_token
+    fetch = 0.0
+    if d:
+        fetch += cfg.disk.latency_s + d * bs * max(cfg.disk.s_per_token - cpu_s, 0.0)
+    if peer:
+        fetch += cfg.peer.latency_s + peer * bs * max(cfg.peer.s_per_token - cpu_s, 0.0)
     return FetchPlan(gpu_blocks, c, d, peer, peer_node, fetch)
 
 

@@ -16,7 +16,7 @@ import json
 import logging
 import re
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from enum import StrEnum
 from typing import NewType
 
@@ -192,6 +192,10 @@ class KvManagerRecord:
     node: str  # the node it serves: workers with the same WorkerRecord.node use it
     data_plane_address: str = ""  # host:port of its bulk data plane; empty: off
     version: str = ""
+    # Its measured transfer speeds, seconds per token of KV: layout key -> kind (cpu, disk: a
+    # tier to a worker; peer: another kvmanager to this one) -> s/token. Only what it measured
+    # (services/kvmanager/core/rates.py); routers use their configured rates for the rest.
+    transfer_s_per_token: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -200,7 +204,31 @@ class KvManagerRecord:
     def from_json(cls, raw: str | bytes) -> KvManagerRecord:
         data = json.loads(raw)
         known = {f for f in cls.__slots__}  # type: ignore[attr-defined]
-        return cls(**{k: v for k, v in data.items() if k in known})
+        data = {k: v for k, v in data.items() if k in known}
+        if "transfer_s_per_token" in data:
+            data["transfer_s_per_token"] = _rates(data["transfer_s_per_token"])
+        return cls(**data)
+
+
+def _rates(raw: object) -> dict[str, dict[str, float]]:
+    """The well-formed part of a record's transfer rates: positive finite numbers only."""
+    out: dict[str, dict[str, float]] = {}
+    if not isinstance(raw, dict):
+        return out
+    for layout, kinds in raw.items():
+        if not isinstance(layout, str) or not isinstance(kinds, dict):
+            continue
+        good = {
+            k: float(v)
+            for k, v in kinds.items()
+            if isinstance(k, str)
+            and isinstance(v, int | float)
+            and not isinstance(v, bool)
+            and 0.0 < v < float("inf")
+        }
+        if good:
+            out[layout] = good
+    return out
 
 
 # ---- etcd entries (key, value) -> records ---------------------------------------------------

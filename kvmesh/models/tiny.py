@@ -200,6 +200,37 @@ def config_dict() -> dict[str, Any]:
     }
 
 
+SHARED_CONFIG_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "hidden_act",
+    "max_position_embeddings",
+    "rms_norm_eps",
+    "rope_theta",
+    "tie_word_embeddings",
+    "initializer_range",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "dtype",
+    "torch_dtype",
+    "use_cache",
+)
+"""The fields of the tiny Llama's config that its relatives of other architectures (tiny-mtp,
+tiny-moe) keep: the same sizes, tokens and dtype."""
+
+
+def shared_config() -> dict[str, Any]:
+    """The tiny Llama's ``config.json`` fields of ``SHARED_CONFIG_KEYS``."""
+    llama = config_dict()
+    return {k: llama[k] for k in SHARED_CONFIG_KEYS}
+
+
 def _tokenizer_config() -> dict[str, Any]:
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",

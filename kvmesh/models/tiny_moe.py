@@ -32,29 +32,7 @@ MOE_INTERMEDIATE_SIZE = 64
 
 def config_dict() -> dict[str, Any]:
     """``config.json``: a Qwen3-MoE of the tiny model's sizes, every layer sparse."""
-    llama = t.config_dict()
-    keep = [
-        "vocab_size",
-        "hidden_size",
-        "intermediate_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "head_dim",
-        "hidden_act",
-        "max_position_embeddings",
-        "rms_norm_eps",
-        "rope_theta",
-        "tie_word_embeddings",
-        "initializer_range",
-        "bos_token_id",
-        "eos_token_id",
-        "pad_token_id",
-        "dtype",
-        "torch_dtype",
-        "use_cache",
-    ]
-    return {k: llama[k] for k in keep} | {
+    return t.shared_config() | {
         "architectures": ["Qwen3MoeForCausalLM"],
         "model_type": "qwen3_moe",
         "attention_bias": False,

@@ -32,29 +32,7 @@ MTP_LAYERS = 1
 
 def config_dict() -> dict[str, Any]:
     """``config.json``: a Qwen2 of the tiny model's sizes, architecture MiMoForCausalLM."""
-    llama = t.config_dict()
-    keep = [
-        "vocab_size",
-        "hidden_size",
-        "intermediate_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "head_dim",
-        "hidden_act",
-        "max_position_embeddings",
-        "rms_norm_eps",
-        "rope_theta",
-        "tie_word_embeddings",
-        "initializer_range",
-        "bos_token_id",
-        "eos_token_id",
-        "pad_token_id",
-        "dtype",
-        "torch_dtype",
-        "use_cache",
-    ]
-    return {k: llama[k] for k in keep} | {
+    return t.shared_config() | {
         "architectures": ["MiMoForCausalLM"],
         "model_type": "qwen2",
         "num_nextn_predict_layers": MTP_LAYERS,

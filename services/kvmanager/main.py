@@ -12,12 +12,13 @@ within the grace, stop the server and the data plane, close the store). See docs
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import sys
 import uuid
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, replace
 
 from kvmesh import __version__
 from kvmesh.discovery.hosts import advertised_host, node_name
@@ -32,6 +33,7 @@ from kvmesh.tls import Tls
 from kvmesh.v1 import kvmanager_pb2, kvmanager_pb2_grpc
 
 from .config import KvManagerConfig, PeerConfig
+from .core.rates import moved
 from .metrics import KvManagerMetrics
 from .peer import (
     BlockSource,
@@ -183,11 +185,14 @@ async def start_kvmanager(
                 etcd,
             )
         await host.until_etcd(directory.start)
+        publisher = _RatesPublisher(host, record) if config.etcd_endpoints else None
 
         def refresh() -> None:
             metrics.refresh(store, peers)
             if (etcd := host.etcd_state()) is not None:  # none without etcd
                 metrics.etcd.refresh(*etcd)
+            if publisher is not None:
+                publisher.refresh(servicer.rates.snapshot())
 
         host.refresh_every(config.metrics_refresh_s, refresh)
     log.info(
@@ -218,6 +223,40 @@ async def start_kvmanager(
         shm=shm,
         _host=host,
     )
+
+
+class _RatesPublisher:
+    """Puts the measured transfer rates on the kvmanager's etcd record when they moved
+    (``rates.moved``), one update at a time, so routers price fetches with them."""
+
+    def __init__(self, host: ServiceHost, record: KvManagerRecord) -> None:
+        self._host = host
+        self._record = record
+        self._task: asyncio.Task[None] | None = None
+        host.callback(self._cancel)
+
+    def refresh(self, rates: dict[str, dict[str, float]]) -> None:
+        registrar = self._host.registrar
+        if registrar is None or (self._task is not None and not self._task.done()):
+            return
+        if not moved(self._record.transfer_s_per_token, rates):
+            return
+        self._record = replace(self._record, transfer_s_per_token=rates)
+        self._task = asyncio.get_running_loop().create_task(
+            self._put(registrar.update, self._record.to_json()), name="publish-rates"
+        )
+
+    @staticmethod
+    async def _put(update: Callable[[str], Awaitable[None]], value: str) -> None:
+        try:
+            await update(value)
+        except Exception as exc:  # etcd down: the registrar writes it once etcd is back
+            log.info("transfer rates not published yet: %s", exc)
+
+    async def _cancel(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
 
 
 def _advertised(config: KvManagerConfig, bind_host: str, port: int) -> str:

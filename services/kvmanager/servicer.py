@@ -8,6 +8,8 @@ trace context (gRPC metadata); inside it, ``kv.lookup`` and ``kv.get_blocks`` (a
 from __future__ import annotations
 
 import logging
+import sys
+import time
 from collections.abc import AsyncIterator, Callable
 
 import grpc
@@ -24,6 +26,7 @@ from kvmesh.telemetry import tracer
 from kvmesh.v1 import kvmanager_pb2, kvmanager_pb2_grpc, worker_pb2
 
 from .core.plan import LayoutEvent
+from .core.rates import Transfer, TransferMeter
 from .peer import FetchProgress, PeerRef, PeerService
 from .shm import ALIGN, ShmRegistry
 from .store import TieredStore
@@ -81,6 +84,8 @@ class KvManagerServicer(kvmanager_pb2_grpc.KvManagerServicer):
         self._info = info
         self._max_message_bytes = max_message_bytes
         self.draining = False
+        # Measured speeds of what this kvmanager serves and fetches (published on its record)
+        self.rates = TransferMeter()
 
     def _check_serving(self) -> None:
         if self.draining:
@@ -164,6 +169,8 @@ class KvManagerServicer(kvmanager_pb2_grpc.KvManagerServicer):
             "kv.get_blocks", attributes={"kv.blocks_asked": len(request.block_hashes)}
         )
         sent = _Sent()
+        started = time.perf_counter()
+        layout: KvLayout | None = None
         try:
             self._check_serving()
             layout = layout_from_pb(request.layout)
@@ -189,6 +196,8 @@ class KvManagerServicer(kvmanager_pb2_grpc.KvManagerServicer):
             span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
             raise
         finally:
+            if layout is not None and sys.exc_info()[0] is None:  # served to its end
+                sent.measure(self.rates, layout, time.perf_counter() - started)
             sent.end(span)
 
     async def _get_into_shm(
@@ -317,6 +326,9 @@ class KvManagerServicer(kvmanager_pb2_grpc.KvManagerServicer):
             context.set_trailing_metadata(((FETCHED_KEY, str(progress.fetched)),))
             raise
         context.set_trailing_metadata(((FETCHED_KEY, str(progress.fetched)),))
+        self.rates.add(
+            layout.key, Transfer.PEER, progress.fetched * layout.block_size, progress.seconds
+        )
         return kvmanager_pb2.FetchFromPeerResponse(
             fetched=progress.fetched,
             already_held=progress.already_held,
@@ -342,6 +354,15 @@ class _Sent:
         self.bytes += nbytes
         t = tier if tier is not None else Tier.CPU
         self.tiers[t] = self.tiers.get(t, 0) + 1
+
+    def measure(self, meter: TransferMeter, layout: KvLayout, seconds: float) -> None:
+        """One sample per tier served, the call's time split by blocks (a call is mostly one
+        tier: a prefix's blocks sit together)."""
+        if not self.blocks:
+            return
+        for tier, n in self.tiers.items():
+            kind = Transfer.DISK if tier is Tier.DISK else Transfer.CPU
+            meter.add(layout.key, kind, n * layout.block_size, seconds * n / self.blocks)
 
     def end(self, span: Span) -> None:
         if span.is_recording():

@@ -120,7 +120,7 @@ async def start_router(
         tls=tls,
     )
     tier_sync = TierSync(config.cluster, index, lambda: (v.record for v in workers.all()), tls=tls)
-    policy = make_policy(config.policy, index=index)
+    policy = make_policy(config.policy, index=index, transfer_rates=tier_sync.kvmanagers)
     metrics = RouterMetrics()
     peers = PeerHints(index, PeerHintConfig(config.peer_hints, config.peer_hint_min_blocks))
     disagg = DisaggHandler(

@@ -7,7 +7,7 @@ only makes that child run the model itself instead of spawning one more worker p
 engine step never blocks our event loop. The child is started with ``spawn``: a script that
 builds an engine must guard its entry point with ``if __name__ == "__main__"``.
 
-Load comes from vLLM's own scheduler stats through a stat logger (``_StatsSink``) that keeps
+Load comes from vLLM's own scheduler stats through a stat logger (``StatsSink``) that keeps
 the latest ``SchedulerStats``; vLLM pushes them after every engine step, including the step
 that retires finished or aborted requests, so an idle engine's last snapshot reads 0 running.
 
@@ -19,7 +19,7 @@ Cached tokens by tier: vLLM's ``num_cached_tokens`` counts the engine's own pref
 the tokens its KV connector planned to load, together. The connector reports per request what it
 really loaded, by source (``connector.plan.LoadReport``): with the request's final output
 (``RequestOutput.kv_transfer_params``, when the engine core finished the request) and in its
-stats, which ``_StatsSink`` keeps for the requests the front end finishes (stop strings). The
+stats, which ``StatsSink`` keeps for the requests the front end finishes (stop strings). The
 rest of ``num_cached_tokens`` is the engine's own (``CachedTokens.split``).
 
 Library code: reads no environment variables (main() sets vLLM's before importing this).
@@ -31,7 +31,6 @@ import contextlib
 import logging
 import os
 import time
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -53,8 +52,6 @@ from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
 from vllm.v1.metrics.loggers import StatLoggerBase
-from vllm.v1.metrics.stats import IterationStats, MultiModalCacheStats, SchedulerStats
-from vllm.v1.spec_decode.metrics import SpecDecodingStats
 
 from kvmesh import errors
 from kvmesh.cpus import format_cpu_list, omp_environment, pin_threads
@@ -63,7 +60,7 @@ from kvmesh.sampling import STRUCTURED_FIELD, OutputKind, StructuredOutput
 from . import detokenizer
 from .config import EngineConfig
 from .connector.kvmanager_client import TRACE_HEADERS, TRACE_PARAM
-from .connector.plan import LOAD_REPORTS_STAT, REQUEST_ID_PARAM, LoadReport, PeerSource
+from .connector.plan import REQUEST_ID_PARAM, LoadReport, PeerSource
 from .core import (
     CachedTokens,
     EngineInfo,
@@ -74,7 +71,6 @@ from .core import (
     KvEventSink,
     OutputDelta,
     Sampling,
-    SpecDecodeCounts,
     Timing,
     TokenLogprob,
     TopLogprob,
@@ -82,6 +78,7 @@ from .core import (
 from .dp import rank_event_configs, sum_loads
 from .kv_events import VllmKvEvents, events_config
 from .speculative import check_models, vllm_speculative_config
+from .stats import StatsSink, stat_loggers
 from .vllm_ext import EXTENSION_CLS
 
 log = logging.getLogger(__name__)
@@ -237,106 +234,16 @@ def _domain_error(exc: BaseException) -> errors.KvmeshError | None:
     return None
 
 
-MAX_LOAD_REPORTS = 65536  # load reports kept for requests not finished yet (oldest dropped)
-
-
-class _StatsSink(StatLoggerBase):
-    """A vLLM stat logger that keeps the latest scheduler stats and cumulative prefix cache
-    counters (vLLM's are per-step deltas), and tells listeners after each update. Also keeps the
-    KV connector's load reports (request id -> ``LoadReport``) until ``take_report``."""
-
-    def __init__(self) -> None:  # vLLM's factory signature is satisfied by a closure
-        self.latest = SchedulerStats()
-        self.queried_tokens = 0
-        self.hit_tokens = 0
-        self.preemptions = 0
-        self.prefill_tokens = 0  # prompt tokens computed by finished requests
-        self.prefill_s = 0.0  # their prefill times (scheduled -> first token)
-        self.generation_tokens = 0  # tokens emitted (per step: 1 + accepted drafts a request)
-        self.spec = SpecDecodeCounts()  # speculative decoding, summed over steps
-        self.updates = 0
-        self.listeners: list[Callable[[], None]] = []
-        self.load_reports: OrderedDict[str, LoadReport] = OrderedDict()
-
-    def take_report(self, request_id: str) -> LoadReport | None:
-        """The connector's load report of a request, forgotten once taken."""
-        return self.load_reports.pop(request_id, None)
-
-    def _keep_reports(self, connector_stats: Mapping[str, Any] | None) -> None:
-        raw = connector_stats.get(LOAD_REPORTS_STAT) if connector_stats else None
-        if not isinstance(raw, Mapping):
-            return
-        reports = self.load_reports
-        for rid, value in raw.items():
-            report = LoadReport.from_dict(value)
-            if report is not None and isinstance(rid, str):
-                reports[rid] = report  # a later one (the load failed) replaces the first
-                reports.move_to_end(rid)
-        while len(reports) > MAX_LOAD_REPORTS:  # requests that never came back for theirs
-            reports.popitem(last=False)
-
-    def record(
-        self,
-        scheduler_stats: SchedulerStats | None,
-        iteration_stats: IterationStats | None,
-        mm_cache_stats: MultiModalCacheStats | None = None,
-        engine_idx: int = 0,
-    ) -> None:
-        if iteration_stats is not None:  # vLLM's vllm:num_preemptions counts these
-            self.preemptions += iteration_stats.num_preempted_reqs
-            for f in iteration_stats.finished_requests:  # the engine's own prefill timing
-                computed = f.num_prompt_tokens - f.num_cached_tokens
-                if computed > 0 and f.prefill_time > 0:
-                    self.prefill_tokens += computed
-                    self.prefill_s += f.prefill_time
-            self.generation_tokens += iteration_stats.num_generation_tokens
-        if scheduler_stats is None:
-            return
-        self.latest = scheduler_stats
-        if scheduler_stats.spec_decoding_stats is not None:
-            self.spec = _add_spec(self.spec, scheduler_stats.spec_decoding_stats)
-        self._keep_reports(scheduler_stats.kv_connector_stats)
-        pc = scheduler_stats.prefix_cache_stats
-        if pc is not None:  # same counting as vLLM's Prometheus counters
-            self.queried_tokens += pc.queries
-            self.hit_tokens += pc.hits
-        self.updates += 1
-        for listener in self.listeners:
-            try:
-                listener()
-            except Exception:
-                log.exception("load listener failed")
-
-    def log_engine_initialized(self) -> None:
-        pass
-
-
-def _add_spec(total: SpecDecodeCounts, step: SpecDecodingStats) -> SpecDecodeCounts:
-    """``total`` plus one step's speculative decoding stats."""
-    per_pos = list(total.accepted_per_position)
-    step_pos = step.num_accepted_tokens_per_pos
-    if len(per_pos) < len(step_pos):
-        per_pos += [0] * (len(step_pos) - len(per_pos))
-    for i, n in enumerate(step_pos):
-        per_pos[i] += n
-    return SpecDecodeCounts(
-        drafts=total.drafts + step.num_drafts,
-        draft_tokens=total.draft_tokens + step.num_draft_tokens,
-        accepted_tokens=total.accepted_tokens + step.num_accepted_tokens,
-        accepted_per_position=tuple(per_pos),
-    )
-
-
 class VllmEngine:
     """One vLLM engine. Build with ``await VllmEngine.start(config)``; ``close()`` when done."""
 
     def __init__(
         self,
         llm: AsyncLLM,
-        stats: _StatsSink,
+        stats: StatsSink,
         info: EngineInfo,
         kv_events: VllmKvEvents,
-        rank_stats: Sequence[_StatsSink] = (),
+        rank_stats: Sequence[StatsSink] = (),
         rank_events: Sequence[VllmKvEvents] = (),
     ) -> None:
         """``rank_stats`` / ``rank_events``: with several data-parallel ranks, each rank's stat
@@ -376,7 +283,7 @@ class VllmEngine:
         except BaseException:
             await close_readers()
             raise
-        sinks = [_StatsSink() for _ in range(ranks)]
+        sinks = [StatsSink() for _ in range(ranks)]
         stats = sinks[0]
         started = time.monotonic()
         detokenizer.install()  # a prompt ending inside a character: only the new text streams
@@ -388,7 +295,8 @@ class VllmEngine:
         try:
             # The engine core process starts here; its OpenMP threads bind as it starts.
             with _environment(omp_environment(config.compute_cpus) if config.compute_cpus else {}):
-                llm = AsyncLLM.from_engine_args(args, stat_loggers=[stats_factory])
+                loggers = stat_loggers(stats_factory, config.vllm_prometheus)
+                llm = AsyncLLM.from_engine_args(args, stat_loggers=loggers)
         except BaseException:
             await close_readers()
             raise
@@ -480,7 +388,7 @@ class VllmEngine:
         """The rank a running request was sent to; None when vLLM chose (or it is not running)."""
         return self._rank_of.get(request_id)
 
-    def _load_of(self, stats: _StatsSink) -> EngineLoad:
+    def _load_of(self, stats: StatsSink) -> EngineLoad:
         s = stats.latest
         running, waiting = s.num_running_reqs, s.num_waiting_reqs + s.num_skipped_waiting_reqs
         usage = s.kv_cache_usage

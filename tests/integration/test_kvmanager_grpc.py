@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvmesh.discovery.keys import KvManagerRecord, kvmanager_key
 from kvmesh.kv.events import BlockRemoved, BlockStored, Tier
-from kvmesh.kv_wire import KV_EPOCH_KEY, kv_batch_from_pb
+from kvmesh.kv_wire import KV_EPOCH_KEY, kv_batch_from_pb, layout_from_pb
 from kvmesh.v1 import kvmanager_pb2, kvmanager_pb2_grpc, worker_pb2
 from services.kvmanager.config import KvManagerConfig
 from services.kvmanager.core.config import StoreConfig
@@ -300,3 +300,41 @@ def test_flags():
     assert cfg.store.cpu_bytes == 2 << 30 and cfg.store.disk_bytes == 10 << 30
     assert cfg.store.has_disk and cfg.store.write_through and cfg.etcd_endpoints == ()
     assert os.fspath(cfg.store.disk_dir) == "/tmp/x"
+
+
+async def test_publishes_its_measured_tier_speed_on_its_record(etcd, etcd_client, request):
+    # 130 blocks of 32 tokens read back from its CPU tier: one sample (>= 4,096 tokens) of
+    # seconds per token, published on its etcd record at the next refresh for routers to use.
+    cluster = f"kvr{abs(hash(request.node.name)) % 10**6}"
+    config = KvManagerConfig(
+        kvmanager_id="node-r",
+        node="node-r",
+        cluster=cluster,
+        etcd_endpoints=tuple(etcd.endpoints),
+        store=StoreConfig(cpu_bytes=256 * BLOCK_BYTES),
+        metrics_refresh_s=0.05,
+        drain_grace_s=1.0,
+    )
+    running = await start_kvmanager(config)
+    channel = grpc.aio.insecure_channel(running.address)
+    try:
+        stub = kvmanager_pb2_grpc.KvManagerStub(channel)
+        hashes = list(range(1000, 1130))
+        assert await put(stub, hashes, chunk=16) == 130
+        got = await get(stub, hashes)
+        assert [m.block.block_hash for m in got] == hashes
+        key = kvmanager_key(cluster, "node-r").encode()
+        layout_key = layout_from_pb(LAYOUT).key
+        rates: dict = {}
+        for _ in range(200):
+            stored = await etcd_client.get(key)
+            rates = KvManagerRecord.from_json(stored.value).transfer_s_per_token if stored else {}
+            if rates:
+                break
+            await asyncio.sleep(0.02)
+        assert set(rates) == {layout_key} and set(rates[layout_key]) == {"cpu"}
+        assert 0.0 < rates[layout_key]["cpu"] < 1e-3  # seconds per token, loopback
+        assert running.servicer.rates.snapshot() == rates
+    finally:
+        await channel.close()
+        await running.stop()

@@ -232,11 +232,13 @@ async def test_overflow_is_refused_at_once_with_retry_after(mesh: Mesh) -> None:
     assert int(trailers["retry-after"]) >= 1
     assert "queue of priority 0 is full" in (err.value.details() or "")
     # HTTP, OpenAI's client (no retries of its own): 429 with Retry-After
-    client = openai.AsyncOpenAI(base_url=mesh.http, api_key=KEYS["batch"], max_retries=0)
-    started = time.monotonic()
-    with pytest.raises(openai.RateLimitError) as rate:
-        await client.completions.create(model="sim", prompt=prompt(), max_tokens=TOKENS)
-    http_s = time.monotonic() - started
+    async with openai.AsyncOpenAI(
+        base_url=mesh.http, api_key=KEYS["batch"], max_retries=0
+    ) as client:
+        started = time.monotonic()
+        with pytest.raises(openai.RateLimitError) as rate:
+            await client.completions.create(model="sim", prompt=prompt(), max_tokens=TOKENS)
+        http_s = time.monotonic() - started
     assert int(rate.value.response.headers["retry-after"]) >= 1
     assert int(rate.value.response.headers["retry-after-ms"]) >= 1
     assert rate.value.code == "rate_limit_exceeded"
@@ -312,9 +314,11 @@ async def test_no_worker_is_unavailable_with_retry_after(etcd) -> None:
             trailers = {k: v for k, v in err.value.trailing_metadata() or ()}
             assert trailers["retry-after"] == "3"
         assert router.http is not None
-        client = openai.AsyncOpenAI(base_url=router.http.base_url, api_key="any", max_retries=0)
-        with pytest.raises(openai.InternalServerError) as exc:
-            await client.completions.create(model="sim", prompt="hi", max_tokens=2)
+        async with openai.AsyncOpenAI(
+            base_url=router.http.base_url, api_key="any", max_retries=0
+        ) as client:
+            with pytest.raises(openai.InternalServerError) as exc:
+                await client.completions.create(model="sim", prompt="hi", max_tokens=2)
         assert exc.value.status_code == 503 and exc.value.response.headers["retry-after"] == "3"
     finally:
         await router.stop()

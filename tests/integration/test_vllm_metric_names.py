@@ -2,7 +2,7 @@
 real router (on a real etcd), after requests through the router's OpenAI HTTP API: the worker's
 /metrics carry vLLM's names, labels (model_name, engine) and buckets with counts equal to vLLM's
 own PrometheusStatLogger in this process (prometheus_client's global registry, which vLLM fills
-and kvmesh does not serve); every ``*_total`` is a counter; the router's request metrics count
+with ``vllm_prometheus`` on and kvmesh does not serve); every ``*_total`` is a counter; the router's request metrics count
 the same requests by model, with the engine's phases carried in the usage; /version names the
 workers' vLLM."""
 
@@ -57,6 +57,7 @@ async def mesh(tiny_model: Path, etcd) -> AsyncIterator[Mesh]:
                 max_model_len=1024,
                 block_size=32,
                 kv_cache_bytes=64 << 20,
+                vllm_prometheus=True,  # vLLM's own counts, to compare with
             ),
             worker_id="names-worker",
             cluster=CLUSTER,

@@ -8,8 +8,8 @@
   parsed configs must agree on: advertised host = service name, health-check port = listen port,
   etcd endpoints that exist, a model path inside a mounted volume, a stop grace period longer than
   the process's own drain grace;
-- the health-check one-liner (identical in the Dockerfile and compose) run against a real
-  grpc.health.v1 server on loopback;
+- the health check (``python3 -m kvmesh.healthcheck``, the same in the Dockerfile and compose)
+  run against a real grpc.health.v1 server on loopback;
 - the Dockerfile's structure, its build context (.dockerignore), and hadolint.
 """
 
@@ -158,11 +158,11 @@ def stage_names(instructions: list[tuple[int, str, str]]) -> dict[int, str]:
     return names
 
 
-def dockerfile_health_code(instructions: list[tuple[int, str, str]]) -> str:
+def dockerfile_health_command(instructions: list[tuple[int, str, str]]) -> list[str]:
     (rest,) = [rest for _, word, rest in instructions if word == "HEALTHCHECK"]
     cmd = json.loads(rest[rest.index("CMD") + 3 :].strip())
-    assert cmd[:2] == ["python3", "-c"], cmd
-    return cmd[2]
+    assert cmd == ["python3", "-m", "kvmesh.healthcheck"], cmd
+    return cmd
 
 
 def kvmesh_argv(service: dict[str, Any]) -> list[str]:
@@ -262,10 +262,12 @@ def test_the_image_never_sets_the_cpu_kv_cache_size(dockerfile) -> None:
 # ---- health checks -----------------------------------------------------------------------------
 def test_every_service_has_a_health_check_except_the_one_shot_job(compose, dockerfile) -> None:
     services = compose["services"]
-    code = dockerfile_health_code(dockerfile)
+    command = dockerfile_health_command(dockerfile)
     for name in LONG_RUNNING:
         check = services[name]["healthcheck"]
-        assert check["test"] == ["CMD", "python3", "-c", code], f"{name}: not the image's check"
+        # A shell string: podman-compose 1.0.3 mangles multi-word CMD lists (kvmesh/healthcheck.py)
+        kind, script = check["test"]
+        assert kind == "CMD-SHELL" and shlex.split(script) == command, f"{name}: not the image's"
         assert not check.get("disable")
         for key in ("interval", "timeout", "start_period"):
             parse_duration(check[key])
@@ -293,10 +295,12 @@ def health_server():
     server.stop(grace=None)
 
 
-def run_health_check(code: str, address: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "KVMESH_HEALTH_ADDRESS": address}
+def run_health_check(command: list[str], address: str) -> subprocess.CompletedProcess[str]:
+    """The image's check command with this interpreter and this tree's kvmesh."""
+    env = {**os.environ, "KVMESH_HEALTH_ADDRESS": address, "PYTHONPATH": str(ROOT)}
+    assert command[0] == "python3"
     return subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+        [sys.executable, *command[1:]], env=env, capture_output=True, text=True, timeout=60
     )
 
 
@@ -308,18 +312,18 @@ def run_health_check(code: str, address: str) -> subprocess.CompletedProcess[str
         pytest.param(health_pb2.HealthCheckResponse.UNKNOWN, 1, id="unknown"),
     ],
 )
-def test_the_health_one_liner_reads_grpc_health(dockerfile, health_server, status, exit_code):
+def test_the_health_check_reads_grpc_health(dockerfile, health_server, status, exit_code):
     servicer, address = health_server
     servicer.set("", status)
-    result = run_health_check(dockerfile_health_code(dockerfile), address)
+    result = run_health_check(dockerfile_health_command(dockerfile), address)
     assert result.returncode == exit_code, result.stderr
 
 
-def test_the_health_one_liner_fails_when_nothing_listens(dockerfile) -> None:
+def test_the_health_check_fails_when_nothing_listens(dockerfile) -> None:
     with socket.socket() as s:  # a port that was free a moment ago: bind, learn it, close
         s.bind(("127.0.0.1", 0))
         free = s.getsockname()[1]
-    result = run_health_check(dockerfile_health_code(dockerfile), f"127.0.0.1:{free}")
+    result = run_health_check(dockerfile_health_command(dockerfile), f"127.0.0.1:{free}")
     assert result.returncode == 1, result.stderr
 
 
@@ -602,6 +606,7 @@ def ignore_patterns() -> list[str]:
         ("kvmesh/cli.py", False),
         ("kvmesh/v1/worker_pb2.py", False),
         ("services/worker/main.py", False),
+        ("benchmarks/replay/cli.py", False),
         ("kvmesh/__pycache__/cli.cpython-311.pyc", True),
         (".venv/bin/python", True),
         (".git/HEAD", True),
@@ -623,7 +628,7 @@ def test_everything_the_dockerfile_copies_is_in_the_context(dockerfile, ignore_p
     for source in sources:
         assert (ROOT / source).exists(), source
         assert not ignored(source, ignore_patterns), f"{source} is excluded by .dockerignore"
-    for package in ("kvmesh", "services"):
+    for package in ("kvmesh", "services", "benchmarks"):  # what pyproject.toml packages
         for path in (ROOT / package).rglob("*.py"):
             rel = path.relative_to(ROOT).as_posix()
             assert not ignored(rel, ignore_patterns), f"{rel} would be missing from the image"

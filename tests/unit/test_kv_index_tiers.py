@@ -231,3 +231,32 @@ def test_many_workers_share_one_store_projection():
         if not i % 2:
             want = (want[0], own, 0, max(lower - own, 0))
         assert tiers(m) == want, i
+
+
+# ---- long prompts: match looks blocks up a chunk at a time (64, then 1,024 blocks) -------------
+@pytest.mark.parametrize(
+    ("a_gpu", "n1_cpu", "b_end"),
+    [
+        pytest.param(64, 65, 63, id="ends-at-the-first-chunk"),
+        pytest.param(1087, 1088, 1089, id="ends-around-the-second-chunk"),
+        pytest.param(2000, 3000, 3000, id="whole-prompt"),
+        pytest.param(0, 1500, 1, id="store-only-worker"),
+    ],
+)
+def test_long_prompt_matches_block_by_block_count(a_gpu: int, n1_cpu: int, b_end: int) -> None:
+    ix = KvIndex()
+    prompt = list(range(1, 3001))
+    ix.apply(snap("a", *([stored(*prompt[:a_gpu])] if a_gpu else [])))
+    ix.apply(snap("b", stored(*prompt[:b_end])))
+    ix.apply(snap("c"))
+    put_store(ix, N1, stored(*prompt[:n1_cpu], tier=CPU), stored(*prompt[:10], tier=DISK))
+    ix.link(A, N1)
+    ix.link(C, N1)
+    got = ix.match(h(*prompt))
+    a = max(a_gpu, n1_cpu)
+    assert tiers(got.get(A)) == (a, a_gpu, a - a_gpu, 0)
+    assert tiers(got.get(B)) == (b_end, b_end, 0, 0)
+    assert tiers(got.get(C)) == (n1_cpu, 0, n1_cpu, 0)
+    assert [m.blocks for m in got.values()] == sorted(
+        (m.blocks for m in got.values()), reverse=True
+    )

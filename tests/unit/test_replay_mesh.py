@@ -4,11 +4,14 @@ per-tier accounting with TTFT counted from the arrival."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from benchmarks.replay.driver import replay
 from benchmarks.replay.mesh import Link, MeshConfig, NodeStore, apply_fetch, plan_fetch
 from benchmarks.replay.policies import RoundRobin
+from benchmarks.replay.traces import ReplayRequest
 from kvmesh.kv.events import BlockHash, BlockRemoved, BlockStored, Tier
 
 from .test_replay_driver import CFG, HAND
@@ -56,8 +59,10 @@ def test_plan_fetch_local_tiers_then_the_best_peer(gpu, peer_holds, want):
     stores[1].save(H[:3])  # a worse peer
     plan = plan_fetch(cfg, stores, 0, H, gpu, 10, block_size=1)
     assert (plan.cpu_blocks, plan.disk_blocks, plan.peer_blocks, plan.peer_node) == want
-    cpu, _, peer, _ = want
-    want_s = (0.5 + cpu if cpu else 0.0) + (0.25 + 2.0 * peer if peer else 0.0)
+    _, _, peer, _ = want
+    # Before the engine sees it: the peer's leg beyond the CPU tier's (the node CPU tier ->
+    # engine leg is the engine's load at admission, for cpu and peer blocks alike).
+    want_s = 0.25 + (2.0 - 1.0) * peer if peer else 0.0
     assert plan.fetch_s == pytest.approx(want_s)
     apply_fetch(stores, 0, H, plan)
     assert stores[0].prefix(H, 10) == max(4, plan.blocks)  # peer blocks copied in
@@ -106,3 +111,25 @@ def test_the_router_core_follows_the_node_stores_and_routes_with_precise_cost():
     assert stats.stores == 2 and stats.links == 2
     held = [policy.index.view(sid).cpu_blocks for sid in policy.index.stores()]
     assert sum(held) >= 4  # blocks 1-4 written through to some node's CPU tier
+
+
+def test_a_prefix_evicted_while_queued_is_loaded_from_the_node_at_admission():
+    # One worker of 12 blocks. The last request finds its 3 blocks on the engine when it arrives,
+    # but waits behind a big one whose admission evicts them: with the node's CPU tier under the
+    # engine (written through), they are loaded from there when it is admitted, not recomputed.
+    def r(t: float, blocks: tuple[int, ...], tokens: int, out: int = 1) -> ReplayRequest:
+        return ReplayRequest(t, "", tuple(BlockHash(b) for b in blocks), tokens, out)
+
+    cfg = replace(CFG, capacity_blocks=12, step_s=0.01)
+    reqs = [
+        r(0.0, (1, 2, 3), 13),
+        r(0.1, (20, 21, 22), 13, 10),  # running while the next two arrive
+        r(0.15, (30, 31, 32, 33, 34, 35), 25, 14),  # waits for room, then evicts 1-3
+        r(0.2, (1, 2, 3, 4), 17),  # 1-3 on the engine now; queued behind the one above
+    ]
+    alone = replay(reqs, RoundRobin(), workers=1, config=cfg)
+    assert (alone.reusable_tokens, alone.cached_tokens) == (12, 0)  # evicted: recomputed
+    mesh = MeshConfig(workers_per_node=1, cpu_blocks=64)
+    rep = replay(reqs, RoundRobin(), workers=1, config=cfg, mesh=mesh)
+    assert (rep.reusable_all_tokens, rep.cached_all_tokens, rep.cached_tokens) == (12, 12, 0)
+    assert dict(rep.tier_tokens) == {"gpu": 0, "cpu": 12, "disk": 0, "peer": 0}

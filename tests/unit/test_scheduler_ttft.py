@@ -168,3 +168,57 @@ def test_prefill_rates(reports, want):
 def test_params(kw, match):
     with pytest.raises(InvalidArgument, match=match):
         TtftParams(**kw)
+
+
+def test_a_full_cache_charges_what_the_request_displaces():
+    # w0 holds 6 of the 8 blocks on its GPU; w1 (same node store, A) holds them only on the node's
+    # CPU tier. With both caches full of blocks in use (kv 1.0), each token brought onto a GPU
+    # evicts another request's, which comes back from the CPU tier later: w0 brings 36 tokens
+    # (the tail), w1 the whole 132; at kv 0.5 half of that; at kv 0 nothing.
+    idx = StoreFakeIndex(
+        {"w0": gpu(6), "w1": Matched(6, gpu_blocks=0, cpu_blocks=6, exact=True)},
+        {"w0": A, "w1": A},
+    )
+    base0 = (TOKENS - 6 * BLOCK) * 0.001
+    base1 = 0.01 + 6 * BLOCK * 0.0001 + (TOKENS - 6 * BLOCK) * 0.001
+    for kv in (0.0, 0.5, 1.0):
+        _, _, got = estimate(idx, [view("w0", kv=kv), view("w1", kv=kv)])
+        assert got == pytest.approx(
+            [base0 + kv * (TOKENS - 6 * BLOCK) * 0.0001, base1 + kv * TOKENS * 0.0001]
+        ), kv
+    off = TtftParams(**{**{f: getattr(P, f) for f in P.__slots__}, "displacement": False})
+    _, _, got = estimate(idx, [view("w0", kv=1.0), view("w1", kv=1.0)], params=off)
+    assert got == pytest.approx([base0, base1])
+    # A worker without a node store refills from recompute, at its prefill rate.
+    alone = StoreFakeIndex({"w0": gpu(6)}, {})
+    _, _, got = estimate(alone, [view("w0", kv=1.0), view("w1", kv=1.0)])
+    assert got == pytest.approx([base0 + (TOKENS - 6 * BLOCK) * 0.001, 2 * TOKENS * 0.001])
+
+
+def test_the_kvmanagers_measured_transfer_rates_replace_the_configured_ones():
+    from kvmesh.discovery.keys import KvManagerRecord
+    from services.router.core.node_stores import KvManagerSet
+
+    kvms = KvManagerSet()
+    kvms.apply_put(
+        KvManagerRecord(
+            "kvm-a", "a:1", "node-a", transfer_s_per_token={LAYOUT: {"cpu": 0.0004, "peer": 0.001}}
+        )
+    )
+    kvms.apply_put(KvManagerRecord("kvm-b", "b:1", "node-b"))  # nothing measured yet
+    # w (node a) holds 2 blocks on GPU, 2 on its node's CPU tier; a worker of node b holds 8:
+    # w fetches 4 from b at a's measured peer rate plus a's CPU tier load, and loads its own 2
+    # from a's CPU tier at the measured rate.
+    idx = StoreFakeIndex(
+        {"w": Matched(4, gpu_blocks=2, cpu_blocks=2, exact=True), "p": gpu(8)},
+        {"w": A, "p": B},
+    )
+    source = PrecisePrefixScorer("p", PreciseParams(), idx)
+    scorer = TtftCostScorer("t", P, idx, kvms)
+    cands = [view("w"), view("p")]
+    got = scorer.estimate(ctx_for(request(8, prompt_tokens=TOKENS), cands, source), cands)
+    want_w = 0.01 + 2 * BLOCK * 0.0004 + 0.03 + 4 * BLOCK * (0.001 + 0.0004) + 4 * 0.001
+    assert got[0] == pytest.approx(want_w)
+    assert scorer.links(A) == pytest.approx((0.0004, P.disk_s_per_token, 0.0014))
+    assert scorer.links(B) == (P.cpu_s_per_token, P.disk_s_per_token, P.peer_s_per_token)
+    assert TtftCostScorer("t", P, idx).links(A) == scorer.links(B)  # no source: configured

@@ -9,8 +9,8 @@ from vllm.v1.metrics.stats import FinishedRequestStats, IterationStats
 
 from services.router.pool import load_from_pb
 from services.worker.core import EngineLoad
-from services.worker.engine import _StatsSink
 from services.worker.servicer import load_to_pb
+from services.worker.stats import StatsSink
 
 
 def finished(prompt: int, cached: int, prefill_s: float) -> FinishedRequestStats:
@@ -21,7 +21,7 @@ def finished(prompt: int, cached: int, prefill_s: float) -> FinishedRequestStats
 
 
 def test_the_stat_logger_sums_computed_tokens_and_prefill_seconds():
-    sink = _StatsSink()
+    sink = StatsSink()
     it = IterationStats()
     it.finished_requests = [
         finished(1000, 200, 0.4),

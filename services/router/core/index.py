@@ -19,9 +19,10 @@ Node stores. A kvmanager's blocks of one KV layout are a *store* (``StoreId``), 
 numbered tier event stream (``apply_store``) and held like a worker, in a slot of its own.
 ``link`` names the store backing a worker's lower tiers (its node's kvmanager, for its layout):
 ``match`` counts the store's blocks as the worker's own by projecting each holder int it looks up,
-copying a linked store's bits onto the bits of the candidates it backs (memoised per distinct
-int: one more dict lookup per block; none at all when no candidate is linked). A block on the
-worker's gpu still beats the store's cpu. Stores are never matched themselves.
+copying a linked store's bits onto the bits of the candidates it backs (once per distinct int).
+A block on the worker's gpu still beats the store's cpu. Stores are never matched themselves.
+``match`` is one pass over the prompt: the lookups at C speed a chunk at a time, grouped into
+runs of one holder int, and the prefix ends and the per-tier counts found per run (``_scan``).
 
 Memory is bounded by ``IndexConfig.max_blocks`` distinct hashes: past it the least recently stored
 blocks go (a dict keeps insertion order and a block moves to the end whenever a worker stores it).
@@ -37,7 +38,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from heapq import heappop, heappush
-from itertools import compress, islice, repeat
+from itertools import compress, groupby, islice, repeat
 from operator import and_
 from types import MappingProxyType
 
@@ -82,6 +83,9 @@ __all__ = [
 ]
 
 _GPU, _CPU, _DISK = 0, 1, 2
+# match() looks blocks up a chunk at a time: a short first chunk keeps a miss cheap.
+_SCAN_FIRST_CHUNK = 64
+_SCAN_CHUNK = 1024
 _KEY_BYTES = (sys.getsizeof(1 << 63) + 7) & ~7  # one 64-bit hash as a Python int, allocated
 
 
@@ -107,6 +111,10 @@ def _or(masks: Iterable[int]) -> int:
     for m in masks:
         out |= m
     return out
+
+
+def _tier_counts(cpu: dict[int, int], disk: dict[int, int]) -> dict[int, tuple[int, int]]:
+    return {pos: (cpu.get(pos, 0), disk.get(pos, 0)) for pos in cpu.keys() | disk.keys()}
 
 
 def _project_tiers(v: int, spread: Mapping[int, int], stores: int) -> int:
@@ -293,16 +301,9 @@ class KvIndex:
         active, spread, degraded = self._candidates(workers)
         if not active or not hashes:
             return {}
-        ends = (
-            self._walk_projected(hashes, active, spread) if spread else self._walk(hashes, active)
-        )
+        ends, lower = self._scan(hashes, active, spread)
         if not ends:
             return {}
-        lower = (
-            self._lower_tier_counts(hashes, ends, spread)
-            if self._totals[1] or self._totals[2]
-            else {}
-        )
         owner = self._owner
         out: list[PrefixMatch] = []
         for length, mask in ends:
@@ -367,32 +368,61 @@ class KvIndex:
             ends.append((len(hashes), active))
         return ends
 
-    def _walk_projected(
+    def _scan(
         self, hashes: Sequence[BlockHash], active: int, spread: dict[int, int]
-    ) -> list[tuple[int, int]]:
-        """``_walk`` where a block a store holds also counts for the workers it backs
-        (``spread``: store any-bit -> their any-bits). Each distinct holder int is projected
-        once (interned ints: a prompt has few), so a block costs one more dict lookup."""
+    ) -> tuple[list[tuple[int, int]], dict[int, tuple[int, int]]]:
+        """``_walk`` and the tiers in one pass: (prefix length, any-bits of the workers whose
+        prefix ends there), lengths ascending; and per matching worker (bit position of its
+        any-bit) its matched blocks whose best tier is cpu, and disk.
+
+        A block a linked store holds counts for the workers it backs (``spread``: store any-bit
+        -> their any-bits), its tier bits copied onto theirs (a worker's gpu beats its store's
+        cpu). The lookups run at C speed (``map`` over a chunk of the prompt, ``groupby`` into
+        runs of one holder int: a prompt's blocks come in long runs held by the same holders),
+        and each distinct holder int is projected once; per run, not per block, the Python
+        work. A miss stops the scan at the end of its chunk."""
         get = self._d.get
         stores = _or(spread)
+        stores4 = stores * 15
+        keep = active * 15 | stores4  # retired slots' stale bits are never looked at
+        count_tiers = bool(self._totals[1] or self._totals[2])
         memo: dict[int, int] = {}
         ends: list[tuple[int, int]] = []
-        for n, h in enumerate(hashes):
-            v = get(h, 0)
-            pv = memo.get(v)
-            if pv is None:
-                sv = v & stores
-                pv = memo[v] = v | _or(spread[1 << pos] for pos in _bits(sv)) if sv else v
-            m = pv & active
-            if m != active:
-                if n:
-                    ends.append((n, active ^ m))
-                active = m
-                if not m:
-                    break
-        else:
-            ends.append((len(hashes), active))
-        return ends
+        cpu: dict[int, int] = {}
+        disk: dict[int, int] = {}
+        n = 0
+        total = len(hashes)
+        chunk = _SCAN_FIRST_CHUNK
+        start = 0
+        while start < total:
+            for v, run in groupby(map(get, hashes[start : start + chunk], repeat(0))):
+                pv = memo.get(v)
+                if pv is None:
+                    pv = v & keep
+                    if pv & stores:
+                        pv = _project_tiers(pv, spread, stores)
+                    memo[v] = pv
+                m = pv & active
+                if m != active:
+                    if n:
+                        ends.append((n, active ^ m))
+                    active = m
+                    if not m:
+                        return ends, _tier_counts(cpu, disk)
+                c = len(list(run))
+                if count_tiers:
+                    on_gpu = (pv >> 1) & active
+                    if on_gpu != active:
+                        on_cpu = (pv >> 2) & active & ~on_gpu
+                        for pos in _bits(on_cpu):
+                            cpu[pos] = cpu.get(pos, 0) + c
+                        for pos in _bits(active & ~on_gpu & ~on_cpu):
+                            disk[pos] = disk.get(pos, 0) + c
+                n += c
+            start += chunk
+            chunk = _SCAN_CHUNK
+        ends.append((total, active))
+        return ends, _tier_counts(cpu, disk)
 
     def _candidates(self, workers: Iterable[WorkerId] | None) -> tuple[int, dict[int, int], int]:
         """(any-bits of the workers asked for, store any-bit -> the any-bits of those it backs,
@@ -425,42 +455,6 @@ class KvIndex:
             if s.state is not ViewState.EXACT:
                 degraded |= w.any_bit
         return active, spread, degraded
-
-    def _lower_tier_counts(
-        self, hashes: Sequence[BlockHash], ends: list[tuple[int, int]], spread: dict[int, int]
-    ) -> dict[int, tuple[int, int]]:
-        """Per matching worker (bit position of its any-bit): matched blocks whose best tier is
-        cpu, and disk. Walks the matched region in segments where the set of workers still
-        matching is constant, counting each segment's distinct holder ints at C speed (stores'
-        bits projected onto the workers they back, once per distinct int)."""
-        get = self._d.get
-        stores = _or(spread)
-        stores4 = stores * 15
-        suffix: list[tuple[int, int]] = []
-        acc = 0
-        for length, mask in reversed(ends):
-            acc |= mask
-            suffix.append((length, acc))
-        cpu: dict[int, int] = {}
-        disk: dict[int, int] = {}
-        start = 0
-        for end, active in reversed(suffix):
-            if end > start:
-                a4 = active * 15
-                counts = Counter(map(and_, map(get, hashes[start:end]), repeat(a4 | stores4)))
-                for v, c in counts.items():
-                    if v & stores:
-                        v = _project_tiers(v, spread, stores) & a4
-                    on_gpu = (v >> 1) & active
-                    if on_gpu == active:
-                        continue
-                    on_cpu = (v >> 2) & active & ~on_gpu
-                    for pos in _bits(on_cpu):
-                        cpu[pos] = cpu.get(pos, 0) + c
-                    for pos in _bits(active & ~on_gpu & ~on_cpu):
-                        disk[pos] = disk.get(pos, 0) + c
-            start = end
-        return {pos: (cpu.get(pos, 0), disk.get(pos, 0)) for pos in cpu.keys() | disk.keys()}
 
     def view(self, worker_id: HolderId) -> WorkerKvView:
         w = self._workers.get(worker_id)

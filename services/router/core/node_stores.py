@@ -45,6 +45,14 @@ class KvManagerSet:
     def get(self, kvmanager_id: str) -> KvManagerRecord | None:
         return self._by_id.get(kvmanager_id)
 
+    def s_per_token(self, kvmanager_id: str, layout_key: str, kind: str) -> float:
+        """The transfer speed the kvmanager measured and published (its record's
+        ``transfer_s_per_token``), seconds per token; 0: none (``scheduler.TransferRates``)."""
+        rec = self._by_id.get(kvmanager_id)
+        if rec is None:
+            return 0.0
+        return rec.transfer_s_per_token.get(layout_key, {}).get(kind, 0.0)
+
     def __len__(self) -> int:
         return len(self._by_id)
 

@@ -19,6 +19,7 @@ from .scheduler import (
     PluginEnv,
     PrefixIndex,
     Registry,
+    TransferRates,
     build_scheduler,
     builtin_profile,
 )
@@ -51,11 +52,12 @@ def make_policy(
     index: PrefixIndex | None = None,
     rng: random.Random | None = None,
     registry: Registry | None = None,
+    transfer_rates: TransferRates | None = None,
 ) -> RoutingPolicy:
     """A built-in profile by name (round-robin, random, least-loaded, approximate-prefix,
     precise-prefix, precise-sticky), or a profile file when ``name`` ends in .yaml/.yml.
     ``index`` is the KV block index (a ``scheduler.PrefixIndex``) the precise profiles need."""
-    env = PluginEnv(index=index, rng=rng or random.Random())
+    env = PluginEnv(index=index, rng=rng or random.Random(), transfer_rates=transfer_rates)
     if name.endswith((".yaml", ".yml")):
         return _load_profile(Path(name), registry=registry, env=env)
     if name not in POLICIES:

@@ -19,7 +19,7 @@ from kvmesh import errors
 from . import anthropic, parsing, rendering
 from .anthropic_stream import EventStream, MessageCollector, sse_event
 from .auth import identity_of
-from .backend import RouterBackend, count_tokens
+from .backend import RouterBackend, count_tokens, first_message
 from .errors import (
     BadRequest,
     MethodNotAllowed,
@@ -27,6 +27,7 @@ from .errors import (
     UnknownRoute,
     retry_after_headers,
 )
+from .sse import open_event_stream
 
 log = logging.getLogger(__name__)
 
@@ -109,16 +110,10 @@ class AnthropicEndpoints:
             return error_response(exc, rid)
         stream = self._backend().generate(parsed.chat.generate, self._timeout_s)
         async with contextlib.aclosing(stream):
-            try:
-                # Errors before the first message (unknown model, bad prompt, no worker) get
-                # their own HTTP status, streaming or not.
-                first = await anext(stream)
+            try:  # errors before the first message get their own HTTP status, streaming or not
+                first = await first_message(stream)
             except errors.KvmeshError as exc:
                 return error_response(parsing.router_error(exc, parsed.chat), rid)
-            except StopAsyncIteration:
-                return error_response(
-                    errors.Unavailable("the router ended the stream without an answer"), rid
-                )
             if parsed.stream:
                 events = EventStream(parsed, block_size)
                 return await self._stream(request, events, first, stream)
@@ -150,16 +145,7 @@ class AnthropicEndpoints:
         after the headers is an ``error`` event, which the SDKs raise. A client that goes away
         makes a write fail, which closes ``stream`` and cancels the router call."""
         rid = out.request.id
-        resp = web.StreamResponse(
-            status=200,
-            headers={
-                "Content-Type": "text/event-stream",
-                "Cache-Control": "no-cache",
-                "request-id": rid,
-                "x-request-id": rid,
-            },
-        )
-        await resp.prepare(request)
+        resp = await open_event_stream(request, rid, {"request-id": rid})
         try:
             for event, data in out.start():
                 await resp.write(sse_event(event, _encode(data)))

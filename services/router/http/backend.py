@@ -6,8 +6,8 @@ transport errors."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncGenerator
-from typing import Protocol, runtime_checkable
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any, Protocol, runtime_checkable
 
 import grpc
 from opentelemetry import context as otel_context
@@ -23,6 +23,16 @@ from ..continuation import Prior
 
 _tracer = tracer(__name__)
 GENERATE_SPAN = "/kvmesh.v1.Router/Generate"  # the name the gRPC API's server span has
+
+
+async def first_message(stream: AsyncIterator[Any]) -> Any:
+    """A ``generate`` stream's first message, where the front doors tell an error (unknown
+    model, bad prompt, no worker) by its own HTTP status; a stream that ends before any message
+    is ``Unavailable``."""
+    try:
+        return await anext(stream)
+    except StopAsyncIteration:
+        raise errors.Unavailable("the router ended the stream without an answer") from None
 
 
 class RouterBackend(Protocol):

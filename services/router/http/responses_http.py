@@ -30,10 +30,11 @@ from ..state import ResponseStore
 from . import extensions, parsing, rendering, responses
 from .anthropic_stream import sse_event
 from .auth import identity_of
-from .backend import PromptRenderer, RouterBackend
+from .backend import PromptRenderer, RouterBackend, first_message
 from .errors import error_body, retry_after_headers
 from .responses import ResponsesRequest
 from .responses_stream import ResponseCollector, ResponseEvents
+from .sse import open_event_stream
 
 log = logging.getLogger(__name__)
 
@@ -169,16 +170,10 @@ class ResponsesEndpoints:
         created_at = int(time.time())
         stream = self._backend().generate(token_request(parsed.chat, ids), self._timeout_s)
         async with contextlib.aclosing(stream):
-            try:
-                # Errors before the first message (unknown model, prompt too long, no worker)
-                # get their own HTTP status, streaming or not.
-                first = await anext(stream)
+            try:  # errors before the first message get their own HTTP status, streaming or not
+                first = await first_message(stream)
             except errors.KvmeshError as exc:
                 return error_response(responses.bad_request(exc, parsed), rid)
-            except StopAsyncIteration:
-                return error_response(
-                    errors.Unavailable("the router ended the stream without an answer"), rid
-                )
             if parsed.stream:
                 events = ResponseEvents(parsed, created_at, block_size, extended)
                 return await self._stream(request, events, ids, first, stream)
@@ -226,15 +221,7 @@ class ResponsesEndpoints:
         before its ``response.completed`` goes out, so a client chaining at once finds it. An
         error after the headers is an ``error`` event."""
         rid = out.request.id
-        resp = web.StreamResponse(
-            status=200,
-            headers={
-                "Content-Type": "text/event-stream",
-                "Cache-Control": "no-cache",
-                "x-request-id": rid,
-            },
-        )
-        await resp.prepare(request)
+        resp = await open_event_stream(request, rid)
         try:
             for event, data in out.start():
                 await resp.write(sse_event(event, _encode(data)))

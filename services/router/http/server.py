@@ -25,7 +25,7 @@ from ..core.auth import KeyTable, static_table
 from ..state import ResponseStore
 from . import anthropic_http, choices, extensions, parsing, rendering, responses_http
 from .auth import api_key_middleware, identity_of
-from .backend import GrpcRouterBackend, RouterBackend
+from .backend import GrpcRouterBackend, RouterBackend, first_message
 from .cors import CorsPolicy
 from .errors import (
     BadRequest,
@@ -36,6 +36,7 @@ from .errors import (
     retry_after_headers,
 )
 from .fanout import FanOut
+from .sse import open_event_stream
 
 log = logging.getLogger(__name__)
 
@@ -430,16 +431,10 @@ class OpenAIServer:
             out = rendering.ResponseTranslator(parsed, int(time.time()))
             stream = self.backend.generate(parsed.generate, self._timeout_s)
         async with contextlib.aclosing(stream):
-            try:
-                # Errors before the first message (unknown model, bad prompt, no worker) get
-                # their own HTTP status, streaming or not.
-                first = await anext(stream)
+            try:  # errors before the first message get their own HTTP status, streaming or not
+                first = await first_message(stream)
             except errors.KvmeshError as exc:
                 return error_response(parsing.router_error(exc, parsed), rid)
-            except StopAsyncIteration:
-                return error_response(
-                    errors.Unavailable("the router ended the stream without an answer"), rid
-                )
             if parsed.stream:
                 return await self._stream(request, out, first, stream)
             return await self._collect(out, first, stream)
@@ -475,15 +470,7 @@ class OpenAIServer:
         object, not in headers. A client that goes away makes a write (or the handler) fail,
         which closes ``stream`` and cancels the router call."""
         rid = out.request.id
-        resp = web.StreamResponse(
-            status=200,
-            headers={
-                "Content-Type": "text/event-stream",
-                "Cache-Control": "no-cache",
-                "x-request-id": rid,
-            },
-        )
-        await resp.prepare(request)
+        resp = await open_event_stream(request, rid)
         try:
             while True:
                 for payload in out.feed(msg):

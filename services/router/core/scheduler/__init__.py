@@ -28,6 +28,7 @@ from .plugins import (
     PrefixMatchLike,
     PrefixSource,
     Scorer,
+    TransferRates,
 )
 from .profile import (
     BUILTIN_PROFILES,
@@ -64,6 +65,7 @@ __all__ = [
     "Scheduler",
     "Scorer",
     "StageTiming",
+    "TransferRates",
     "Weighted",
     "WorkerTally",
     "build_scheduler",

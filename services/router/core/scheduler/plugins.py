@@ -172,9 +172,18 @@ class Admission(Protocol):
     ) -> None: ...
 
 
+class TransferRates(Protocol):
+    """The kvmanagers' measured transfer speeds (their etcd records: ``KvManagerSet``)."""
+
+    def s_per_token(self, kvmanager_id: str, layout_key: str, kind: str) -> float:
+        """Seconds per token of KV the kvmanager measured for ``kind`` (cpu, disk: its tier to
+        a worker; peer: another kvmanager to it) of the layout; 0: not measured."""
+
+
 @dataclass(slots=True)
 class PluginEnv:
     """What plugins may depend on beyond their parameters, given when a profile is built."""
 
     index: PrefixIndex | None = None  # the KV block index (precise prefix scorer)
     rng: random.Random = field(default_factory=random.Random)  # seed it for reproducible runs
+    transfer_rates: TransferRates | None = None  # measured tier/peer speeds (ttft-cost)

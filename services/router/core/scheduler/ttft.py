@@ -7,7 +7,8 @@ For each candidate ``w`` (``estimate``)::
     fetch_s(w)   = load(cpu_tokens(w), cpu) + load(disk_tokens(w), disk)   # its node's tiers
                    + load(peer_tokens(w), peer)        # what another node's kvmanager adds
     prefill_s(w) = tokens_nobody_holds(w) * prefill_s_per_token(w)
-    ttft_s(w)    = queue_s(w) + fetch_s(w) + prefill_s(w)
+    displace_s(w) = kv_cache_usage(w) * tokens_not_on_its_gpu(w) * refill_s_per_token(w)
+    ttft_s(w)    = queue_s(w) + fetch_s(w) + prefill_s(w) + displace_s(w)
 
 with ``load(n, link) = link latency + n * link s_per_token`` (0 for n = 0). The matched prefix on
 ``w``'s engine and its node's tiers comes from the profile's prefix source (the KV index);
@@ -22,8 +23,23 @@ over the prompt beyond the index match; a store with no candidate linked to it i
 computed and the seconds those prefills took (WorkerLoad.prefill_computed_tokens /
 prefill_seconds, from vLLM's per-request stats); ``rates.PrefillRates`` keeps a moving average per
 worker, and the fleet's mean stands in for a worker that has reported none yet. The tier and
-peer rates are configured (defaults: this project's measurements in BENCHMARKS.md, scaled to the
-default prefill rate): the kvmanagers do not report their transfer speeds to the router yet.
+peer rates are each kvmanager's own measurements where it has published them
+(``KvManagerRecord.transfer_s_per_token``, per KV layout: its CPU and disk tiers serving a
+worker, and its fetches from peers, to which the CPU tier's load into the engine is added;
+``services/kvmanager/core/rates.py``), and the configured rates otherwise (defaults: this
+project's measurements in BENCHMARKS.md, scaled to the default prefill rate).
+
+``displace_s`` is what this request costs the requests after it: every token it brings onto a
+worker's GPU (fetched or computed) takes a cache slot there, and on a worker whose cache is full
+of blocks in use (its reported ``kv_cache_usage``) that evicts another request's block, which
+comes back later from the node's CPU tier at best (``refill_s_per_token``: the CPU tier's rate
+when the worker has a node store, else its prefill rate). A session whose context is on its
+worker's GPU brings in only its new tokens; moved elsewhere it brings its whole context, so under
+cache pressure moving costs what it displaces, not only its own fetch. With caches that are not
+full (usage well below 1) the term is small, and the cheapest wait/fetch/recompute wins as before.
+(Found on the replay's saturated agentic runs: pricing this request's TTFT alone, sessions moved
+to shorter queues, their contexts then held twice, and the evictions that followed cost more
+hits than the moves saved; BENCHMARKS.md.) ``displacement: false`` leaves it out.
 
 The score is ``(min_ttft + floor_s) / (ttft_s(w) + floor_s)``: 1 for the cheapest worker. A
 session stays where its context is while waiting there costs less than fetching it elsewhere
@@ -41,7 +57,7 @@ from kvmesh.discovery.keys import WorkerId
 from ..index_types import StoreId, store_parts
 from ..workers import WorkerView
 from .params import check, relative_scores
-from .plugins import CycleContext, PluginEnv
+from .plugins import CycleContext, PluginEnv, TransferRates
 from .rates import PrefillRates
 
 # The defaults' base: the simulator's prefill cost per token (docs/simulator.md) and the
@@ -64,6 +80,7 @@ class TtftParams:
     peer_latency_s: float = 2e-3
     peer_min_gain_blocks: int = 4  # as the router's peer hints (RouterConfig.peer_hint_min_blocks)
     floor_s: float = 0.05  # costs this close count as equal (keeps idle fleets from flapping)
+    displacement: bool = True  # price the cache slots it takes on a full worker (module doc)
 
     def __post_init__(self) -> None:
         for name in (
@@ -90,9 +107,16 @@ class TtftCostScorer:
 
     needs_prefix_source = True
 
-    def __init__(self, name: str, params: TtftParams, index: Any = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        params: TtftParams,
+        index: Any = None,
+        transfer_rates: TransferRates | None = None,
+    ) -> None:
         self.name = name
         self._p = params
+        self._measured = transfer_rates
         # Peer fetch needs the index's links of workers to node stores (KvIndex.linked);
         # without them no candidate gets peer tokens.
         self._stores = index if callable(getattr(index, "linked", None)) else None
@@ -102,7 +126,21 @@ class TtftCostScorer:
 
     @classmethod
     def build(cls, name: str, params: TtftParams, env: PluginEnv) -> TtftCostScorer:
-        return cls(name, params, env.index)
+        return cls(name, params, env.index, env.transfer_rates)
+
+    def links(self, store: StoreId) -> tuple[float, float, float]:
+        """(cpu, disk, peer) seconds per token into an engine backed by ``store``: what its
+        kvmanager measured (a peer fetch: its measured peer -> node rate plus its CPU tier's
+        load), else the configured rates."""
+        p = self._p
+        src = self._measured
+        if src is None:
+            return p.cpu_s_per_token, p.disk_s_per_token, p.peer_s_per_token
+        kvm, layout = store_parts(store)
+        cpu = src.s_per_token(kvm, layout, "cpu") or p.cpu_s_per_token
+        disk = src.s_per_token(kvm, layout, "disk") or p.disk_s_per_token
+        peer = src.s_per_token(kvm, layout, "peer")
+        return cpu, disk, (peer + cpu if peer else p.peer_s_per_token)
 
     def _peer_bests(
         self, candidates: Sequence[WorkerView], matches: Mapping[WorkerId, Any]
@@ -147,10 +185,20 @@ class TtftCostScorer:
         for v in candidates:
             rates.observe(v.record.worker_id, v.load)
         links, top = self._peer_bests(candidates, matches)
+        configured = (p.cpu_s_per_token, p.disk_s_per_token, p.peer_s_per_token)
+        speeds: dict[StoreId, tuple[float, float, float]] = {}
         out = []
         for v in candidates:
             wid = v.record.worker_id
             rate = rates.s_per_token(wid)
+            own = links.get(wid)
+            if own is None:
+                cpu_s, disk_s, peer_s = configured
+            else:
+                sp = speeds.get(own)
+                if sp is None:
+                    sp = speeds[own] = self.links(own)
+                cpu_s, disk_s, peer_s = sp
             load = v.load
             queue = tally(wid).prefill_tokens * rate
             if p.running_request_s:
@@ -161,10 +209,9 @@ class TtftCostScorer:
             fetch = 0.0
             if m is not None and have:
                 if m.cpu_blocks:
-                    fetch += p.cpu_latency_s + m.cpu_blocks * bs * p.cpu_s_per_token
+                    fetch += p.cpu_latency_s + m.cpu_blocks * bs * cpu_s
                 if m.disk_blocks:
-                    fetch += p.disk_latency_s + m.disk_blocks * bs * p.disk_s_per_token
-            own = links.get(wid)
+                    fetch += p.disk_latency_s + m.disk_blocks * bs * disk_s
             if own is not None and top:
                 kvm, layout = store_parts(own)
                 peer = 0
@@ -174,10 +221,17 @@ class TtftCostScorer:
                         break
                 gain = peer - have
                 if gain >= p.peer_min_gain_blocks:
-                    fetch += p.peer_latency_s + gain * bs * p.peer_s_per_token
+                    fetch += p.peer_latency_s + gain * bs * peer_s
                     have += gain
             uncached = prompt - have * bs
-            out.append(queue + fetch + (uncached if uncached > 0 else 0) * rate)
+            cost = queue + fetch + (uncached if uncached > 0 else 0) * rate
+            if p.displacement:
+                usage = load.kv_cache_usage
+                if usage > 0.0:
+                    brought = prompt - (m.gpu_blocks * bs if m is not None else 0)
+                    refill = cpu_s if own is not None else rate
+                    cost += (usage if usage < 1.0 else 1.0) * max(brought, 0) * refill
+            out.append(cost)
         return out
 
     def score(self, ctx: CycleContext, candidates: Sequence[WorkerView]) -> Sequence[float]:
