@@ -2,7 +2,7 @@
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test test-fast up protos lint bench clean image compose-test
+.PHONY: setup demo test test-fast test-multinode up protos lint bench clean image compose-test
 
 setup:
 	@scripts/setup.sh
@@ -15,6 +15,9 @@ test: setup
 
 test-fast: setup  ## unit tests only
 	$(BIN)/python -m pytest -q tests/unit
+
+test-multinode: setup  ## nodes in network namespaces on this machine (root; skipped otherwise)
+	$(BIN)/python -m pytest -q -s tests/integration/test_netns.py tests/e2e/test_multinode.py tests/e2e/test_multinode_pd.py
 
 up: setup
 	$(BIN)/kvmesh up

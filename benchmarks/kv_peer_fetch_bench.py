@@ -2,6 +2,7 @@
 with ``--tls``, plaintext and mutual TLS side by side in the same run.
 
     .venv/bin/python benchmarks/kv_peer_fetch_bench.py [--total-mib 128] [--repeats 3] [--tls]
+    sudo .venv/bin/python benchmarks/kv_peer_fetch_bench.py --netns [--total-mib 64]
 
 Two real daemons run as child processes (``python -m services.kvmanager.main``, no etcd): A holds
 the blocks, B fetches them. This process fills A over gRPC PutBlocks, then per block size
@@ -24,6 +25,12 @@ process calling them over TLS too, and a third pair with ``--no-data-plane-tls``
 gRPC, the blocks in plaintext: FetchFromPeer only). Every repeat times every (path, transport)
 cell of a block size back to back, so the transports see the same machine; a second table puts
 them side by side (mTLS / plaintext).
+
+``--netns``: A and B each in a network namespace of its own on a bridge (kvmesh/netns.py, needs
+root), listening on their namespace's address, so FetchFromPeer's bytes cross two veth pairs and
+the bridge, as between two nodes; GetBlocks reads A from the root namespace across A's link. A
+third row is the link's raw TCP: one stream of the same bytes from a plain socket in A's
+namespace to one in B's (``recv_into`` a reused buffer, no checksum, no store), timed at B.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import grpc
 
+from kvmesh.netns import NetnsLab, Node
 from kvmesh.tls import Tls, TlsConfig, open_channel
 from kvmesh.v1 import kvmanager_pb2, kvmanager_pb2_grpc
 from services.kvmanager.peer.wire import preferred_algo
@@ -80,7 +88,11 @@ class Daemon:
 
 
 async def start_daemon(
-    name: str, cpu_bytes: int, tls: TlsConfig | None = None, data_plane_tls: bool = True
+    name: str,
+    cpu_bytes: int,
+    tls: TlsConfig | None = None,
+    data_plane_tls: bool = True,
+    node: Node | None = None,
 ) -> Daemon:
     tls_args = []
     if tls is not None:
@@ -89,8 +101,10 @@ async def start_daemon(
             "--tls-ca-file", str(tls.ca_file),
             "--data-plane-tls" if data_plane_tls else "--no-data-plane-tls",
         ]  # fmt: skip
+    netns = ["ip", "netns", "exec", node.name] if node else []
+    host = ["--host", node.address] if node else []
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "services.kvmanager.main", "--kvmanager-id", name, "--node", name,
+        *netns, sys.executable, "-m", "services.kvmanager.main", "--kvmanager-id", name, "--node", name, *host,
         "--etcd", "", "--metrics-port", "-1", "--cpu-bytes", str(cpu_bytes), "--cpu-populate", "start",
         "--log-level", "WARNING", *tls_args, cwd=ROOT, stdout=asyncio.subprocess.PIPE,
     )  # fmt: skip
@@ -152,6 +166,44 @@ async def get_blocks(a: Daemon, lay: kvmanager_pb2.KvLayout, hashes: list[int]) 
 
 
 PATHS = ("FetchFromPeer (data plane)", "gRPC GetBlocks")
+RAW = "raw TCP, one stream"
+
+_RAW_SEND = """
+import socket, sys
+n = int(sys.argv[2]); buf = bytes(1 << 20)
+s = socket.create_server((sys.argv[1], 0)); print(s.getsockname()[1], flush=True)
+c, _ = s.accept()
+while n > 0:
+    c.sendall(buf[: min(n, len(buf))]); n -= len(buf)
+c.close()
+"""
+_RAW_RECV = """
+import socket, sys, time
+n = int(sys.argv[3]); buf = bytearray(1 << 20); t = time.perf_counter()
+c = socket.create_connection((sys.argv[1], int(sys.argv[2])))
+while n > 0 and (k := c.recv_into(buf)):
+    n -= k
+print(time.perf_counter() - t)
+"""
+
+
+async def raw_tcp_s(a: Node, b: Node, nbytes: int) -> float:
+    """Seconds one TCP stream takes to move ``nbytes`` from A's namespace to B's."""
+    sender = await asyncio.create_subprocess_exec(
+        "ip", "netns", "exec", a.name, sys.executable, "-c", _RAW_SEND, a.address, str(nbytes),
+        stdout=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    assert sender.stdout is not None
+    port = (await asyncio.wait_for(sender.stdout.readline(), 30)).decode().strip()
+    recv = await asyncio.create_subprocess_exec(
+        "ip", "netns", "exec", b.name, sys.executable, "-c", _RAW_RECV, a.address, port,
+        str(nbytes), stdout=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out, _ = await asyncio.wait_for(recv.communicate(), 120)
+    await sender.wait()
+    return float(out.decode().strip())
+
+
 MTLS = "mTLS"
 MTLS_CONTROL = "mTLS control plane, plaintext data plane"
 
@@ -171,15 +223,18 @@ async def _main(args: argparse.Namespace) -> None:
         tls_cfg = TlsConfig(
             cert_file=pki.node.cert_file, key_file=pki.node.key_file, ca_file=pki.ca_file
         )
+    lab = NetnsLab(2).up() if args.netns else None
+    na, nb = lab.nodes if lab else (None, None)
     pairs: dict[str, tuple[Daemon, Daemon]] = {}
     for i, mode in enumerate(modes):
         cfg = tls_cfg if mode != "plaintext" else None
         dp_tls = mode != MTLS_CONTROL
         a, b = await asyncio.gather(
-            start_daemon(f"bench-a-{i}", a_bytes, cfg, dp_tls),
-            start_daemon(f"bench-b-{i}", b_bytes, cfg, dp_tls),
+            start_daemon(f"bench-a-{i}", a_bytes, cfg, dp_tls, na),
+            start_daemon(f"bench-b-{i}", b_bytes, cfg, dp_tls, nb),
         )
         pairs[mode] = (a, b)
+    raw = Cell(RAW, 0)
     try:
         t0 = time.perf_counter()
         layouts: dict[tuple[str, int, int], tuple[kvmanager_pb2.KvLayout, list[int]]] = {}
@@ -223,6 +278,10 @@ async def _main(args: argparse.Namespace) -> None:
                     cell.blocks_s.append(len(hashes) / wall)
                     cell.serve_cpu.append((a.cpu_s() - a_cpu) / gb)
                     cell.recv_cpu.append(recv / gb)
+            if na is not None and nb is not None:
+                wall = await raw_tcp_s(na, nb, total)
+                if r > 0:
+                    raw.gbps.append(total / 1e9 / wall)
     finally:
         for a, b in pairs.values():
             for d in (a, b):
@@ -230,9 +289,16 @@ async def _main(args: argparse.Namespace) -> None:
                 d.proc.terminate()
             await asyncio.gather(a.proc.wait(), b.proc.wait())
         certs.cleanup()
+        if lab is not None:
+            lab.down()
 
+    where = (
+        f"; A and B in network namespaces {na.address} and {nb.address} on a bridge (veth)"
+        if na and nb
+        else "; loopback"
+    )
     print(
-        f"\n{args.total_mib} MiB per cell, median of {args.repeats} round-robin repeats"
+        f"\n{args.total_mib} MiB per cell, median of {args.repeats} round-robin repeats{where}"
         f" (fill of A took {fill_s:.1f} s); {os.cpu_count()} CPUs, Python"
         f" {sys.version.split()[0]}, grpcio {grpc.__version__}, data plane checksum"
         f" {preferred_algo().name.lower()}\n"
@@ -257,6 +323,11 @@ async def _main(args: argparse.Namespace) -> None:
                     f" | {statistics.median(c.serve_cpu):.2f}"
                     f" | {statistics.median(c.recv_cpu):.2f} |"
                 )
+    if raw.gbps:
+        print(
+            f"| {RAW}, A's namespace to B's | stream | - | {statistics.median(raw.gbps):.2f}"
+            f" | {max(raw.gbps):.2f} | - | - | - |"
+        )
     if not args.tls:
         return
     print(
@@ -289,6 +360,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="round-robin repeats")
     parser.add_argument(
         "--tls", action="store_true", help="also a pair of daemons on mutual TLS, side by side"
+    )
+    parser.add_argument(
+        "--netns",
+        action="store_true",
+        help="A and B in network namespaces of their own, across veth links (root)",
     )
     asyncio.run(_main(parser.parse_args()))
 

@@ -18,8 +18,9 @@ import signal
 import sys
 import time
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvmesh.models import MODEL_NAMES, ModelNotFound, resolve_model
 from kvmesh.units import parse_bytes
@@ -425,11 +426,19 @@ def cmd_up(a: argparse.Namespace) -> int:
 
     t0 = time.monotonic()
     spec = _mesh_spec(a)
+    workers = _describe_workers(spec)
+    if a.nodes:  # no colocated router: it runs in the root namespace
+        workers = f"{a.nodes} nodes (network namespaces), each {_describe_workers(replace(spec, colocate=False))}"
     print(
-        f"kvmesh up: model {spec.model_path}, {_describe_workers(spec)}, logs in {a.log_dir or 'a temp dir'}",
+        f"kvmesh up: model {spec.model_path}, {workers}, logs in {a.log_dir or 'a temp dir'}",
         flush=True,
     )
-    mesh = Mesh(spec)
+    if a.nodes:
+        from kvmesh.netns import NodesMesh
+
+        mesh: Any = NodesMesh(spec, a.nodes, handle_signals=False)  # ours below call stop()
+    else:
+        mesh = Mesh(spec)
     stop = False
 
     def on_signal(signum: int, frame: object) -> None:
@@ -451,6 +460,7 @@ def cmd_up(a: argparse.Namespace) -> int:
         f"  openai  {mesh.http_base_url}   (OpenAI-compatible: base_url for any OpenAI client)\n"
         f"  etcd    {','.join(mesh.etcd_endpoints)}\n"
         f"  workers {', '.join(w.ready.get('address', '?') for w in mesh.workers)}\n"
+        f"{mesh.describe() if a.nodes else ''}"
         f"  logs    {mesh.log_dir}\n"
         f"{describe_metrics(mesh)}"
         f"{_describe_tracing(spec)}"
@@ -743,6 +753,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = sub.add_parser("up", help="run a mesh in the foreground until Ctrl-C")
     _add_mesh_flags(up, default_port=50051)
+    up.add_argument(
+        "--nodes",
+        type=int,
+        default=0,
+        help="N nodes on this machine, each a network namespace with its own address, kvmanager "
+        "and --workers (root; kvmesh/netns.py, docs/deploy.md); 0: one node, no namespaces",
+    )
     up.set_defaults(func=cmd_up)
 
     demo = sub.add_parser("demo", help="start a mesh, ask it a question, shut it down")

@@ -88,6 +88,14 @@ class MeshSpec:
     # and ca.pem as --tls-cert-file/--tls-key-file/--tls-ca-file, made there (kvmesh/tlsgen.py)
     # when missing. None: plaintext.
     tls_dir: Path | None = None
+    # One node of a multi-node mesh on one machine (kvmesh/netns.py): the node's name (its
+    # kvmanager's id, its workers' --node and the prefix of their ids), the address its
+    # kvmanager and workers listen on, and the network namespace they run in (``ip netns
+    # exec``). Empty: the machine's own node (hostname), loopback, the current namespace.
+    node: str = ""
+    bind_host: str = "127.0.0.1"
+    netns: str = ""
+    router: bool = True  # False: no router (the node meshes of kvmesh/netns.py share one)
 
 
 @dataclass
@@ -159,9 +167,10 @@ class Mesh:
                 self.router, first = self.start_node()
                 self.workers.insert(0, first)
                 self._wait_ready(first, self.spec.start_timeout_s)
-            else:
+            elif self.spec.router:
                 self.router = self.start_router()
-            self._wait_ready(self.router, 60.0)
+            if self.router is not None:
+                self._wait_ready(self.router, 60.0)
         except BaseException:
             self.stop()
             raise
@@ -174,11 +183,23 @@ class Mesh:
     def worker_roles(self) -> list[tuple[str, str]]:
         """(name, role) of every worker the spec asks for, in start order."""
         spec = self.spec
+        pre = f"{spec.node}-" if spec.node else ""
         return [
-            *((f"worker-{i}", "both") for i in range(spec.workers)),
-            *((f"prefill-{i}", "prefill") for i in range(spec.prefill_workers)),
-            *((f"decode-{i}", "decode") for i in range(spec.decode_workers)),
+            *((f"{pre}worker-{i}", "both") for i in range(spec.workers)),
+            *((f"{pre}prefill-{i}", "prefill") for i in range(spec.prefill_workers)),
+            *((f"{pre}decode-{i}", "decode") for i in range(spec.decode_workers)),
         ]
+
+    def node_args(self, kvmanager: bool = False) -> list[str]:
+        """A node mesh's children listen on its address, in its name (``MeshSpec.node``);
+        nothing for the machine's own node."""
+        spec = self.spec
+        args = []
+        if spec.bind_host != "127.0.0.1":
+            args += ["--host", spec.bind_host, "--metrics-host", spec.bind_host]
+        if spec.node:
+            args += ["--node", spec.node, *(["--kvmanager-id", spec.node] if kvmanager else [])]
+        return args
 
     @staticmethod
     def _role_args(role: str) -> list[str]:
@@ -262,6 +283,7 @@ class Mesh:
             "--block-size", str(spec.block_size),
             *(["--served-model-name", spec.served_model_name] if spec.served_model_name else []),
             *(["--kvmanager", self.kvmanager.ready["address"]] if self.kvmanager else []),
+            *self.node_args(),
             *self.trace_args(),
             *self.tls_args(),
             *self.cpu_args(name),
@@ -339,6 +361,7 @@ class Mesh:
             "--etcd", ",".join(self.etcd_endpoints),
             "--cpu-bytes", str(spec.kvmanager_cpu_bytes),
             *disk,
+            *self.node_args(kvmanager=True),
             *self.trace_args(),
             *self.tls_args(),
             *spec.kvmanager_args,
@@ -420,8 +443,9 @@ class Mesh:
         to ``log_path``; returns it and the open log file (the pump closes it)."""
         env = {**os.environ, **child_env(), **self.spec.env}
         logf = open(log_path, "a", buffering=1)  # noqa: SIM115 - the child's stderr, open while it runs
+        netns = ["ip", "netns", "exec", self.spec.netns] if self.spec.netns else []
         proc = subprocess.Popen(
-            [sys.executable, "-m", module, *args],
+            [*netns, sys.executable, "-m", module, *args],
             stdout=subprocess.PIPE,
             stderr=logf,
             text=True,
