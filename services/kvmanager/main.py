@@ -15,6 +15,7 @@ import argparse
 import logging
 import os
 import sys
+import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -123,7 +124,9 @@ async def start_kvmanager(
     data_plane_address = ""
     metrics = KvManagerMetrics()
     async with host.starting():
-        store = await TieredStore.open(config.store, on_events=hubs.publish)
+        store = await TieredStore.open(
+            config.store, on_events=hubs.publish, retention=config.retention
+        )
         host.callback(store.close)
         if config.peer.data_plane_port >= 0:
             source: BlockSource = StoreBlockSource(store)
@@ -185,6 +188,7 @@ async def start_kvmanager(
         await host.until_etcd(directory.start)
 
         def refresh() -> None:
+            store.expire_sessions(time.monotonic())
             metrics.refresh(store, peers)
             if (etcd := host.etcd_state()) is not None:  # none without etcd
                 metrics.etcd.refresh(*etcd)

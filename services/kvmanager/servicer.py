@@ -8,6 +8,7 @@ trace context (gRPC metadata); inside it, ``kv.lookup`` and ``kv.get_blocks`` (a
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 
 import grpc
@@ -90,6 +91,37 @@ class KvManagerServicer(kvmanager_pb2_grpc.KvManagerServicer):
         self, request: kvmanager_pb2.KvManagerInfoRequest, context: grpc.aio.ServicerContext
     ) -> kvmanager_pb2.KvManagerInfo:
         return self._info()
+
+    async def RetainSession(
+        self, request: kvmanager_pb2.RetainSessionRequest, context: grpc.aio.ServicerContext
+    ) -> kvmanager_pb2.RetainSessionResponse:
+        self._check_serving()
+        got, held, previous_held = self._store.retain_session(
+            request.tenant,
+            request.session_id,
+            request.layout_key,
+            request.block_hashes,
+            request.ttl_s,
+            time.monotonic(),
+        )
+        return kvmanager_pb2.RetainSessionResponse(
+            retained_blocks=got.retained_blocks,
+            held_blocks=held,
+            renewed=got.renewed,
+            previous_blocks=len(got.previous),
+            previous_held_blocks=previous_held,
+            released_sessions=len(got.released),
+            truncated=got.truncated,
+        )
+
+    async def ReleaseSession(
+        self, request: kvmanager_pb2.ReleaseSessionRequest, context: grpc.aio.ServicerContext
+    ) -> kvmanager_pb2.ReleaseSessionResponse:
+        self._check_serving()
+        if not request.session_id:
+            raise errors.InvalidArgument("a session id is required", "session_id")
+        released = self._store.release_session(request.tenant, request.session_id)
+        return kvmanager_pb2.ReleaseSessionResponse(released=released)
 
     async def Lookup(
         self, request: kvmanager_pb2.LookupRequest, context: grpc.aio.ServicerContext

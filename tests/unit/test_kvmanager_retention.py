@@ -4,6 +4,8 @@ retained RAM copy is demoted to disk rather than dropped, a retained disk copy s
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -11,6 +13,7 @@ from hypothesis import strategies as st
 from kvmesh.errors import InvalidArgument
 from kvmesh.kv.events import BlockHash, Tier
 from kvmesh.kv.layout import KvLayout
+from services.kvmanager.core.config import RetentionConfig, StoreConfig
 from services.kvmanager.core.plan import BlockId, DeleteFromDisk, DropFromMemory, Grant, WriteToDisk
 from services.kvmanager.core.retention import Retention, SessionKey
 from services.kvmanager.core.tiers import TierIndex
@@ -229,3 +232,24 @@ def test_a_block_retained_before_it_lands_is_kept() -> None:
         isinstance(a, DropFromMemory) and a.block == bid(7) for a in index.take_actions()
     )
     assert index.known_layout(A.key) == A
+
+
+@pytest.mark.parametrize(
+    ("retention", "store", "budget"),
+    [
+        (RetentionConfig(), StoreConfig(cpu_bytes=400), 100),
+        (RetentionConfig(), StoreConfig(cpu_bytes=400, disk_bytes=4000, disk_dir=Path("/x")), 1000),
+        (RetentionConfig(bytes=0), StoreConfig(cpu_bytes=400), 0),
+        (RetentionConfig(bytes=200), StoreConfig(cpu_bytes=400), 200),
+    ],
+    ids=["default-ram", "default-disk", "off", "half"],
+)
+def test_retention_budget_of_the_store(
+    retention: RetentionConfig, store: StoreConfig, budget: int
+) -> None:
+    assert retention.budget_bytes(store) == budget
+
+
+def test_a_retention_budget_over_half_its_tier_is_refused() -> None:
+    with pytest.raises(InvalidArgument, match="over half"):
+        RetentionConfig(bytes=201).budget_bytes(StoreConfig(cpu_bytes=400))
