@@ -41,6 +41,7 @@ from .prepare import constrained_sampling, forced_choice, prompt_input
 from .prompt import PromptBuilder
 from .proxy import Proxy
 from .resume import Replay
+from .retention import SessionRetention
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +95,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 self.metrics.admission,
                 keyed=bool(config.api_keys or config.api_keys_file),
             )
+        # Session retention (--retention-ttl-s; main.py sets it): None: off.
+        self.retention: SessionRetention | None = None
         self._draining = False
         self.not_ready = ""  # while starting: why new requests are refused ("": ready)
 
@@ -149,6 +152,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         usage: common_pb2.Usage | None = None  # the final chunk's
         prefilled = False  # its first token came
         prompt_tokens = 0
+        retention = self.retention if request.session_id else None
+        output_ids: list[int] = []  # a session's turn's output, to retain its blocks
         try:
             if rid in self._active:
                 raise errors.InvalidArgument(
@@ -218,6 +223,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             async with contextlib.aclosing(chunks):
                 async for chunk in chunks:
                     finished = chunk.HasField("finished")
+                    if retention is not None:
+                        output_ids.extend(chunk.token_ids)
                     if finished:
                         usage = chunk.finished.usage
                     if (
@@ -228,6 +235,17 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     ):
                         prefilled = True  # its prefill is off the worker's backlog: look again
                         admission.prefilled(ticket)
+                    if finished and retention is not None and usage is not None:
+                        retention.after_turn(
+                            model,
+                            request.session_id,
+                            request.tenant,
+                            request.cache_salt,
+                            ids,
+                            output_ids,
+                            usage.worker_id,
+                            usage.cached_prompt_tokens,
+                        )
                     yield chunk
         except errors.KvmeshError as exc:
             code = status_for(exc).name
