@@ -50,6 +50,11 @@ class LayoutHubs:
             h = self._hubs[layout_key] = KvEventHub(log_, self._queue)
         return h
 
+    @property
+    def layout_keys(self) -> list[str]:
+        """The layouts events were published for (every layout a block was stored under)."""
+        return list(self._hubs)
+
     def publish(self, events: list[LayoutEvent]) -> None:
         """The store's event sink (on the loop): one batch per layout per call, in order."""
         by_layout: dict[str, list] = {}  # type: ignore[type-arg]
