@@ -29,7 +29,9 @@ Retention (``retain`` / ``release``): a block a live session keeps (``core/reten
 decides which). Retained copies are victims only after every unretained one: a retained RAM copy
 is written back to disk (or dropped when its disk copy is readable already), never dropped
 when there is no disk tier; a retained disk copy is never a victim. A retained block's mark
-outlives its copies, so a block saved after its session pinned it is retained as it lands. The
+outlives its copies, so a block saved after its session pinned it is retained as it lands.
+Retained copies a search for victims passes over move to the LRU's end (so the next search does
+not scan them again); a released block so rejoins the LRU at its last use or later. The
 retention budget keeps retained bytes well under the tier budgets (``RetentionConfig``).
 
 Evictions (``evictions``): copies that leave their tier because room was being made for
@@ -431,6 +433,7 @@ class TierIndex:
             return
         victims: list[BlockId] = []
         retained: list[BlockId] = []  # victims of the second pass, least recently used first
+        kept: list[BlockId] = []  # retained copies that may not leave this tier
         for block in t.lru:
             if shortfall <= 0:
                 break
@@ -438,16 +441,22 @@ class TierIndex:
             if c.pins or c.copying:
                 continue
             if block in self._retained:
-                if self._retained_evictable(block, tier):
-                    retained.append(block)
+                (retained if self._retained_evictable(block, tier) else kept).append(block)
                 continue
             victims.append(block)
             shortfall -= c.size_bytes
-        for block in retained:
+        skipped: list[BlockId] = []  # retained copies passed over
+        for i, block in enumerate(retained):
             if shortfall <= 0:
+                skipped = retained[i:]
                 break
             victims.append(block)
             shortfall -= self._blocks[block].copies[tier].size_bytes
+        skipped += kept
+        # Retained copies passed over go to the LRU's end (in their order), so the next call
+        # does not scan them again: they are victims only after every unretained copy anyway.
+        for block in skipped:
+            t.lru.move_to_end(block)
         for victim in victims:
             self._evict(victim, tier)
 
