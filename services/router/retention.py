@@ -39,8 +39,9 @@ class RetentionMetrics:
         )
         self.pins = Counter(
             "kvmesh_router_retention_pins",
-            "RetainSession calls after a session's turn, by outcome: ok, failed (the "
-            "kvmanager refused or did not answer), no_kvmanager (the worker has none).",
+            "RetainSession calls after a session's turn (ReleaseSession after its last), by "
+            "outcome: ok, released, failed (the kvmanager refused or did not answer), "
+            "no_kvmanager (the worker has none).",
             ["model", "outcome"],
             registry=r,
         )
@@ -90,6 +91,34 @@ class SessionRetention:
         )
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    def end(self, model: ModelSummary, session_id: str, tenant: str, worker_id: str) -> None:
+        """The session ended with this turn: release its retention (in the background)."""
+        self.book.forget(tenant, session_id)
+        task = asyncio.get_running_loop().create_task(
+            self._release(model, session_id, tenant, worker_id)
+        )
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _release(
+        self, model: ModelSummary, session_id: str, tenant: str, worker_id: str
+    ) -> None:
+        stream = self._stream_of(WorkerId(worker_id))
+        if stream is None:
+            self.metrics.pins.labels(model.name, "no_kvmanager").inc()
+            return
+        stub = kvmanager_pb2_grpc.KvManagerStub(self._channel(stream.address))
+        try:
+            await stub.ReleaseSession(
+                kvmanager_pb2.ReleaseSessionRequest(session_id=session_id, tenant=tenant),
+                timeout=self.config.timeout_s,
+            )
+        except grpc.aio.AioRpcError as exc:
+            self.metrics.pins.labels(model.name, "failed").inc()
+            log.info("session %s: release failed: %s", session_id, exc.code().name)
+            return
+        self.metrics.pins.labels(model.name, "released").inc()
 
     async def _pin(
         self,

@@ -236,16 +236,21 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                         prefilled = True  # its prefill is off the worker's backlog: look again
                         admission.prefilled(ticket)
                     if finished and retention is not None and usage is not None:
-                        retention.after_turn(
-                            model,
-                            request.session_id,
-                            request.tenant,
-                            request.cache_salt,
-                            ids,
-                            output_ids,
-                            usage.worker_id,
-                            usage.cached_prompt_tokens,
-                        )
+                        if request.end_session:
+                            retention.end(
+                                model, request.session_id, request.tenant, usage.worker_id
+                            )
+                        else:
+                            retention.after_turn(
+                                model,
+                                request.session_id,
+                                request.tenant,
+                                request.cache_salt,
+                                ids,
+                                output_ids,
+                                usage.worker_id,
+                                usage.cached_prompt_tokens,
+                            )
                     yield chunk
         except errors.KvmeshError as exc:
             code = status_for(exc).name

@@ -68,6 +68,13 @@ async def test_a_session_turn_pins_its_chain_on_the_node_kvmanager(mesh: Mesh): 
         await client.complete(make_request([*PROMPT, 1], max_tokens=2))
         assert len(retention) == 1
 
+        # Its last turn ends the session: its retention is released on the node.
+        last = make_request(nxt, max_tokens=2, session_id="agent-1")
+        last.end_session = True
+        await client.complete(last)
+        await eventually(lambda: len(retention) == 0, 10.0)
+        assert sample(mesh, "kvmesh_router_retention_pins_total", outcome="released") == 1
+
         # The kvmanager gone: the session's turns are served all the same.
         await mesh.stop_kvm()
         again = await client.complete(make_request(nxt, max_tokens=2, session_id="agent-1"))

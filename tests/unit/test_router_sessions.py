@@ -6,6 +6,8 @@ import pytest
 
 from kvmesh.errors import InvalidArgument
 from services.router.core.sessions import RetentionConfig, SessionBook, TurnOutcome, retained_ids
+from services.router.http.errors import BadRequest
+from services.router.http.extensions import extensions_from_headers
 
 
 def test_retained_ids_leave_out_the_last_output_token() -> None:
@@ -50,3 +52,25 @@ def test_bad_config(kwargs: dict[str, float]) -> None:
 
 def test_zero_ttl_is_off() -> None:
     assert not RetentionConfig(ttl_s=0).enabled and RetentionConfig().enabled
+
+
+@pytest.mark.parametrize(
+    ("value", "end"),
+    [(None, False), ("true", True), ("1", True), ("YES", True), ("false", False), ("0", False)],
+    ids=str,
+)
+def test_session_end_header(value: str | None, end: bool) -> None:
+    headers = (
+        {"x-kvmesh-session-id": "s"}
+        if value is None
+        else {
+            "x-kvmesh-session-id": "s",
+            "x-kvmesh-session-end": value,
+        }
+    )
+    assert extensions_from_headers(headers).session_end is end
+
+
+def test_a_bad_session_end_header_is_a_bad_request() -> None:
+    with pytest.raises(BadRequest, match="x-kvmesh-session-end"):
+        extensions_from_headers({"x-kvmesh-session-end": "maybe"})
