@@ -8,7 +8,6 @@ trace context (gRPC metadata); inside it, ``kv.lookup`` and ``kv.get_blocks`` (a
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import AsyncIterator, Callable
 
 import grpc
@@ -107,7 +106,6 @@ class KvManagerServicer(kvmanager_pb2_grpc.KvManagerServicer):
             request.layout_key,
             request.block_hashes,
             request.ttl_s,
-            time.monotonic(),
         )
         return kvmanager_pb2.RetainSessionResponse(
             retained_blocks=got.retained_blocks,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -351,7 +352,7 @@ class TieredStore:
         layout_key: str,
         hashes: Iterable[int],
         ttl_s: float,
-        now_s: float,
+        now_s: float | None = None,
     ) -> tuple[PinResult, int, int]:
         """Pins the session's chain (``core/retention.py``); with how many of its blocks, and
         of its previous pin's, are held here now. NotFound: no block of the layout was ever
@@ -363,9 +364,10 @@ class TieredStore:
         if layout is None:
             raise NotFound(f"no block of layout {layout_key} was stored here")
         chain = [check_block_hash(h) for h in hashes]
+        now = time.monotonic() if now_s is None else now_s
         try:
             got = self._retention.pin(
-                SessionKey(tenant, session_id), layout.key, layout.block_bytes, chain, ttl_s, now_s
+                SessionKey(tenant, session_id), layout.key, layout.block_bytes, chain, ttl_s, now
             )
         finally:
             self._sync()
