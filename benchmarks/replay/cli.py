@@ -120,6 +120,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         choices=("least-loaded", "round-robin"),
         help="with --dp-ranks, per-worker routing: how the worker's front end picks the rank",
     )
+    p.add_argument(
+        "--retention-blocks",
+        type=int,
+        default=0,
+        help="session retention: run each policy with plain LRU node stores and with this many "
+        "blocks per node kept for live sessions (benchmarks/replay/retention.py); needs "
+        "--cpu-blocks",
+    )
+    p.add_argument(
+        "--retention-ttl-s", type=float, default=600.0, help="retention of a session, seconds"
+    )
+    p.add_argument(
+        "--background-rps",
+        type=float,
+        default=0.0,
+        help="with --retention-blocks: one-shot requests per second without a session mixed in",
+    )
+    p.add_argument("--background-tokens", type=int, default=8000, help="... their prompt tokens")
+    p.add_argument("--background-s", type=float, default=1800.0, help="... for this long, s")
     p.set_defaults(func=run)
     tiers_cli.register(sub)
     disagg_cli.register(sub)
@@ -181,6 +200,10 @@ def run(a: argparse.Namespace) -> int:
     from .policies import BUILTIN
     from .router_policy import RouterPolicy
 
+    if a.retention_blocks:
+        from . import retention
+
+        return retention.run(a)
     if a.dp_ranks > 1:
         from . import dp
 

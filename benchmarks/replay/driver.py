@@ -36,6 +36,7 @@ from kvmesh.kv.events import BlockStored, KvEvent
 from services.worker.sim.model import SimRequest, SimResult, SimulatedWorker, SimWorkerConfig
 
 from .mesh import FetchPlan, MeshConfig, NodeStore, apply_fetch, plan_fetch
+from .retention import ReplayRetention
 from .traces import Ceiling, ReplayRequest, cacheable_blocks, iter_sorted, quantile
 
 
@@ -147,11 +148,13 @@ def replay(
     policy_name: str = "",
     mesh: MeshConfig | None = None,
     on_tier_events: KvEventsCallback | None = None,
+    retention: ReplayRetention | None = None,
 ) -> ReplayReport:
     """Replays ``requests`` (arrival order) on ``workers`` simulated workers of ``config``.
     ``pace``: if set, virtual seconds per wall second (sleeps to keep up; None: flat out).
     ``mesh``: nodes and their tiers (``mesh.py``); ``on_tier_events(node, events)`` gets each
-    node store's changes, as the router gets a kvmanager's tier event stream."""
+    node store's changes, as the router gets a kvmanager's tier event stream. ``retention``:
+    session retention on the node stores (``retention.py``; its ``result`` once done)."""
     cfg = config or SimWorkerConfig()
     bs = cfg.block_size
     tiered = mesh is not None and mesh.tiered
@@ -167,8 +170,9 @@ def replay(
             return None
         return lambda events: on_tier_events(j, events)
 
+    new_store = retention.store if retention is not None else NodeStore
     stores = [
-        NodeStore(mesh.cpu_blocks, mesh.disk_blocks, bs, tier_sink(j))
+        new_store(mesh.cpu_blocks, mesh.disk_blocks, bs, tier_sink(j))
         for j in range(n_nodes)
         if mesh is not None
     ]
@@ -272,6 +276,8 @@ def replay(
             plan = plan_fetch(mesh, stores, node, req.block_hashes, hits[i], limit, bs)
             apply_fetch(stores, node, req.block_hashes, plan)
             plans[rid] = plan
+            if retention is not None:
+                retention.routed(rid, req, node, plan, t)
             external = plan.blocks if plan.blocks > hits[i] else 0
             if stores[node].prefix(req.block_hashes, plan.gpu_blocks) >= plan.gpu_blocks:
                 # Written through, the node holds the engine's own prefix too: blocks the engine
@@ -288,6 +294,8 @@ def replay(
         w.submit(sreq)
         reschedule(i)
     run_until(math.inf)
+    if retention is not None:
+        retention.finished(results, arrival)
     return _report(
         policy_name or getattr(route, "name", type(route).__name__),
         workers,

@@ -7,6 +7,52 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class RetainSessionRequest(_message.Message):
+    __slots__ = ("layout_key", "session_id", "tenant", "block_hashes", "ttl_s")
+    LAYOUT_KEY_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    layout_key: str
+    session_id: str
+    tenant: str
+    block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    ttl_s: float
+    def __init__(self, layout_key: _Optional[str] = ..., session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., block_hashes: _Optional[_Iterable[int]] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+
+class RetainSessionResponse(_message.Message):
+    __slots__ = ("retained_blocks", "held_blocks", "renewed", "previous_blocks", "previous_held_blocks", "released_sessions", "truncated")
+    RETAINED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HELD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    RENEWED_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_HELD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    retained_blocks: int
+    held_blocks: int
+    renewed: bool
+    previous_blocks: int
+    previous_held_blocks: int
+    released_sessions: int
+    truncated: bool
+    def __init__(self, retained_blocks: _Optional[int] = ..., held_blocks: _Optional[int] = ..., renewed: bool = ..., previous_blocks: _Optional[int] = ..., previous_held_blocks: _Optional[int] = ..., released_sessions: _Optional[int] = ..., truncated: bool = ...) -> None: ...
+
+class ReleaseSessionRequest(_message.Message):
+    __slots__ = ("session_id", "tenant")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    tenant: str
+    def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
+
+class ReleaseSessionResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: bool
+    def __init__(self, released: bool = ...) -> None: ...
+
 class KvLayout(_message.Message):
     __slots__ = ("model", "block_size", "num_layers", "num_kv_heads", "head_size", "dtype", "tp_rank", "tp_size", "device")
     MODEL_FIELD_NUMBER: _ClassVar[int]

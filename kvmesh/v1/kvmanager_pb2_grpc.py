@@ -80,6 +80,16 @@ class KvManagerStub(object):
                 request_serializer=kvmesh_dot_v1_dot_kvmanager__pb2.DetachShmRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_kvmanager__pb2.DetachShmResponse.FromString,
                 _registered_method=True)
+        self.RetainSession = channel.unary_unary(
+                '/kvmesh.v1.KvManager/RetainSession',
+                request_serializer=kvmesh_dot_v1_dot_kvmanager__pb2.RetainSessionRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_kvmanager__pb2.RetainSessionResponse.FromString,
+                _registered_method=True)
+        self.ReleaseSession = channel.unary_unary(
+                '/kvmesh.v1.KvManager/ReleaseSession',
+                request_serializer=kvmesh_dot_v1_dot_kvmanager__pb2.ReleaseSessionRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_kvmanager__pb2.ReleaseSessionResponse.FromString,
+                _registered_method=True)
 
 
 class KvManagerServicer(object):
@@ -176,6 +186,26 @@ class KvManagerServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RetainSession(self, request, context):
+        """Session retention (docs/agents.md#retention): the session keeps `block_hashes` (its turn's
+        chain, prompt and output) for `ttl_s`, renewed by each call, replacing its previous pin:
+        they are evicted after every unretained block, written back to disk rather than dropped.
+        Within the node's and the tenant's retention budget: least recently active sessions are
+        released to make room. INVALID_ARGUMENT: no session id, ttl_s <= 0, a bad hash or layout
+        key; NOT_FOUND: no block of the layout was ever stored here (its block size is unknown);
+        UNAVAILABLE: retention is off (--retention-bytes 0) or the kvmanager is shutting down.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseSession(self, request, context):
+        """Releases a session's retention now (its blocks become ordinary LRU blocks).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KvManagerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -223,6 +253,16 @@ def add_KvManagerServicer_to_server(servicer, server):
                     servicer.DetachShm,
                     request_deserializer=kvmesh_dot_v1_dot_kvmanager__pb2.DetachShmRequest.FromString,
                     response_serializer=kvmesh_dot_v1_dot_kvmanager__pb2.DetachShmResponse.SerializeToString,
+            ),
+            'RetainSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.RetainSession,
+                    request_deserializer=kvmesh_dot_v1_dot_kvmanager__pb2.RetainSessionRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_kvmanager__pb2.RetainSessionResponse.SerializeToString,
+            ),
+            'ReleaseSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseSession,
+                    request_deserializer=kvmesh_dot_v1_dot_kvmanager__pb2.ReleaseSessionRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_kvmanager__pb2.ReleaseSessionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -468,6 +508,60 @@ class KvManager(object):
             '/kvmesh.v1.KvManager/DetachShm',
             kvmesh_dot_v1_dot_kvmanager__pb2.DetachShmRequest.SerializeToString,
             kvmesh_dot_v1_dot_kvmanager__pb2.DetachShmResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RetainSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.KvManager/RetainSession',
+            kvmesh_dot_v1_dot_kvmanager__pb2.RetainSessionRequest.SerializeToString,
+            kvmesh_dot_v1_dot_kvmanager__pb2.RetainSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.KvManager/ReleaseSession',
+            kvmesh_dot_v1_dot_kvmanager__pb2.ReleaseSessionRequest.SerializeToString,
+            kvmesh_dot_v1_dot_kvmanager__pb2.ReleaseSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

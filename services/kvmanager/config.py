@@ -12,10 +12,10 @@ from kvmesh.settings import setting
 from kvmesh.telemetry import Exporter
 from kvmesh.tls import TlsConfig
 
-from .core.config import PeerConfig, StoreConfig
+from .core.config import PeerConfig, RetentionConfig, StoreConfig
 from .shm import ShmConfig
 
-__all__ = ["KvManagerConfig", "PeerConfig", "ShmConfig", "StoreConfig"]
+__all__ = ["KvManagerConfig", "PeerConfig", "RetentionConfig", "ShmConfig", "StoreConfig"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +50,11 @@ class KvManagerConfig:
         factory=StoreConfig, doc="tier budgets, the disk directory, the write policy", prefix=""
     )
     peer: PeerConfig = setting(factory=PeerConfig, doc="data plane and peer fetch", prefix="")
+    retention: RetentionConfig = setting(
+        factory=RetentionConfig,
+        doc="blocks kept for live agent sessions (docs/agents.md#retention)",
+        prefix="retention-",
+    )
     shm: ShmConfig = setting(
         factory=ShmConfig, doc="same-node shared memory for block bytes", prefix="shm-"
     )
@@ -81,5 +86,6 @@ class KvManagerConfig:
     log_level: str = setting("INFO", "logging level: DEBUG, INFO, WARNING, ERROR")
 
     def __post_init__(self) -> None:
+        self.retention.budget_bytes(self.store)  # a budget over half its tier is an error
         check_etcd_settings(self.etcd_endpoints, self.etcd_retry_max_s)
         self.etcd_security.check_endpoints(self.etcd_endpoints)

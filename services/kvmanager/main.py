@@ -16,6 +16,7 @@ import asyncio
 import logging
 import os
 import sys
+import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
@@ -125,7 +126,9 @@ async def start_kvmanager(
     data_plane_address = ""
     metrics = KvManagerMetrics()
     async with host.starting():
-        store = await TieredStore.open(config.store, on_events=hubs.publish)
+        store = await TieredStore.open(
+            config.store, on_events=hubs.publish, retention=config.retention
+        )
         host.callback(store.close)
         if config.peer.data_plane_port >= 0:
             source: BlockSource = StoreBlockSource(store)
@@ -188,6 +191,7 @@ async def start_kvmanager(
         publisher = _RatesPublisher(host, record) if config.etcd_endpoints else None
 
         def refresh() -> None:
+            store.expire_sessions(time.monotonic())
             metrics.refresh(store, peers)
             if (etcd := host.etcd_state()) is not None:  # none without etcd
                 metrics.etcd.refresh(*etcd)

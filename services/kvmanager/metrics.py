@@ -15,6 +15,7 @@ from kvmesh.kv.events import Tier
 from kvmesh.metrics import EtcdGauges, MirroredCounter
 
 from .arena import ArenaStats
+from .core.retention import RetentionStats
 from .peer import DataPlaneStats, PeerService, PeerStats
 from .store import StoreStats, TieredStore
 
@@ -71,6 +72,33 @@ class KvManagerMetrics:
             ["tier"],
             registry=r,
         )
+        # Session retention (docs/agents.md#retention).
+        self.retained_sessions = Gauge(
+            "kvmesh_kvmanager_retained_sessions", "Live sessions whose blocks are kept.", registry=r
+        )
+        self.retention_budget = Gauge(
+            "kvmesh_kvmanager_retention_budget_bytes", "The node's retention budget.", registry=r
+        )
+        self.retained_blocks = Gauge(
+            "kvmesh_kvmanager_retained_blocks",
+            "Retained blocks with a readable copy on the tier.",
+            ["tier"],
+            registry=r,
+        )
+        self.retained_bytes = Gauge(
+            "kvmesh_kvmanager_retained_bytes",
+            "Bytes of the retained copies on the tier.",
+            ["tier"],
+            registry=r,
+        )
+        self.retention = {
+            f.name: MirroredCounter(
+                f"kvmesh_kvmanager_retention_{f.name}_total",
+                f"Session retention: {f.name.replace('_', ' ')} since start.",
+                registry=r,
+            )
+            for f in fields(RetentionStats)
+        }
         # The store's cumulative counters, mirrored as counters.
         self.counters = {
             f.name: MirroredCounter(
@@ -124,6 +152,14 @@ class KvManagerMetrics:
             self.pinned.labels(tier.value).set(u.pinned)
         for name, gauge in self.counters.items():
             gauge.set(getattr(store.stats, name))
+        retention = store.retention
+        self.retained_sessions.set(len(retention))
+        self.retention_budget.set(retention.budget_bytes)
+        for name, counter in self.retention.items():
+            counter.set(getattr(retention.stats, name))
+        for tier, (blocks, nbytes) in store.retained_usage().items():
+            self.retained_blocks.labels(tier.value).set(blocks)
+            self.retained_bytes.labels(tier.value).set(nbytes)
         s = store.stats
         self.tier_hits.labels(Tier.CPU.value).set(s.hits_cpu)
         self.tier_misses.labels(Tier.CPU.value).set(s.hits_disk + s.misses)

@@ -52,6 +52,11 @@ class LayoutHubs:
             h = self._hubs[layout_key] = KvEventHub(log_, self._queue)
         return h
 
+    @property
+    def layout_keys(self) -> list[str]:
+        """The layouts events were published for (every layout a block was stored under)."""
+        return list(self._hubs)
+
     def publish(self, events: list[LayoutEvent]) -> None:
         """The store's event sink (on the loop): one batch per layout per call, in order."""
         by_layout: dict[str, list] = {}  # type: ignore[type-arg]
@@ -95,6 +100,36 @@ class KvManagerServicer(kvmanager_pb2_grpc.KvManagerServicer):
         self, request: kvmanager_pb2.KvManagerInfoRequest, context: grpc.aio.ServicerContext
     ) -> kvmanager_pb2.KvManagerInfo:
         return self._info()
+
+    async def RetainSession(
+        self, request: kvmanager_pb2.RetainSessionRequest, context: grpc.aio.ServicerContext
+    ) -> kvmanager_pb2.RetainSessionResponse:
+        self._check_serving()
+        got, held, previous_held = self._store.retain_session(
+            request.tenant,
+            request.session_id,
+            request.layout_key,
+            request.block_hashes,
+            request.ttl_s,
+        )
+        return kvmanager_pb2.RetainSessionResponse(
+            retained_blocks=got.retained_blocks,
+            held_blocks=held,
+            renewed=got.renewed,
+            previous_blocks=len(got.previous),
+            previous_held_blocks=previous_held,
+            released_sessions=len(got.released),
+            truncated=got.truncated,
+        )
+
+    async def ReleaseSession(
+        self, request: kvmanager_pb2.ReleaseSessionRequest, context: grpc.aio.ServicerContext
+    ) -> kvmanager_pb2.ReleaseSessionResponse:
+        self._check_serving()
+        if not request.session_id:
+            raise errors.InvalidArgument("a session id is required", "session_id")
+        released = self._store.release_session(request.tenant, request.session_id)
+        return kvmanager_pb2.ReleaseSessionResponse(released=released)
 
     async def Lookup(
         self, request: kvmanager_pb2.LookupRequest, context: grpc.aio.ServicerContext

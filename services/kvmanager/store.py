@@ -18,18 +18,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from kvmesh.errors import NotFound, Unavailable
 from kvmesh.kv.events import BlockHash, Tier
-from kvmesh.kv.layout import KvLayout, check_block_hash
+from kvmesh.kv.layout import KvLayout, check_block_hash, check_layout_key
 
 from . import diskfile
 from .arena import PAGE_BYTES, Arena, ArenaStats
-from .core.config import Populate, StoreConfig
+from .core.config import Populate, RetentionConfig, StoreConfig
 from .core.errors import CorruptBlock, StoreClosed, StoreFull
 from .core.plan import (
     BlockId,
@@ -41,6 +43,7 @@ from .core.plan import (
     TierUsage,
     WriteToDisk,
 )
+from .core.retention import PinResult, Retention, SessionKey
 from .core.tiers import TierIndex
 from .peer import wire
 
@@ -76,6 +79,9 @@ class StoreStats:
     corrupt_dropped: int = 0
     disk_bytes_written: int = 0
     disk_bytes_read: int = 0
+    # Renewed retentions whose previous pin's blocks were all still held (kept) or not (lost).
+    retention_kept: int = 0
+    retention_lost: int = 0
 
 
 class TieredStore:
@@ -86,6 +92,7 @@ class TieredStore:
         self,
         config: StoreConfig,
         on_events: Callable[[list[LayoutEvent]], None] | None = None,
+        retention: RetentionConfig | None = None,
     ) -> None:
         self._config = config
         self._root: Path | None = config.disk_dir if config.has_disk else None
@@ -114,13 +121,24 @@ class TieredStore:
         self._closed = False
         self._promotions = 0  # promotion tasks waiting for room
         self.stats = StoreStats()
+        rc = retention if retention is not None else RetentionConfig(bytes=0)
+        self._retention = Retention(
+            rc.budget_bytes(config),
+            rc.tenant_bytes,
+            rc.max_ttl_s,
+            self._index.retain,
+            self._release_block,
+        )
 
     @classmethod
     async def open(
-        cls, config: StoreConfig, on_events: Callable[[list[LayoutEvent]], None] | None = None
+        cls,
+        config: StoreConfig,
+        on_events: Callable[[list[LayoutEvent]], None] | None = None,
+        retention: RetentionConfig | None = None,
     ) -> TieredStore:
         """A store whose disk tier holds what the directory held (checked, within budget)."""
-        store = cls(config, on_events)
+        store = cls(config, on_events, retention)
         try:
             if store._arena is not None and config.cpu_populate is Populate.START:
                 await asyncio.get_running_loop().run_in_executor(None, store._arena.wait_populated)
@@ -319,6 +337,72 @@ class TieredStore:
     def parent_of(self, layout: KvLayout, block_hash: int) -> BlockHash | None:
         """The parent hash a known block was stored with (None: a chain root, or unknown)."""
         return self._index.parent_of(BlockId(layout.key, check_block_hash(block_hash)))
+
+    # ---- session retention ---------------------------------------------------------------
+
+    @property
+    def retention(self) -> Retention:
+        """The sessions kept (read-only use: change them through ``retain_session``)."""
+        return self._retention
+
+    def retain_session(
+        self,
+        tenant: str,
+        session_id: str,
+        layout_key: str,
+        hashes: Iterable[int],
+        ttl_s: float,
+        now_s: float | None = None,
+    ) -> tuple[PinResult, int, int]:
+        """Pins the session's chain (``core/retention.py``); with how many of its blocks, and
+        of its previous pin's, are held here now. NotFound: no block of the layout was ever
+        stored here (its block size is not known); Unavailable: retention is off."""
+        self._check_open()
+        if self._retention.budget_bytes == 0:
+            raise Unavailable("session retention is off on this kvmanager (--retention-bytes 0)")
+        layout = self._index.known_layout(check_layout_key(layout_key))
+        if layout is None:
+            raise NotFound(f"no block of layout {layout_key} was stored here")
+        chain = [check_block_hash(h) for h in hashes]
+        now = time.monotonic() if now_s is None else now_s
+        try:
+            got = self._retention.pin(
+                SessionKey(tenant, session_id), layout.key, layout.block_bytes, chain, ttl_s, now
+            )
+        finally:
+            self._sync()
+        held = sum(
+            1
+            for b in self._retention.blocks_of(SessionKey(tenant, session_id))
+            if self._index.tier_of(b) is not None
+        )
+        previous_held = sum(1 for b in got.previous if self._index.tier_of(b) is not None)
+        if got.renewed:
+            if previous_held == len(got.previous):
+                self.stats.retention_kept += 1
+            else:
+                self.stats.retention_lost += 1
+        return got, held, previous_held
+
+    def release_session(self, tenant: str, session_id: str) -> bool:
+        try:
+            return self._retention.end(SessionKey(tenant, session_id))
+        finally:
+            self._sync()
+
+    def expire_sessions(self, now_s: float) -> int:
+        """Releases the sessions whose TTL passed (the daemon calls it every few seconds)."""
+        try:
+            return len(self._retention.expire(now_s))
+        finally:
+            self._sync()
+
+    def retained_usage(self) -> dict[Tier, tuple[int, int]]:
+        """(blocks, bytes) of retained blocks' copies per tier."""
+        return self._index.retained_usage()
+
+    def _release_block(self, block: BlockId) -> None:
+        self._index.release(block)
 
     def drain_events(self) -> list[LayoutEvent]:
         """KV events since the last drain, in order (empty when ``on_events`` is set: those

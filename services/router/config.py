@@ -15,6 +15,7 @@ from kvmesh.tls import TlsConfig
 
 from .core.admission import AdmissionConfig
 from .core.disagg import DisaggConfig
+from .core.sessions import RetentionConfig
 from .http.cors import CorsPolicy
 from .state.records import ResponsesConfig
 
@@ -72,6 +73,12 @@ class RouterConfig:
         factory=AdmissionConfig,
         doc="flow control in front of the scheduler (core/admission.py; docs/tenants.md)",
         prefix="admission-",
+    )
+    retention: RetentionConfig = setting(
+        factory=RetentionConfig,
+        doc="session retention: keep a session's blocks on its node between turns "
+        "(docs/agents.md#retention)",
+        prefix="retention-",
     )
     hash_algo: str = setting("sha256", "block hash algorithm; the workers' vLLM setting")
     hash_seed: str | None = setting(

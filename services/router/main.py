@@ -40,6 +40,7 @@ from .core.auth import static_table
 from .core.disagg import DisaggHandler
 from .core.index import KvIndex
 from .core.index_types import IndexConfig
+from .core.node_stores import TierStream
 from .core.peers import PeerHintConfig, PeerHints
 from .core.routing import make_policy
 from .core.workers import Change, WorkerSet
@@ -52,6 +53,7 @@ from .metrics import RouterMetrics
 from .mux import ServeStream
 from .pool import WorkerPool
 from .prompt import PromptBuilder
+from .retention import SessionRetention
 from .servicer import RouterServicer
 from .state import ResponseStore, open_store
 from .tiersync import TierSync
@@ -126,17 +128,27 @@ async def start_router(
     disagg = DisaggHandler(
         config.disagg, policy, can_hand_off=lambda wid: index.linked(wid) is not None
     )
+    prompts = PromptBuilder(tokenizers, hasher, executor, config.inline_prompt_tokens)
     servicer = RouterServicer(
         config,
         workers,
         pool,
         policy,
-        PromptBuilder(tokenizers, hasher, executor, config.inline_prompt_tokens),
+        prompts,
         metrics,
         peers,
         disagg,
         index.linked,
     )
+    if config.retention.enabled:
+
+        def stream_of(wid: WorkerId) -> TierStream | None:
+            sid = index.linked(wid)
+            return tier_sync.plan.streams.get(sid) if sid is not None else None
+
+        servicer.retention = SessionRetention(
+            config.retention, prompts, stream_of, metrics.registry, tls
+        )
     # The key file first: a bad one fails the start before anything listens.
     key_file, keys = await _api_keys(config)
     if keys is not None:
@@ -208,6 +220,8 @@ async def start_router(
             host.callback(servicer.admission.close)
         host.callback(kv_sync.close)
         host.callback(tier_sync.close)
+        if servicer.retention is not None:
+            host.callback(servicer.retention.close)
         port = await host.start_server()
         host.serve_metrics(metrics.registry, config.metrics_host, config.metrics_port)
 

@@ -41,6 +41,7 @@ from .prepare import constrained_sampling, forced_choice, prompt_input
 from .prompt import PromptBuilder
 from .proxy import Proxy
 from .resume import Replay
+from .retention import SessionRetention
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +96,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 keyed=bool(config.api_keys or config.api_keys_file),
                 cluster=config.cluster,
             )
+        # Session retention (--retention-ttl-s; main.py sets it): None: off.
+        self.retention: SessionRetention | None = None
         self._draining = False
         self.not_ready = ""  # while starting: why new requests are refused ("": ready)
 
@@ -150,6 +153,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         usage: common_pb2.Usage | None = None  # the final chunk's
         prefilled = False  # its first token came
         prompt_tokens = 0
+        retention = self.retention if request.session_id else None
+        output_ids: list[int] = []  # a session's turn's output, to retain its blocks
         try:
             if rid in self._active:
                 raise errors.InvalidArgument(
@@ -219,6 +224,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             async with contextlib.aclosing(chunks):
                 async for chunk in chunks:
                     finished = chunk.HasField("finished")
+                    if retention is not None:
+                        output_ids.extend(chunk.token_ids)
                     if finished:
                         usage = chunk.finished.usage
                     if (
@@ -229,6 +236,22 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     ):
                         prefilled = True  # its prefill is off the worker's backlog: look again
                         admission.prefilled(ticket)
+                    if finished and retention is not None and usage is not None:
+                        if request.end_session:
+                            retention.end(
+                                model, request.session_id, request.tenant, usage.worker_id
+                            )
+                        else:
+                            retention.after_turn(
+                                model,
+                                request.session_id,
+                                request.tenant,
+                                request.cache_salt,
+                                ids,
+                                output_ids,
+                                usage.worker_id,
+                                usage.cached_prompt_tokens,
+                            )
                     yield chunk
         except errors.KvmeshError as exc:
             code = status_for(exc).name

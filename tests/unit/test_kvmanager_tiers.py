@@ -383,6 +383,7 @@ class TierIndexMachine(RuleBasedStateMachine):
         disk = None if disk_blocks is None else disk_blocks * 8
         self.index = TierIndex(cpu_blocks * 4, disk, file_bytes)
         self.io = Adapter({A.key: A.block_bytes, B.key: B.block_bytes})
+        self.retained: set[BlockId] = set()
 
     def settle(self) -> None:
         io = self.io
@@ -465,6 +466,23 @@ class TierIndexMachine(RuleBasedStateMachine):
                 self.io.kept.discard(pinned)
             self.settle()
 
+    @rule(layout=LAYOUTS, h=HASHES)
+    def retain(self, layout: KvLayout, h: int) -> None:
+        """Session retention marks a block (held or not yet: a later copy is retained)."""
+        self.index.retain(bid(h, layout))
+        self.retained.add(bid(h, layout))
+        self.settle()
+
+    @rule(i=st.integers(0, 100))
+    def release(self, i: int) -> None:
+        if self.retained:
+            block = sorted(self.retained, key=lambda b: (b.layout_key, b.block_hash))[
+                i % len(self.retained)
+            ]
+            self.retained.discard(block)
+            self.index.release(block)
+            self.settle()
+
     @rule(i=st.integers(0, 100), tier=TIERS)
     def discard(self, i: int, tier: Tier) -> None:
         held = self.held((tier,))
@@ -496,6 +514,7 @@ class TierIndexMachine(RuleBasedStateMachine):
     def consistent(self) -> None:
         self.index.check_invariants()
         io = self.io
+        assert all(self.index.is_retained(b) for b in self.retained)
         for tier, landed in ((CPU, io.ram), (DISK, io.files)):
             usage = self.index.usage(tier)
             assert usage.used_bytes <= usage.budget_bytes
@@ -518,6 +537,10 @@ class TierIndexMachine(RuleBasedStateMachine):
         if not hasattr(self, "index"):
             return
         io = self.io
+        for block in list(self.retained):  # retention ends (TTL): retained copies evictable
+            self.index.release(block)
+        self.retained.clear()
+        self.settle()
         while io.writing or io.deleting or io.pins:
             if io.pins:
                 self.index.unpin(*io.pins.pop())

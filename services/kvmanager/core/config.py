@@ -59,6 +59,40 @@ class StoreConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class RetentionConfig:
+    """Session retention (``core/retention.py``; docs/agents.md#retention)."""
+
+    bytes: int = setting(
+        -1,
+        "retention budget, bytes of blocks kept for live sessions; -1: a quarter of the disk "
+        "tier (of the CPU tier without disk); 0: off; at most half of that tier",
+    )
+    tenant_bytes: int = setting(0, "each tenant's share of the retention budget; 0: no cap")
+    max_ttl_s: float = setting(3600.0, "longest retention a session may ask for, seconds")
+
+    def __post_init__(self) -> None:
+        if self.bytes < -1:
+            raise InvalidArgument(f"retention bytes must be >= -1, got {self.bytes}")
+        if self.tenant_bytes < 0:
+            raise InvalidArgument(f"retention tenant_bytes must be >= 0, got {self.tenant_bytes}")
+        if not self.max_ttl_s > 0:
+            raise InvalidArgument(f"retention max_ttl_s must be > 0, got {self.max_ttl_s}")
+
+    def budget_bytes(self, store: StoreConfig) -> int:
+        """The budget for ``store``'s tiers: retained blocks must leave the tier that keeps
+        them room to turn over (RAM without disk, else disk), so at most half of it."""
+        tier = store.disk_bytes if store.has_disk else store.cpu_bytes
+        if self.bytes == -1:
+            return tier // 4
+        if self.bytes > tier // 2:
+            raise InvalidArgument(
+                f"retention budget {self.bytes} bytes is over half the "
+                f"{'disk' if store.has_disk else 'CPU'} tier ({tier} bytes)"
+            )
+        return self.bytes
+
+
+@dataclass(frozen=True, slots=True)
 class PeerConfig:
     """Peer fetch: the data plane this kvmanager serves, and how it fetches from others."""
 

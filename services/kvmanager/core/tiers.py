@@ -25,6 +25,15 @@ written back to disk first (demotion) if the disk tier has room for them, else d
 victims are deleted; a RAM copy of the same block then becomes dirty. A doomed RAM copy that
 leaves before its write-back got disk room (discarded) withdraws that queued write-back.
 
+Retention (``retain`` / ``release``): a block a live session keeps (``core/retention.py``
+decides which). Retained copies are victims only after every unretained one: a retained RAM copy
+is written back to disk (or dropped when its disk copy is readable already), never dropped
+when there is no disk tier; a retained disk copy is never a victim. A retained block's mark
+outlives its copies, so a block saved after its session pinned it is retained as it lands.
+Retained copies a search for victims passes over move to the LRU's end (so the next search does
+not scan them again); a released block so rejoins the LRU at its last use or later. The
+retention budget keeps retained bytes well under the tier budgets (``RetentionConfig``).
+
 Evictions (``evictions``): copies that leave their tier because room was being made for
 others, counted per tier when they stop being readable: RAM victims dropped (clean, or dirty
 with no disk room, or whose write-back failed or was withdrawn) and disk victims deleted. A RAM
@@ -113,6 +122,8 @@ class TierIndex:
             self._tiers[_DISK] = _Tier(disk_bytes)
         self._disk_file_bytes = disk_file_bytes
         self._blocks: dict[BlockId, _Block] = {}
+        self._retained: set[BlockId] = set()
+        self._layouts: dict[str, KvLayout] = {}  # every layout a block was stored under
         self._actions: list[Action] = []
         self._events: list[LayoutEvent] = []
         # The request being queued: a grant of it during the same call is returned, not acted.
@@ -188,6 +199,26 @@ class TierIndex:
             pinned=sum(1 for c in copies if c.pins),
             pinned_bytes=t.pinned_bytes,
         )
+
+    def known_layout(self, layout_key: str) -> KvLayout | None:
+        """The layout of that key if any block was ever stored under it."""
+        return self._layouts.get(layout_key)
+
+    def is_retained(self, block: BlockId) -> bool:
+        return block in self._retained
+
+    def retained_usage(self) -> dict[Tier, tuple[int, int]]:
+        """(blocks, bytes) of retained blocks' readable copies per tier (O(retained))."""
+        out = {tier: (0, 0) for tier in self._tiers}
+        for bid in self._retained:
+            b = self._blocks.get(bid)
+            if b is None:
+                continue
+            for tier, c in b.copies.items():
+                if c.ready and not c.leaving:
+                    n, size = out[tier]
+                    out[tier] = (n + 1, size + c.size_bytes)
+        return out
 
     def evictions(self, tier: Tier) -> tuple[int, int]:
         """(blocks, bytes) evicted from ``tier`` since start (see the module doc); (0, 0) for
@@ -308,6 +339,22 @@ class TierIndex:
             c.victim = False  # removed as bad: not an eviction, even if it was a victim
             self._leave(block, tier)
 
+    # ---- retention -----------------------------------------------------------------------
+
+    def retain(self, block: BlockId) -> None:
+        """Marks the block retained (held now or not: a later copy is retained as it lands)."""
+        self._retained.add(block)
+
+    def release(self, block: BlockId) -> None:
+        """Ends the block's retention; a tier over its budget makes room now."""
+        if block not in self._retained:
+            return
+        self._retained.discard(block)
+        b = self._blocks.get(block)
+        if b is not None:
+            for tier in list(b.copies):
+                self._make_room(tier)
+
     # ---- outboxes ------------------------------------------------------------------------
 
     def take_actions(self) -> list[Action]:
@@ -331,6 +378,7 @@ class TierIndex:
         b = self._blocks.get(block)
         if b is None:  # the parent is fixed while the block lives: its events all agree
             b = self._blocks[block] = _Block(layout, parent)
+            self._layouts.setdefault(layout.key, layout)
         return b
 
     def _request(
@@ -384,15 +432,38 @@ class TierIndex:
         if shortfall <= 0:
             return
         victims: list[BlockId] = []
+        retained: list[BlockId] = []  # victims of the second pass, least recently used first
+        kept: list[BlockId] = []  # retained copies that may not leave this tier
         for block in t.lru:
             if shortfall <= 0:
                 break
             c = self._blocks[block].copies[tier]
-            if not c.pins and not c.copying:
-                victims.append(block)
-                shortfall -= c.size_bytes
+            if c.pins or c.copying:
+                continue
+            if block in self._retained:
+                (retained if self._retained_evictable(block, tier) else kept).append(block)
+                continue
+            victims.append(block)
+            shortfall -= c.size_bytes
+        skipped: list[BlockId] = []  # retained copies passed over
+        for i, block in enumerate(retained):
+            if shortfall <= 0:
+                skipped = retained[i:]
+                break
+            victims.append(block)
+            shortfall -= self._blocks[block].copies[tier].size_bytes
+        skipped += kept
+        # Retained copies passed over go to the LRU's end (in their order), so the next call
+        # does not scan them again: they are victims only after every unretained copy anyway.
+        for block in skipped:
+            t.lru.move_to_end(block)
         for victim in victims:
             self._evict(victim, tier)
+
+    def _retained_evictable(self, block: BlockId, tier: Tier) -> bool:
+        """A retained copy may leave ``tier`` only for the disk tier: a RAM copy with a disk
+        tier (its disk copy stays, or it is written back first). Never a disk copy."""
+        return tier is _CPU and self.has_disk
 
     def _grant(self, b: _Block, block: BlockId, tier: Tier, size: int, demotion: bool) -> None:
         b.copies[tier] = _Copy(size)
@@ -527,7 +598,12 @@ class TierIndex:
             assert t.queued_bytes == sum(r.size_bytes for r in t.queue.values())
             assert t.pinned_bytes == sum(c.size_bytes for c in copies.values() if c.pins)
             if t.used_bytes - t.leaving_bytes + t.queued_bytes > t.budget_bytes:  # no victim left
-                assert all(copies[bid].pins or copies[bid].copying for bid in t.lru), tier
+                assert all(
+                    copies[bid].pins
+                    or copies[bid].copying
+                    or (bid in self._retained and not self._retained_evictable(bid, tier))
+                    for bid in t.lru
+                ), tier
             assert set(t.lru) == {bid for bid in readable if not copies[bid].doomed}
             assert all(c.pins >= 0 for c in copies.values())
             assert not any(bid in copies for bid in t.queue)

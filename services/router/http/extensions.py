@@ -12,6 +12,8 @@ from .errors import BadRequest
 SESSION_HEADER = "x-kvmesh-session-id"
 TENANT_HEADER = "x-kvmesh-tenant"
 PRIORITY_HEADER = "x-kvmesh-priority"
+SESSION_END_HEADER = "x-kvmesh-session-end"  # true: the session ends with this turn
+_TRUE, _FALSE = ("1", "true", "yes"), ("", "0", "false", "no")
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,6 +26,7 @@ class Extensions:
     # The caller's tenant's cache salt on a router with API keys (then the body's cache_salt
     # is ignored); None: an open router, where the body's (vLLM's field) is used.
     cache_salt: str | None = None
+    session_end: bool = False  # release the session's retention after this turn
 
 
 def api_key_of(headers: Mapping[str, str]) -> str:
@@ -50,6 +53,18 @@ def priority_of(headers: Mapping[str, str]) -> int:
     return priority
 
 
+def session_end_of(headers: Mapping[str, str]) -> bool:
+    """The ``x-kvmesh-session-end`` header: true/1/yes or false/0/no (absent: false)."""
+    raw = headers.get(SESSION_END_HEADER, "").strip().lower()
+    if raw in _TRUE:
+        return True
+    if raw in _FALSE:
+        return False
+    raise BadRequest(
+        f"header {SESSION_END_HEADER} must be true or false (got {raw!r})", SESSION_END_HEADER
+    )
+
+
 def claims_of(headers: Mapping[str, str]) -> Claims:
     """What the headers ask beside the key (checked by ``core.auth.authorize``)."""
     return Claims(
@@ -68,8 +83,13 @@ def extensions_from_headers(
     tenant and priority. Without (an open router) the tenant header wins, else the hashed key,
     and the priority header is taken as sent."""
     session_id = headers.get(SESSION_HEADER, "").strip()
+    end = session_end_of(headers)
     if identity is not None:
-        return Extensions(session_id, identity.tenant, identity.priority, identity.cache_salt)
+        return Extensions(
+            session_id, identity.tenant, identity.priority, identity.cache_salt, session_end=end
+        )
     key = api_key_of(headers)
     tenant = headers.get(TENANT_HEADER, "").strip() or (tenant_of_key(key) if key else "")
-    return Extensions(session_id=session_id, tenant=tenant, priority=priority_of(headers))
+    return Extensions(
+        session_id=session_id, tenant=tenant, priority=priority_of(headers), session_end=end
+    )

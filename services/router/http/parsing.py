@@ -120,6 +120,7 @@ def _request(
         tenant=ext.tenant,
         priority=ext.priority,
         cache_salt=cache_salt_of(body, ext),
+        end_session=ext.session_end,
     )
 
 

@@ -1,0 +1,209 @@
+"""Session retention on a real kvmanager over gRPC: a session's pinned blocks survive pressure
+that evicts unpinned ones (RAM only, and written back to disk with a disk tier), TTL expiry and
+ReleaseSession give them back to the LRU, the budget releases the least recently active
+session, bad calls get the right status, and /metrics counts it."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import grpc
+import pytest
+
+from kvmesh.kv_wire import layout_from_pb
+from kvmesh.v1 import kvmanager_pb2, kvmanager_pb2_grpc, worker_pb2
+from services.kvmanager.config import KvManagerConfig, RetentionConfig
+from services.kvmanager.core.config import StoreConfig
+from services.kvmanager.main import start_kvmanager
+from tests.integration.test_kvmanager_grpc import BLOCK_BYTES, LAYOUT, put
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+KEY = layout_from_pb(LAYOUT).key
+
+
+async def start(
+    tmp_path: Path | None,
+    cpu_blocks: int,
+    disk_blocks: int,
+    retained_blocks: int,
+    refresh_s: float = 2.0,
+):  # type: ignore[no-untyped-def]
+    store = StoreConfig(
+        cpu_bytes=cpu_blocks * BLOCK_BYTES,
+        disk_bytes=disk_blocks * (BLOCK_BYTES + 8192),
+        disk_dir=tmp_path,
+    )
+    config = KvManagerConfig(
+        kvmanager_id="node-r",
+        node="node-r",
+        etcd_endpoints=(),
+        store=store,
+        retention=RetentionConfig(bytes=retained_blocks * BLOCK_BYTES),
+        metrics_refresh_s=refresh_s,
+        drain_grace_s=0.5,
+    )
+    running = await start_kvmanager(config)
+    channel = grpc.aio.insecure_channel(running.address)
+    return running, channel, kvmanager_pb2_grpc.KvManagerStub(channel)
+
+
+async def held(stub, hashes: list[int]) -> list[int]:  # type: ignore[no-untyped-def]
+    """The tiers of the hashes held, one Lookup per block (a chain's Lookup stops at a miss)."""
+    out = []
+    for h in hashes:
+        look = await stub.Lookup(
+            kvmanager_pb2.LookupRequest(layout=LAYOUT, block_hashes=[h]), timeout=5
+        )
+        out.append(look.tiers[0] if look.tiers else 0)
+    return out
+
+
+async def retain(stub, session: str, hashes: list[int], ttl_s: float = 60, tenant: str = ""):  # type: ignore[no-untyped-def]
+    return await stub.RetainSession(
+        kvmanager_pb2.RetainSessionRequest(
+            layout_key=KEY, session_id=session, tenant=tenant, block_hashes=hashes, ttl_s=ttl_s
+        ),
+        timeout=5,
+    )
+
+
+async def pressure(stub, first: int, n: int) -> None:  # type: ignore[no-untyped-def]
+    for i in range(first, first + n, 4):
+        await put(stub, list(range(i, i + 4)))
+
+
+async def test_ram_only_retained_session_survives_pressure_that_evicts_others():
+    running, channel, stub = await start(None, cpu_blocks=8, disk_blocks=0, retained_blocks=4)
+    try:
+        await put(stub, [1, 2, 3])  # session s1's turn
+        await put(stub, [11, 12, 13])  # s2's, not retained
+        got = await retain(stub, "s1", [1, 2, 3])
+        assert (got.retained_blocks, got.held_blocks, got.renewed) == (3, 3, False)
+        await pressure(stub, 1000, 40)
+        assert await held(stub, [1, 2, 3]) == [worker_pb2.KV_TIER_CPU] * 3
+        assert await held(stub, [11, 12, 13]) == [0, 0, 0]
+        # The next turn renews it: its previous blocks were all still held.
+        got = await retain(stub, "s1", [1, 2, 3, 4])
+        assert got.renewed and (got.previous_blocks, got.previous_held_blocks) == (3, 3)
+        assert running.store.stats.retention_kept == 1
+        # Released: ordinary LRU blocks again.
+        released = await stub.ReleaseSession(
+            kvmanager_pb2.ReleaseSessionRequest(session_id="s1"), timeout=5
+        )
+        assert released.released
+        await pressure(stub, 2000, 40)
+        assert await held(stub, [1, 2, 3]) == [0, 0, 0]
+    finally:
+        await channel.close()
+        await running.stop()
+
+
+async def test_retained_blocks_are_written_back_to_disk_not_dropped(tmp_path: Path):
+    running, channel, stub = await start(tmp_path, cpu_blocks=4, disk_blocks=16, retained_blocks=6)
+    try:
+        await put(stub, [1, 2, 3, 4])
+        await retain(stub, "s1", [1, 2, 3, 4])
+        await put(stub, [11, 12, 13, 14])  # not retained
+        await pressure(stub, 1000, 60)  # RAM and disk both turn over several times
+        tiers = await held(stub, [1, 2, 3, 4])
+        assert all(t in (worker_pb2.KV_TIER_CPU, worker_pb2.KV_TIER_DISK) for t in tiers), tiers
+        assert worker_pb2.KV_TIER_DISK in tiers  # RAM kept turning over: they went to disk
+        assert await held(stub, [11, 12, 13, 14]) == [0] * 4
+        usage = running.store.retained_usage()
+        assert sum(n for n, _ in usage.values()) >= 4
+    finally:
+        await channel.close()
+        await running.stop()
+
+
+async def test_ttl_expiry_releases_the_session():
+    running, channel, stub = await start(
+        None, cpu_blocks=8, disk_blocks=0, retained_blocks=4, refresh_s=0.1
+    )
+    try:
+        await put(stub, [1, 2])
+        await retain(stub, "s1", [1, 2], ttl_s=0.3)
+        assert len(running.store.retention) == 1
+        for _ in range(50):  # the daemon's refresh expires it
+            if len(running.store.retention) == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert len(running.store.retention) == 0
+        await pressure(stub, 1000, 40)
+        assert await held(stub, [1, 2]) == [0, 0]
+        assert running.store.retention.stats.expired == 1
+    finally:
+        await channel.close()
+        await running.stop()
+
+
+async def test_budget_releases_the_least_recently_active_session():
+    running, channel, stub = await start(None, cpu_blocks=16, disk_blocks=0, retained_blocks=5)
+    try:
+        await put(stub, [1, 2, 3])
+        await put(stub, [21, 22, 23])
+        await retain(stub, "old", [1, 2, 3])
+        got = await retain(stub, "new", [21, 22, 23])
+        assert got.released_sessions == 1
+        assert len(running.store.retention) == 1
+        big = await retain(stub, "new", [21, 22, 23, 24, 25, 26, 27])  # over the budget alone
+        assert big.truncated and big.retained_blocks == 5
+        assert running.store.retention.bytes <= 5 * BLOCK_BYTES
+    finally:
+        await channel.close()
+        await running.stop()
+
+
+@pytest.mark.parametrize(
+    ("session", "key", "ttl", "code"),
+    [
+        ("", KEY, 10.0, grpc.StatusCode.INVALID_ARGUMENT),
+        ("s", KEY, 0.0, grpc.StatusCode.INVALID_ARGUMENT),
+        ("s", "nothex", 10.0, grpc.StatusCode.INVALID_ARGUMENT),
+        ("s", "0123456789abcdef", 10.0, grpc.StatusCode.NOT_FOUND),
+    ],
+    ids=["no-session", "zero-ttl", "bad-layout-key", "unknown-layout"],
+)
+async def test_bad_retain_calls(session: str, key: str, ttl: float, code: grpc.StatusCode):
+    running, channel, stub = await start(None, cpu_blocks=8, disk_blocks=0, retained_blocks=4)
+    try:
+        await put(stub, [1])
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.RetainSession(
+                kvmanager_pb2.RetainSessionRequest(
+                    layout_key=key, session_id=session, block_hashes=[1], ttl_s=ttl
+                ),
+                timeout=5,
+            )
+        assert err.value.code() is code, err.value.details()
+    finally:
+        await channel.close()
+        await running.stop()
+
+
+async def test_retention_off_is_unavailable_and_metrics_count_sessions():
+    running, channel, stub = await start(None, cpu_blocks=8, disk_blocks=0, retained_blocks=0)
+    try:
+        await put(stub, [1])
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await retain(stub, "s", [1])
+        assert err.value.code() is grpc.StatusCode.UNAVAILABLE
+    finally:
+        await channel.close()
+        await running.stop()
+    running, channel, stub = await start(None, cpu_blocks=8, disk_blocks=0, retained_blocks=4)
+    try:
+        await put(stub, [1, 2])
+        await retain(stub, "s", [1, 2])
+        running.metrics.refresh(running.store)
+        reg = running.metrics.registry
+        assert reg.get_sample_value("kvmesh_kvmanager_retained_sessions") == 1
+        assert reg.get_sample_value("kvmesh_kvmanager_retained_bytes", {"tier": "cpu"}) == (
+            2 * BLOCK_BYTES
+        )
+        assert reg.get_sample_value("kvmesh_kvmanager_retention_pins_total") == 1
+    finally:
+        await channel.close()
+        await running.stop()
