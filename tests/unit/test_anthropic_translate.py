@@ -160,6 +160,35 @@ def test_stop_sequences_beyond_openais_four_and_the_session():
     assert header.chat.generate.session_id == "from-header"
 
 
+def test_a_cache_control_marker_names_a_session_after_the_conversations_start():
+    system = [{"type": "text", "text": "You are a coder.", "cache_control": {"type": "ephemeral"}}]
+    turn1 = [{"role": "user", "content": "fix the bug"}]
+    turn2 = [
+        *turn1,
+        {"role": "assistant", "content": "done"},
+        {"role": "user", "content": [{"type": "text", "text": "now test it"}]},
+    ]
+    first = parse(system=system, messages=turn1).chat.generate.session_id
+    second = parse(system=system, messages=turn2).chat.generate.session_id
+    assert first.startswith(anthropic.CACHE_SESSION_PREFIX)
+    assert first == second  # every later turn resends the same start
+    other = parse(system=[{**system[0], "text": "You review."}], messages=turn1)
+    assert other.chat.generate.session_id not in ("", first)
+    # a marker on a content block counts too; no marker: no session
+    marked = [{"role": "user", "content": [{"type": "text", "text": "x", "cache_control": {}}]}]
+    assert parse(messages=marked).chat.generate.session_id.startswith("anthropic-cache-")
+    assert parse(messages=turn1).chat.generate.session_id == ""
+    # the client's own session wins: metadata.user_id, then the header
+    assert (
+        parse(system=system, messages=turn1, metadata={"user_id": "u1"}).chat.generate.session_id
+        == "u1"
+    )
+    header = anthropic.parse_messages(
+        {"max_tokens": 4, "system": system, "messages": turn1}, Extensions(session_id="h"), "msg_3"
+    )
+    assert header.chat.generate.session_id == "h"
+
+
 @pytest.mark.parametrize(
     ("body", "says"),
     [

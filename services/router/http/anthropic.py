@@ -7,8 +7,9 @@ message, ``tool_use`` blocks as an assistant's ``tool_calls``, each ``tool_resul
 ``parsing.parse_chat``: the messages, tools and forced tool choices then travel, render through
 the chat template and are checked exactly as on the OpenAI path. Only what the OpenAI path has no
 word for is set here (``stop_sequences``, beyond OpenAI's 4, and the session of
-``metadata.user_id``). ``cache_control`` markers are accepted anywhere and ignored (kvmesh
-caches every full block anyway; they become retention hints later).
+``metadata.user_id``). ``cache_control`` markers are accepted anywhere; kvmesh caches every full
+block anyway, and a marked request without a session of its own gets one named after its
+conversation's start, so that its prefix is retained between turns like any session's.
 
 The answer side: ``message_json`` turns the OpenAI answer the ``rendering.ResponseTranslator``
 built into an Anthropic message (``anthropic_stream`` does the same for the event stream), and
@@ -16,6 +17,7 @@ built into an Anthropic message (``anthropic_stream`` does the same for the even
 
 from __future__ import annotations
 
+import hashlib
 import json
 import uuid
 from collections.abc import Mapping
@@ -306,18 +308,46 @@ def _output_format(value: object) -> dict[str, Any] | None:
     return {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
 
 
+CACHE_SESSION_PREFIX = "anthropic-cache-"
+
+
 def _session(body: Mapping[str, Any], ext: extensions.Extensions) -> extensions.Extensions:
-    """``metadata.user_id`` is the session (agent CLIs send one per conversation) unless the
-    ``x-kvmesh-session-id`` header names one."""
+    """The session whose prefix kvmesh retains between turns (docs/agents.md#retention): the
+    ``x-kvmesh-session-id`` header, else ``metadata.user_id`` (agent CLIs send one per
+    conversation), else, when the request marks anything with ``cache_control`` (the client
+    asks for its prefix to be kept), a session named after the conversation's start: the
+    model, system prompt, tools and first message, which every later turn resends unchanged."""
     metadata = body.get("metadata")
-    if metadata is None:
+    user_id = None
+    if metadata is not None:
+        user_id = _object(metadata, "metadata").get("user_id")
+        if user_id is not None and not isinstance(user_id, str):
+            raise BadRequest("metadata.user_id: must be a string", "metadata.user_id")
+    if ext.session_id:
         return ext
-    user_id = _object(metadata, "metadata").get("user_id")
-    if user_id is not None and not isinstance(user_id, str):
-        raise BadRequest("metadata.user_id: must be a string", "metadata.user_id")
-    if ext.session_id or not user_id:
-        return ext
-    return replace(ext, session_id=user_id)
+    if user_id:
+        return replace(ext, session_id=user_id)
+    if _marks_cache(body):
+        return replace(ext, session_id=_conversation_id(body))
+    return ext
+
+
+def _marks_cache(value: Any) -> bool:
+    """Whether a ``cache_control`` marker stands anywhere in ``value`` (system, tools,
+    messages' content blocks)."""
+    if isinstance(value, Mapping):
+        return "cache_control" in value or any(_marks_cache(v) for v in value.values())
+    if isinstance(value, list):
+        return any(_marks_cache(v) for v in value)
+    return False
+
+
+def _conversation_id(body: Mapping[str, Any]) -> str:
+    messages = body.get("messages")
+    first = messages[0] if isinstance(messages, list) and messages else None
+    start = [body.get("model"), body.get("system"), body.get("tools"), first]
+    digest = hashlib.sha256(json.dumps(start, sort_keys=True, default=str).encode()).hexdigest()
+    return CACHE_SESSION_PREFIX + digest[:32]
 
 
 def _chat_body(body: Mapping[str, Any], max_tokens: int) -> dict[str, Any]:
