@@ -188,7 +188,7 @@ def _add_mesh_flags(p: argparse.ArgumentParser, default_port: int) -> None:
         default="",
         metavar="NAME|PATH",
         help="draft model (draft_model) or EAGLE head (eagle, eagle3): built-in tiny-draft "
-        "(draft_model), tiny-eagle (eagle) or a local HF model dir",
+        "(draft_model), tiny-eagle (eagle), tiny-eagle3 (eagle3) or a local HF model dir",
     )
     spec.add_argument("--spec-prompt-lookup-min", type=int, default=0, help="ngram: shortest match")
     spec.add_argument("--spec-prompt-lookup-max", type=int, default=0, help="ngram: longest match")

@@ -10,6 +10,8 @@
   (``--spec-method mtp``; kvmesh/models/tiny_mtp.py).
 - ``tiny-eagle``: an EAGLE-1 draft head for the tiny model (``--spec-method eagle
   --spec-draft-model tiny-eagle``; kvmesh/models/tiny_eagle.py).
+- ``tiny-eagle3``: an EAGLE-3 draft head for the tiny model (``--spec-method eagle3
+  --spec-draft-model tiny-eagle3``; kvmesh/models/tiny_eagle.py).
 - ``tiny-moe``: the tiny model's sizes and tokenizer as a Qwen3-MoE (4 experts, 2 per token),
   for data-parallel and expert-parallel tests (kvmesh/models/tiny_moe.py).
 
@@ -33,7 +35,7 @@ from kvmesh.errors import InvalidArgument, KvmeshError
 
 log = logging.getLogger(__name__)
 
-MODEL_NAMES = ("tiny", "smollm2", "tiny-draft", "tiny-mtp", "tiny-eagle", "tiny-moe")
+MODEL_NAMES = ("tiny", "smollm2", "tiny-draft", "tiny-mtp", "tiny-eagle", "tiny-eagle3", "tiny-moe")
 
 
 class ModelSourceMissing(KvmeshError):
@@ -125,6 +127,10 @@ def ensure_model(name: str, cache_root: Path) -> Path:
         from kvmesh.models.tiny_eagle import ensure_tiny_eagle
 
         return ensure_tiny_eagle(cache_root)
+    if name == "tiny-eagle3":
+        from kvmesh.models.tiny_eagle import ensure_tiny_eagle3
+
+        return ensure_tiny_eagle3(cache_root)
     if name == "tiny-moe":
         from kvmesh.models.tiny_moe import ensure_tiny_moe
 

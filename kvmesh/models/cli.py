@@ -1,4 +1,4 @@
-"""``kvmesh model tiny|smollm2|tiny-draft|tiny-mtp|tiny-eagle|tiny-moe --out DIR``: build a built-in model into a directory.
+"""``kvmesh model tiny|smollm2|tiny-draft|tiny-mtp|tiny-eagle|tiny-eagle3|tiny-moe --out DIR``: build a built-in model into a directory.
 
 ``kvmesh.cli`` calls ``register(subparsers)``; each handler returns the process exit code.
 """
@@ -35,6 +35,10 @@ def _builder(name: str) -> Callable[[Path], Path]:
         from kvmesh.models.tiny_eagle import build_tiny_eagle
 
         return build_tiny_eagle
+    if name == "tiny-eagle3":
+        from kvmesh.models.tiny_eagle import build_tiny_eagle3
+
+        return build_tiny_eagle3
     if name == "tiny-moe":
         from kvmesh.models.tiny_moe import build_tiny_moe
 
@@ -78,6 +82,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         ("tiny-draft", "the tiny model cut to 1 layer: a draft model for speculative tests"),
         ("tiny-mtp", "the tiny model as a MiMo-style model with 1 MTP layer (--spec-method mtp)"),
         ("tiny-eagle", "an EAGLE draft head for the tiny model (--spec-method eagle)"),
+        ("tiny-eagle3", "an EAGLE-3 draft head for the tiny model (--spec-method eagle3)"),
         ("tiny-moe", "the tiny model as a Qwen3-MoE, 4 experts (data/expert parallel tests)"),
     ):
         sub = models.add_parser(name, help=help_text, description=help_text)

@@ -307,7 +307,7 @@ class VllmEngine:
                 await reader.start()
             amx = await llm.collective_rpc("kvmesh_init_amx")
             parent = os.getpid() if ranks == 1 else 0  # ranks: the model runs in their children
-            await llm.collective_rpc("kvmesh_die_with_parent", args=(parent,))
+            await llm.collective_rpc("kvmesh_die_with_parent", args=(parent, os.getpid()))
             layouts = await llm.collective_rpc("kvmesh_kv_layout")
             if config.compute_cpus and config.service_cpus:
                 moved = await llm.collective_rpc(

@@ -38,13 +38,16 @@ class KvmeshWorkerExtension:
             log.warning("torch._C._cpu._init_amx() failed", exc_info=True)
             return False
 
-    def kvmesh_die_with_parent(self, parent_pid: int) -> bool:
+    def kvmesh_die_with_parent(self, parent_pid: int, worker_pid: int = 0) -> bool:
         """Makes the kernel SIGKILL this (engine core) process when the worker process dies.
 
         Without it a worker killed with SIGKILL leaves its engine core running as an orphan
         that holds the KV cache memory. Linux only; returns whether it was set up.
         ``parent_pid`` 0: with data-parallel ranks the model runs in a process of each rank's
-        engine core (vLLM's multiprocessing executor), whose death it then follows instead."""
+        engine core (vLLM's multiprocessing executor), whose death it then follows instead;
+        and since vLLM's rank engine cores, children of the worker, outlive a SIGKILLed worker
+        (seen on vLLM 0.32), ``worker_pid`` (the worker) is watched from here too: when it
+        goes, this process kills its parent, the rank's engine core, and the kernel it."""
         try:
             libc = ctypes.CDLL(None, use_errno=True)
             pr_set_pdeathsig = 1
@@ -54,6 +57,8 @@ class KvmeshWorkerExtension:
             return False
         if parent_pid and os.getppid() != parent_pid:  # the parent died before we asked
             os.kill(os.getpid(), signal.SIGKILL)
+        if worker_pid and worker_pid != os.getppid():
+            return _kill_parent_when_gone(worker_pid)
         return True
 
     def kvmesh_pin_helper_threads(
@@ -92,3 +97,24 @@ class KvmeshWorkerExtension:
         if not has_kv_transfer_group():
             return ""
         return str(getattr(get_kv_transfer_group(), "layout_key", ""))
+
+
+def _kill_parent_when_gone(pid: int) -> bool:
+    """Starts a daemon thread that SIGKILLs this process's parent when process ``pid`` exits
+    (a pidfd: no polling, no pid reuse). False where pidfds are missing (Linux < 5.3)."""
+    import select
+    import threading
+
+    try:
+        fd = os.pidfd_open(pid)
+    except (OSError, AttributeError):
+        return False
+    parent = os.getppid()
+
+    def watch() -> None:
+        select.select([fd], [], [])  # readable once ``pid`` has exited
+        log.warning("worker process %d is gone; killing engine core %d", pid, parent)
+        os.kill(parent, signal.SIGKILL)
+
+    threading.Thread(target=watch, name="kvmesh-worker-watch", daemon=True).start()
+    return True

@@ -1,9 +1,10 @@
 """Speculative decoding on real vLLM engines (tiny model, float32): greedy output is the same
 with and without speculation, for ngram, for a draft model (the built-in tiny-draft), for eagle
-(the built-in tiny-eagle head) and for mtp (the built-in tiny-mtp, a MiMo-style model with one
-MTP layer); the acceptance counters move and reach the load stream (WorkerLoad) and /metrics
-with vLLM's own counts; with ngram on, prefix caching and KV events still work. One engine per setting for the
-module: the plain one only computes the reference and is closed before the others start."""
+and eagle3 (the built-in tiny-eagle and tiny-eagle3 heads) and for mtp (the built-in tiny-mtp,
+a MiMo-style model with one MTP layer); the acceptance counters move and reach the load stream
+(WorkerLoad) and /metrics with vLLM's own counts; with ngram on, prefix caching and KV events
+still work. One engine per setting for the module: the plain one only computes the reference
+and is closed before the others start."""
 
 from __future__ import annotations
 
@@ -295,20 +296,22 @@ async def test_mtp_greedy_output_is_unchanged_and_drafts_are_counted(
         await engine.close()
 
 
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
 async def test_eagle_head_greedy_output_is_unchanged_and_drafts_are_counted(
-    tiny_model: Path, reference: list[list[int]], tmp_path: Path
+    tiny_model: Path, reference: list[list[int]], tmp_path: Path, method: str
 ) -> None:
-    """The built-in tiny EAGLE head drafts NUM_SPEC tokens a step from the tiny model's hidden
-    states (vLLM shares the target's embedding and LM head with it); the output must not move."""
-    from kvmesh.models.tiny_eagle import ensure_tiny_eagle
+    """The built-in tiny EAGLE head (EAGLE-1: the target's last hidden state; vLLM shares the
+    target's embedding and LM head with it) or EAGLE-3 head (the hidden states of target layers
+    0 and 1 fused, its own LM head) drafts NUM_SPEC tokens a step; the output must not move."""
+    from kvmesh.models.tiny_eagle import ensure_tiny_eagle, ensure_tiny_eagle3
     from services.worker.engine import VllmEngine
 
-    head = ensure_tiny_eagle(tmp_path)
-    spec = SpeculativeConfig(method="eagle", num_speculative_tokens=NUM_SPEC, draft_model=str(head))
+    head = (ensure_tiny_eagle if method == "eagle" else ensure_tiny_eagle3)(tmp_path)
+    spec = SpeculativeConfig(method=method, num_speculative_tokens=NUM_SPEC, draft_model=str(head))
     engine = await VllmEngine.start(engine_config(tiny_model, spec))
     try:
         assert (engine.info.speculative_method, engine.info.num_speculative_tokens) == (
-            "eagle",
+            method,
             NUM_SPEC,
         )
         outs = [await greedy(engine, f"eg-{i}", p) for i, p in enumerate(PROMPTS)]

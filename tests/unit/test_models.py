@@ -331,6 +331,30 @@ def test_tiny_eagle_is_deterministic_in_eagles_layout(tmp_path: Path) -> None:
     assert tuple(fc.shape) == (tiny.HIDDEN_SIZE, 2 * tiny.HIDDEN_SIZE)
 
 
+def test_tiny_eagle3_is_deterministic_in_eagle3s_layout(tmp_path: Path) -> None:
+    from safetensors import safe_open
+
+    from kvmesh.models import tiny_eagle
+    from services.worker.config import SpeculativeConfig
+    from services.worker.speculative import check_models
+
+    first = tiny_eagle.build_tiny_eagle3(tmp_path / "a")
+    assert _hashes(tiny_eagle.build_tiny_eagle3(tmp_path / "b")) == _hashes(first)
+    spec = SpeculativeConfig(method="eagle3", draft_model=str(first))
+    assert check_models(spec, first) == 0
+    config = json.loads((first / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert config["eagle_aux_hidden_state_layer_ids"] == [0, 1]  # layers the tiny model has
+    with safe_open(str(first / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+        fc, q = f.get_tensor("fc.weight"), f.get_tensor("midlayer.self_attn.q_proj.weight")
+    # EAGLE-3's names: midlayer.*, its own LM head, no embedding (the target's is shared).
+    assert "lm_head.weight" in names and "midlayer.hidden_norm.weight" in names
+    assert not any(n.startswith(("model.", "embed")) for n in names)
+    assert tuple(fc.shape) == (tiny.HIDDEN_SIZE, 2 * tiny.HIDDEN_SIZE)  # two target layers
+    assert tuple(q.shape)[1] == 2 * tiny.HIDDEN_SIZE  # the embedding and the fused state
+
+
 def test_tiny_moe_is_deterministic_and_loads_as_a_qwen3_moe(tmp_path: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM
