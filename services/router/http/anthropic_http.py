@@ -19,7 +19,7 @@ from kvmesh import errors
 from . import anthropic, parsing, rendering
 from .anthropic_stream import EventStream, MessageCollector, sse_event
 from .auth import identity_of
-from .backend import RouterBackend, count_tokens, first_message
+from .backend import RouterBackend, count_tokens, first_message, served_model
 from .errors import (
     BadRequest,
     MethodNotAllowed,
@@ -77,12 +77,7 @@ class AnthropicEndpoints:
         app.router.add_post(COUNT_TOKENS_PATH, self.count_tokens)
 
     async def _model(self, chat: parsing.ParsedRequest) -> tuple[parsing.ParsedRequest, int]:
-        """``chat`` for the model served when it names none and one is served, and that
-        model's block size (0: not served; the router then answers not found)."""
-        models = (await self._backend().list_models(self._models_timeout_s)).models
-        if not chat.model and len(models) == 1:
-            chat = parsing.with_model(chat, models[0].name)
-        return chat, next((m.block_size for m in models if m.name == chat.model), 0)
+        return await served_model(self._backend(), chat, self._models_timeout_s)
 
     async def count_tokens(self, request: web.Request) -> web.Response:
         rid = anthropic.new_message_id()

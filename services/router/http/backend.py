@@ -20,6 +20,7 @@ from kvmesh.tls import Tls, open_channel
 from kvmesh.v1 import router_pb2, router_pb2_grpc
 
 from ..continuation import Prior
+from . import parsing
 
 _tracer = tracer(__name__)
 GENERATE_SPAN = "/kvmesh.v1.Router/Generate"  # the name the gRPC API's server span has
@@ -33,6 +34,18 @@ async def first_message(stream: AsyncIterator[Any]) -> Any:
         return await anext(stream)
     except StopAsyncIteration:
         raise errors.Unavailable("the router ended the stream without an answer") from None
+
+
+async def served_model(
+    backend: RouterBackend, chat: parsing.ParsedRequest, timeout_s: float
+) -> tuple[parsing.ParsedRequest, int]:
+    """``chat`` for the model served when it names none and one is served, and that model's
+    block size (0: not served; the router then answers not found): the Anthropic and Responses
+    front doors report cached tokens in whole blocks."""
+    models = (await backend.list_models(timeout_s)).models
+    if not chat.model and len(models) == 1:
+        chat = parsing.with_model(chat, models[0].name)
+    return chat, next((m.block_size for m in models if m.name == chat.model), 0)
 
 
 class RouterBackend(Protocol):

@@ -30,7 +30,7 @@ from ..state import ResponseStore
 from . import extensions, parsing, rendering, responses
 from .anthropic_stream import sse_event
 from .auth import identity_of
-from .backend import PromptRenderer, RouterBackend, first_message
+from .backend import PromptRenderer, RouterBackend, first_message, served_model
 from .errors import error_body, retry_after_headers
 from .responses import ResponsesRequest
 from .responses_stream import ResponseCollector, ResponseEvents
@@ -122,12 +122,7 @@ class ResponsesEndpoints:
 
     # ---- POST --------------------------------------------------------------------------------
     async def _model(self, chat: parsing.ParsedRequest) -> tuple[parsing.ParsedRequest, int]:
-        """``chat`` for the model served when it names none and one is served, and that
-        model's block size (0: not served; the router then answers not found)."""
-        models = (await self._backend().list_models(self._models_timeout_s)).models
-        if not chat.model and len(models) == 1:
-            chat = parsing.with_model(chat, models[0].name)
-        return chat, next((m.block_size for m in models if m.name == chat.model), 0)
+        return await served_model(self._backend(), chat, self._models_timeout_s)
 
     async def _turn(
         self, request: web.Request, rid: str
