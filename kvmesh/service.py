@@ -146,7 +146,8 @@ class ServiceHost:
             for name in ("", *self.service_names):
                 await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
             yield self
-            freeze_heap()
+            if _owns_process:
+                freeze_heap()
             for name in ("", *self.service_names):
                 await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         except BaseException:
@@ -361,13 +362,18 @@ async def _main(serve: Coroutine[Any, Any, None]) -> None:
         await _stop_leftover_servers()
 
 
+_owns_process = False  # set by run(): the process is this service's own (its main)
+
+
 def freeze_heap() -> None:
     """Everything alive once a service has started (the modules of vLLM, torch and transformers,
     a tokenizer, the engine's config) is moved out of the garbage collector's reach, as vLLM's
     engine core does after start-up: a full collection then walks only what serving allocates.
     Measured in a router under 600 concurrent streams (``kvmesh bench streams --profile-dir``):
     each full collection took ~245 ms of the event loop before, every stream stalled meanwhile.
-    The one collection here runs before health turns SERVING."""
+    The one collection here runs before health turns SERVING. Only in a process of the
+    service's own (``run()``): frozen objects that later become cyclic garbage are never
+    collected, so a process that starts and stops many services (a test run) must not."""
     gc.collect()
     gc.freeze()
 
@@ -378,6 +384,8 @@ def run(serve: Coroutine[Any, Any, None], service: str) -> int:
     what it started, so there is no trace and nothing left running); an interrupt before the
     signal handlers are in place is one line and 130. Any gRPC server still up is stopped
     before the loop closes."""
+    global _owns_process
+    _owns_process = True
     try:
         with profiled(service):
             asyncio.run(_main(serve))
