@@ -126,8 +126,11 @@ class TieredStore:
             rc.budget_bytes(config),
             rc.tenant_bytes,
             rc.max_ttl_s,
+            # The index's own methods, not the store's: a callback bound to the store would make
+            # a cycle, and the store (with its arena mapping, GBs) would then wait for the
+            # cyclic collector instead of being freed when its last user lets it go.
             self._index.retain,
-            self._release_block,
+            self._index.release,
         )
 
     @classmethod
@@ -400,9 +403,6 @@ class TieredStore:
     def retained_usage(self) -> dict[Tier, tuple[int, int]]:
         """(blocks, bytes) of retained blocks' copies per tier."""
         return self._index.retained_usage()
-
-    def _release_block(self, block: BlockId) -> None:
-        self._index.release(block)
 
     def drain_events(self) -> list[LayoutEvent]:
         """KV events since the last drain, in order (empty when ``on_events`` is set: those

@@ -545,3 +545,27 @@ async def test_put_nowait_answers_at_once_unless_it_must_wait(tmp_path: Path, op
         wt.lookup(L, [5]) == [CPU]
         and len(list((tmp_path / "wt").rglob(f"*{diskfile.SUFFIX}"))) == 1
     )
+
+
+async def test_a_closed_store_is_freed_at_once_without_the_cyclic_collector(
+    tmp_path: Path,
+) -> None:
+    """Its arena mapping (GBs on a real node) goes when the last reference does: nothing in the
+    store (its session retention included) makes a cycle that would leave the mapping to the
+    cyclic collector. A test run starting a kvmanager per test was OOM-killed that way."""
+    import gc
+    import weakref
+
+    from services.kvmanager.core.config import RetentionConfig
+
+    cfg = config(tmp_path, cpu_blocks=8, disk_blocks=32)
+    store = await TieredStore.open(cfg, retention=RetentionConfig())
+    assert store.retention.budget_bytes > 0
+    await store.close()
+    gone = weakref.ref(store)
+    gc.disable()
+    try:
+        del store
+        assert gone() is None
+    finally:
+        gc.enable()
