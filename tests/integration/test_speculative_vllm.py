@@ -53,6 +53,7 @@ def engine_config(model: Path, spec: SpeculativeConfig | None = None) -> EngineC
         block_size=BLOCK_SIZE,
         kv_cache_bytes=8 << 20,
         speculative=spec or SpeculativeConfig(),
+        vllm_prometheus=True,  # vLLM's own counters, to compare the worker's with
     )
 
 
