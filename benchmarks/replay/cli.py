@@ -42,6 +42,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     from benchmarks.disagg import cli as disagg_cli
     from benchmarks.priority import cli as priority_cli
     from benchmarks.serve import cli as serve_cli
+    from benchmarks.serve import router_scale as router_scale_cli
     from benchmarks.serve import streams as streams_cli
     from benchmarks.tiers import cli as tiers_cli
 
@@ -144,6 +145,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     disagg_cli.register(sub)
     serve_cli.add_parser(sub)
     streams_cli.add_parser(sub)
+    router_scale_cli.add_parser(sub)
     chaos_cli.add_parser(sub)
     priority_cli.add_parser(sub)
     speculative_cli.add_parser(sub)

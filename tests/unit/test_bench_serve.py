@@ -118,3 +118,53 @@ def test_streams_table_says_what_the_router_added():
     )
     assert "router policy (default)" in table
     assert "TTFT p50 +3.0 ms, p99 +9.0 ms; ITL p50 +1.0 ms, p99 +2.0 ms" in table
+
+
+def test_router_scale_table_medians_and_ratio_to_one_process():
+    import argparse
+
+    from benchmarks.serve.router_scale import format_table
+
+    def row(n, rnd, rps, cores, completed=1000):
+        return {
+            "processes": n, "round": rnd, "steady_requests_per_s": rps, "completed": completed,
+            "failed": 0, "ttft_p50_ms": 5.0, "ttft_p99_ms": 20.0,
+            "router_cpu_s": sum(cores) * 10, "router_cores": cores,
+            "workers_cores": 0.3, "load_cores": 0.4,
+        }  # fmt: skip
+
+    a = argparse.Namespace(
+        concurrency=256, duration_s=20.0, workers=4, sim_speedup=100.0, prompt_tokens=512,
+        max_tokens=4, policy="", rounds=2,
+    )  # fmt: skip
+    rows = [
+        row(1, 0, 300, [0.9]), row(2, 0, 500, [0.8, 0.7]),
+        row(1, 1, 320, [0.95]), row(2, 1, 540, [0.8, 0.8]),
+    ]  # fmt: skip
+    table = format_table(rows, a)
+    # medians: 310 and 520 req/s; router CPU per request: 9.25 and 15.5 ms (cores x 10 s / 1000)
+    assert "| 1 | 310 | 1.00x | 5.0 / 20.0 | 0 | 9.25 | 0.93 = 0.93 | 0.30 | 0.40 |" in table
+    assert "| 2 | 520 | 1.68x | 5.0 / 20.0 | 0 | 15.50 | 0.80 + 0.75 = 1.55 | 0.30 | 0.40 |" in table
+
+
+def test_process_tree_finds_children():
+    import subprocess
+    import sys
+
+    from benchmarks.serve.router_scale import process_tree
+
+    parent = subprocess.Popen(
+        [sys.executable, "-c", "import subprocess,sys,time; "
+         "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)']); "
+         "print(c.pid, flush=True); time.sleep(30)"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert parent.stdout is not None
+        child = int(parent.stdout.readline())
+        assert set(process_tree(parent.pid)) == {parent.pid, child}
+    finally:
+        for pid in process_tree(parent.pid):
+            subprocess.run(["kill", str(pid)], check=False)
+        parent.wait()
+        parent.stdout.close()
