@@ -119,6 +119,11 @@ def cmd_router_scale(a: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     for rnd in range(a.rounds):
         for n in counts:
+            sim = (
+                "--engine", "simulated",
+                "--sim-speedup", str(a.sim_speedup),
+                "--sim-max-running", str(a.concurrency),
+            )  # fmt: skip
             spec = MeshSpec(
                 model_path=Path("(simulated)"),
                 served_model_name="sim",
@@ -128,11 +133,7 @@ def cmd_router_scale(a: argparse.Namespace) -> int:
                 bind_cpus=False,  # simulated workers compute nothing
                 router_processes=n,
                 router_policy=a.policy,
-                worker_args=(
-                    "--engine", "simulated",
-                    "--sim-speedup", str(a.sim_speedup),
-                    "--sim-max-running", str(a.concurrency),
-                ),  # fmt: skip
+                worker_args=sim,
                 log_dir=out_dir / f"mesh-{n}-{rnd}",
             )
             with Mesh(spec) as mesh:

@@ -22,6 +22,8 @@ import sys
 import threading
 from collections.abc import Sequence
 
+from kvmesh.lifetime import terminate_with_parent
+
 log = logging.getLogger(__name__)
 
 READY_LINE = "KVMESH_ROUTER_READY"
@@ -79,6 +81,8 @@ def run_processes(
             ],
             stdout=subprocess.PIPE,
             text=True,
+            # A supervisor killed with SIGKILL leaves no orphan routers holding the ports.
+            preexec_fn=terminate_with_parent(),  # the main thread: it lives as long as we do
         )
         for i in range(processes)
     ]

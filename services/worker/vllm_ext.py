@@ -7,7 +7,6 @@ process doing the attention math goes through this worker extension and
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
@@ -48,15 +47,10 @@ class KvmeshWorkerExtension:
         and since vLLM's rank engine cores, children of the worker, outlive a SIGKILLed worker
         (seen on vLLM 0.32), ``worker_pid`` (the worker) is watched from here too: when it
         goes, this process kills its parent, the rank's engine core, and the kernel it."""
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            pr_set_pdeathsig = 1
-            if libc.prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0) != 0:
-                return False
-        except (OSError, AttributeError):
+        from kvmesh.lifetime import signal_on_parent_death
+
+        if not signal_on_parent_death(signal.SIGKILL, parent_pid):
             return False
-        if parent_pid and os.getppid() != parent_pid:  # the parent died before we asked
-            os.kill(os.getpid(), signal.SIGKILL)
         if worker_pid and worker_pid != os.getppid():
             return _kill_parent_when_gone(worker_pid)
         return True

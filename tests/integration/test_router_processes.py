@@ -6,6 +6,7 @@ each registers itself, every request is answered, SIGTERM stops them all."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import os
 import signal
@@ -107,3 +108,52 @@ async def test_two_router_processes_share_the_ports(etcd, etcd_client):
         for w in workers:
             await w.stop()
     assert code == 0
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie waiting for its new parent to reap it."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _children(pid: int) -> list[int]:
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        out += [int(c) for c in (task / "children").read_text().split()]
+    return out
+
+
+async def test_router_processes_stop_when_the_supervisor_is_killed(etcd, etcd_client):
+    # A supervisor killed with SIGKILL cannot pass a stop on: its routers must not live on as
+    # orphans holding the port and their etcd records.
+    cluster = f"orphans{os.getpid()}"
+    argv = [
+        "-m", "services.router.main",
+        "--processes", "2", "--cluster", cluster, "--etcd", ",".join(etcd.endpoints),
+        "--http-port", "-1", "--drain-grace-s", "1",
+    ]  # fmt: skip
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, *argv, stdout=asyncio.subprocess.PIPE, cwd=REPO
+    )
+    assert proc.stdout is not None
+    line = (await asyncio.wait_for(proc.stdout.readline(), 90)).decode()
+    assert line.startswith("KVMESH_ROUTER_READY"), line
+    children = _children(proc.pid)
+    assert len(children) == 2
+    proc.kill()
+    await proc.wait()
+    try:
+        for _ in range(200):  # each drains (1 s) and leaves etcd
+            alive = [c for c in children if _running(c)]
+            if not alive:
+                break
+            await asyncio.sleep(0.1)
+        assert not alive, f"router processes {alive} outlived their supervisor"
+    finally:
+        for c in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(c, signal.SIGKILL)
+    listed = await etcd_client.get_prefix(routers_prefix(cluster).encode())
+    assert not list(listed)  # they stopped as on any stop: records gone with their leases

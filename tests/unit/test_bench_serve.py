@@ -144,7 +144,9 @@ def test_router_scale_table_medians_and_ratio_to_one_process():
     table = format_table(rows, a)
     # medians: 310 and 520 req/s; router CPU per request: 9.25 and 15.5 ms (cores x 10 s / 1000)
     assert "| 1 | 310 | 1.00x | 5.0 / 20.0 | 0 | 9.25 | 0.93 = 0.93 | 0.30 | 0.40 |" in table
-    assert "| 2 | 520 | 1.68x | 5.0 / 20.0 | 0 | 15.50 | 0.80 + 0.75 = 1.55 | 0.30 | 0.40 |" in table
+    assert (
+        "| 2 | 520 | 1.68x | 5.0 / 20.0 | 0 | 15.50 | 0.80 + 0.75 = 1.55 | 0.30 | 0.40 |" in table
+    )
 
 
 def test_process_tree_finds_children():
