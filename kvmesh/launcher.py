@@ -26,6 +26,7 @@ from typing import Any
 
 from kvmesh.cpus import available_cpus, format_cpu_list, plan_cpus
 from kvmesh.etcd_server import LocalEtcd
+from kvmesh.lifetime import PARENT_PID_ENV
 from kvmesh.tls import Tls, TlsConfig
 
 log = logging.getLogger(__name__)
@@ -441,7 +442,8 @@ class Mesh:
     ) -> tuple[subprocess.Popen[str], Any]:
         """A child running ``python -m module args``: stdout piped (its ready lines), stderr
         to ``log_path``; returns it and the open log file (the pump closes it)."""
-        env = {**os.environ, **child_env(), **self.spec.env}
+        # Services stop when this process exits, even killed with SIGKILL (kvmesh/lifetime.py).
+        env = {**os.environ, **child_env(), PARENT_PID_ENV: str(os.getpid()), **self.spec.env}
         logf = open(log_path, "a", buffering=1)  # noqa: SIM115 - the child's stderr, open while it runs
         netns = ["ip", "netns", "exec", self.spec.netns] if self.spec.netns else []
         proc = subprocess.Popen(

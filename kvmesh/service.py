@@ -56,6 +56,7 @@ from kvmesh.discovery.hosts import advertised_host
 from kvmesh.discovery.security import EtcdCredentials
 from kvmesh.errors import KvmeshError
 from kvmesh.grpc_errors import ErrorStatus
+from kvmesh.lifetime import stop_with_parent
 from kvmesh.metrics import MetricsServer, serve_metrics
 from kvmesh.profiling import profiled
 from kvmesh.telemetry import server_interceptors
@@ -321,11 +322,15 @@ async def _cancel(task: asyncio.Task[None]) -> None:
 
 # ---- process entry points ------------------------------------------------------------------
 def signal_event() -> asyncio.Event:
-    """An event set by the first SIGTERM or SIGINT from now on (instead of the default exit)."""
+    """An event set by the first SIGTERM or SIGINT from now on (instead of the default exit).
+    In a service's own process started by a launcher (``KVMESH_PARENT_PID``), also set when the
+    launcher exits: a ``kvmesh up`` killed with SIGKILL leaves no orphan services."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if _owns_process:
+        stop_with_parent()
     return stop
 
 

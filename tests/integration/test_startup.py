@@ -37,6 +37,7 @@ from kvmesh.discovery.keys import (
     worker_key,
 )
 from kvmesh.kv.hashing import HashConfig, block_hashes
+from kvmesh.lifetime import PARENT_PID_ENV
 from services.router.config import RouterConfig
 from services.router.main import start_router
 from services.worker.config import WorkerConfig
@@ -108,11 +109,18 @@ async def spawn(tmp_path: Path) -> AsyncIterator:
     """Starts a service process (stderr to a file); kills what a test left running."""
     procs: list[asyncio.subprocess.Process] = []
 
-    async def start(argv: list[str]) -> tuple[asyncio.subprocess.Process, Path]:
+    async def start(
+        argv: list[str], env: dict[str, str] | None = None
+    ) -> tuple[asyncio.subprocess.Process, Path]:
         err = tmp_path / f"stderr-{len(procs)}.log"
         with err.open("wb") as f:
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, *argv, cwd=REPO, stdout=asyncio.subprocess.PIPE, stderr=f
+                sys.executable,
+                *argv,
+                cwd=REPO,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=f,
+                env={**os.environ, **(env or {})},
             )
         procs.append(proc)
         return proc, err
@@ -188,6 +196,34 @@ async def test_sigterm_while_waiting_for_etcd_exits_cleanly(spawn, service):
     stderr = err.read_text()
     clean(stderr)
     assert "stopped before it" in stderr
+
+
+@pytest.mark.parametrize("service", ["router", "worker", "kvmanager"])
+async def test_a_service_stops_when_its_launcher_is_killed(etcd, spawn, service):
+    # kvmesh up (kvmesh/launcher.py) names itself in KVMESH_PARENT_PID: killed with SIGKILL, it
+    # cannot stop its children, which then stop themselves as on SIGTERM (kvmesh/lifetime.py).
+    launcher = await asyncio.create_subprocess_exec("sleep", "120")
+    cluster = f"orphan{service}{os.getpid()}"
+    proc, err = await spawn(
+        service_argv(service, cluster, etcd.endpoints[0], free_port()),
+        env={PARENT_PID_ENV: str(launcher.pid)},
+    )
+    assert proc.stdout is not None
+    ready = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
+    assert ready.startswith("KVMESH_"), ready
+    launcher.kill()
+    await launcher.wait()
+    assert await asyncio.wait_for(proc.wait(), 30) == 0  # drained and left, as on SIGTERM
+    stderr = err.read_text()
+    clean(stderr)
+    assert f"launcher process {launcher.pid} is gone; stopping" in stderr
+    import aetcd
+
+    client = aetcd.Client(host=etcd.host, port=etcd.client_port, timeout=5)
+    try:
+        assert await client.get(record_key(service, cluster)) is None
+    finally:
+        await client.close()
 
 
 # ---- router readiness: the KV index first ---------------------------------------------------
