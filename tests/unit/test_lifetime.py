@@ -13,4 +13,3 @@ def test_no_launcher_named_no_watch():
     assert stop_with_parent({PARENT_PID_ENV: ""}) is False
     assert stop_with_parent({PARENT_PID_ENV: "not-a-pid"}) is False
     assert stop_with_parent({PARENT_PID_ENV: str(os.getpid())}) is False  # itself
-
