@@ -15,6 +15,8 @@ goes on to the next; ``--rounds R`` repeats the whole alternation and reports me
   worker in the router's process, ``--colocate auto``);
 - ``kvmesh-1-split``: the same with the router and the worker in processes of their own
   (``--colocate off``);
+- ``kvmesh-1-unbound``: ``kvmesh-1`` with ``--no-cpu-binding`` (the engine's threads on every
+  core, as ``vllm serve`` runs them, instead of a core of its own);
 - ``kvmesh-n``: ``--workers N`` with the router's default profile;
 - ``kvmesh-n-rr``: the same with ``--policy round-robin`` (a Kubernetes Service).
 
@@ -39,7 +41,7 @@ from kvmesh.units import parse_bytes
 from .run import Load, run_load
 from .targets import EngineSettings, TargetSpec, start_kvmesh, start_vllm
 
-TARGETS = ("vllm", "kvmesh-1", "kvmesh-1-split", "kvmesh-n", "kvmesh-n-rr")
+TARGETS = ("vllm", "kvmesh-1", "kvmesh-1-split", "kvmesh-1-unbound", "kvmesh-n", "kvmesh-n-rr")
 ROLES = ("router", "worker", "engine", "kvmanager", "vllm-api", "node")
 
 
@@ -51,6 +53,14 @@ def target_specs(names: list[str], workers: int, kvmanager_cpu_bytes: int) -> li
         ),
         "kvmesh-1-split": TargetSpec(
             "kvmesh-1-split", "kvmesh", 1, kvmanager_cpu_bytes=kvmanager_cpu_bytes
+        ),
+        "kvmesh-1-unbound": TargetSpec(
+            "kvmesh-1-unbound",
+            "kvmesh",
+            1,
+            kvmanager_cpu_bytes=kvmanager_cpu_bytes,
+            colocate=True,
+            bind_cpus=False,
         ),
         "kvmesh-n": TargetSpec(
             f"kvmesh-{workers}", "kvmesh", workers, kvmanager_cpu_bytes=kvmanager_cpu_bytes

@@ -42,6 +42,7 @@ class TargetSpec:
     policy: str = ""  # kvmesh: the router's --policy; empty: the default profile
     kvmanager_cpu_bytes: int = 1 << 30  # kvmesh: the node kvmanager (0: none), as kvmesh up
     colocate: bool = False  # kvmesh: the first worker in the router's process (kvmesh node)
+    bind_cpus: bool = True  # kvmesh: engines on cores of their own (kvmesh up --no-cpu-binding)
 
 
 @dataclass
@@ -168,6 +169,7 @@ def start_kvmesh(
             kvmanager_cpu_bytes=spec.kvmanager_cpu_bytes,
             router_policy=spec.policy,
             colocate=spec.colocate,
+            bind_cpus=spec.bind_cpus,
             worker_args=(
                 "--seed",
                 str(engine.seed),
