@@ -34,11 +34,14 @@ def test_meter(samples, want):
 
 def test_a_slow_call_is_a_sample_on_its_own():
     """Under min_sample_tokens but past min_sample_s: a slow link says so in one call."""
-    m = TransferMeter(min_sample_tokens=4096, min_sample_s=0.25)
+    m = TransferMeter(min_sample_tokens=4096, half_life_samples=1.0, min_sample_s=0.25)
     m.add(L1, Transfer.PEER, 640, 0.01)  # fast and small: waits
     assert m.s_per_token(L1, Transfer.PEER) == 0.0
-    m.add(L1, Transfer.PEER, 224, 1.8)  # joins the pending one, and took long enough
-    assert m.s_per_token(L1, Transfer.PEER) == pytest.approx(1.81 / 864)
+    m.add(L1, Transfer.PEER, 224, 1.8)  # took long enough: a sample, not mixed with the quick
+    assert m.s_per_token(L1, Transfer.PEER) == pytest.approx(1.8 / 224)
+    m.add(L1, Transfer.PEER, 640, 0.1)  # the quick ones go on adding up: 1280 tokens in 0.11 s
+    m.add(L1, Transfer.PEER, 2816, 0.01)  # ... 4096 tokens in 0.12 s: a sample
+    assert m.s_per_token(L1, Transfer.PEER) == pytest.approx((1.8 / 224 + 0.12 / 4096) / 2)
 
 
 def test_peer_fetches_are_measured_per_link():

@@ -9,7 +9,8 @@ with the speed of that link (``peer_snapshot``).
 
 Each sample is (tokens, seconds) of one call, tokens = blocks x the layout's block size; a sample
 under ``min_sample_tokens`` waits, added to the next ones (tiny calls are mostly latency),
-unless it already took ``min_sample_s`` (a slow link says so in one call), and samples enter an
+while a call that took ``min_sample_s`` or more is a sample on its own (a slow link says so in
+one call, undiluted by the quick calls pending), and samples enter an
 exponential moving average of seconds per token with a half-life counted in samples.
 ``snapshot()`` is what the kvmanager publishes on its etcd record
 (``KvManagerRecord.transfer_s_per_token``: layout key -> kind -> seconds per token), and
@@ -43,7 +44,7 @@ class TransferMeter:
         self,
         min_sample_tokens: int = 4096,
         half_life_samples: float = 8.0,
-        min_sample_s: float = 0.25,
+        min_sample_s: float = 0.1,
     ) -> None:
         if min_sample_tokens < 1 or half_life_samples <= 0 or not min_sample_s > 0:
             raise ValueError(
@@ -70,12 +71,15 @@ class TransferMeter:
         r = self._rates.get(key)
         if r is None:
             r = self._rates[key] = _Rate()
-        r.tokens += tokens
-        r.seconds += seconds
-        if r.tokens < self._min and r.seconds < self._min_s:
-            return
-        sample = r.seconds / r.tokens
-        r.tokens, r.seconds = 0, 0.0
+        if seconds >= self._min_s:  # a slow call: a sample on its own, not diluted by quick ones
+            sample = seconds / tokens
+        else:
+            r.tokens += tokens
+            r.seconds += seconds
+            if r.tokens < self._min and r.seconds < self._min_s:
+                return
+            sample = r.seconds / r.tokens
+            r.tokens, r.seconds = 0, 0.0
         r.s_per_token = (
             sample if not r.s_per_token else r.s_per_token + self._alpha * (sample - r.s_per_token)
         )
