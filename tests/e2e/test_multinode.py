@@ -21,6 +21,7 @@ where namespaces cannot be made (not root, no ``ip``).
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 import re
 import time
@@ -297,8 +298,24 @@ async def test_node_namespace_torn_down_under_load(nodes: NodesMesh):
             )
             for i, p in enumerate(prompts)
         ]
-        tasks = [asyncio.create_task(client.complete(r, timeout_s=120)) for r in reqs]
-        await asyncio.sleep(0.8)  # streams running on both nodes
+        started: set[int] = set()
+        all_started = asyncio.Event()
+
+        def on_chunk(i: int, chunk: object) -> None:
+            if getattr(chunk, "token_ids", None):
+                started.add(i)
+                if len(started) == len(reqs):
+                    all_started.set()
+
+        tasks = [
+            asyncio.create_task(
+                client.complete(r, timeout_s=120, on_chunk=functools.partial(on_chunk, i))
+            )
+            for i, r in enumerate(reqs)
+        ]
+        # Every stream mid-stream (three engines on two cores: a first token can take a second
+        # or more), then node 1 goes: the streams there must resume elsewhere.
+        await asyncio.wait_for(all_started.wait(), 60)
         await asyncio.to_thread(nodes.kill_node, 1)
         done = await asyncio.gather(*tasks)
         survivors = {w.name for i in (0, 2) for w in nodes.nodes[i].workers}
