@@ -8,7 +8,8 @@ tests/e2e/test_multinode.py, ``benchmarks/kv_peer_fetch_bench.py --netns``).
 
 Between nodes the bytes cross two veth pairs and the bridge: real TCP through the kernel's
 stack, with the link's queueing discipline (a ``tc`` qdisc on a node's link, ``NetnsLab.shape``,
-shapes what that node sends and receives). Nothing leaves the machine: the bridge has no uplink
+shapes what that node sends and receives; ``NetnsLab.shape_pair`` only what two nodes send each
+other). Nothing leaves the machine: the bridge has no uplink
 and no route outside 10.77.S.0/24 is added.
 
 Names carry the owning process id (``kvmn<pid>``), so runs side by side do not collide and a
@@ -219,6 +220,27 @@ class NetnsLab:
         "latency", "1s")`` for a slow link where it has ``sch_tbf`` only."""
         for dev, ns in ((node.host_link, ()), ("eth0", ("ip", "netns", "exec", node.name))):
             _run(*ns, "tc", "qdisc", "replace", "dev", dev, "root", *qdisc)
+
+    def shape_pair(self, a: Node, b: Node, rate: str, burst: str = "16kb") -> None:
+        """Slows only the link between nodes ``a`` and ``b`` (both ways) to ``rate`` (``tc``
+        units: ``512kbit``), leaving each one's traffic with every other node and the root
+        namespace as it was: on each one's eth0 an ``htb`` whose default class is unlimited, and
+        a class of ``rate`` that a ``u32`` filter gives the packets to the other's address.
+        (This kernel has no ``prio`` or ``netem``; ``htb``, ``tbf`` and ``u32`` are built in.)
+        ``unshape`` of both nodes removes it."""
+        for src, dst in ((a, b), (b, a)):
+            ns = ("ip", "netns", "exec", src.name, "tc")
+            dev = ("dev", "eth0")
+            have = _run(*ns, "qdisc", "show", *dev).stdout
+            if "htb 1:" not in have:
+                _run(*ns, "qdisc", "replace", *dev, "root", "handle", "1:", "htb", "default", "1")
+                _run(*ns, "class", "add", *dev, "parent", "1:", "classid", "1:1", "htb",
+                     "rate", "10gbit")  # fmt: skip
+            cls = f"1:{100 + self.nodes.index(dst):x}"
+            _run(*ns, "class", "replace", *dev, "parent", "1:", "classid", cls, "htb",
+                 "rate", rate, "burst", burst)  # fmt: skip
+            _run(*ns, "filter", "add", *dev, "parent", "1:", "protocol", "ip", "prio", "1",
+                 "u32", "match", "ip", "dst", f"{dst.address}/32", "flowid", cls)  # fmt: skip
 
     def unshape(self, node: Node) -> None:
         for dev, ns in ((node.host_link, ()), ("eth0", ("ip", "netns", "exec", node.name))):

@@ -200,6 +200,9 @@ class KvManagerRecord:
     # tier to a worker; peer: another kvmanager to this one) -> s/token. Only what it measured
     # (services/kvmanager/core/rates.py); routers use their configured rates for the rest.
     transfer_s_per_token: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
+    # Its measured speed of fetches from each peer, seconds per token: peer kvmanager id ->
+    # layout key -> s/token (one link each: a slow one is priced as slow). Only what it measured.
+    peer_s_per_token: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -209,13 +212,15 @@ class KvManagerRecord:
         data = json.loads(raw)
         known = {f for f in cls.__slots__}  # type: ignore[attr-defined]
         data = {k: v for k, v in data.items() if k in known}
-        if "transfer_s_per_token" in data:
-            data["transfer_s_per_token"] = _rates(data["transfer_s_per_token"])
+        for rates in ("transfer_s_per_token", "peer_s_per_token"):
+            if rates in data:
+                data[rates] = _rates(data[rates])
         return cls(**data)
 
 
 def _rates(raw: object) -> dict[str, dict[str, float]]:
-    """The well-formed part of a record's transfer rates: positive finite numbers only."""
+    """The well-formed part of a record's transfer rates (two levels of names over seconds per
+    token): positive finite numbers only."""
     out: dict[str, dict[str, float]] = {}
     if not isinstance(raw, dict):
         return out

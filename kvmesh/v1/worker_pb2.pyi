@@ -38,14 +38,16 @@ class WorkerGenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv_source: _Optional[_Union[KvSource, _Mapping]] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[int] = ..., data_parallel_rank: _Optional[int] = ...) -> None: ...
 
 class KvSource(_message.Message):
-    __slots__ = ("kvmanager_id", "blocks", "handoff_wait_s")
+    __slots__ = ("kvmanager_id", "blocks", "handoff_wait_s", "max_fetch_s")
     KVMANAGER_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    MAX_FETCH_S_FIELD_NUMBER: _ClassVar[int]
     kvmanager_id: str
     blocks: int
     handoff_wait_s: float
-    def __init__(self, kvmanager_id: _Optional[str] = ..., blocks: _Optional[int] = ..., handoff_wait_s: _Optional[float] = ...) -> None: ...
+    max_fetch_s: float
+    def __init__(self, kvmanager_id: _Optional[str] = ..., blocks: _Optional[int] = ..., handoff_wait_s: _Optional[float] = ..., max_fetch_s: _Optional[float] = ...) -> None: ...
 
 class WorkerGenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "finished", "logprobs", "prompt_logprobs")

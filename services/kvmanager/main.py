@@ -196,7 +196,7 @@ async def start_kvmanager(
             if (etcd := host.etcd_state()) is not None:  # none without etcd
                 metrics.etcd.refresh(*etcd)
             if publisher is not None:
-                publisher.refresh(servicer.rates.snapshot())
+                publisher.refresh(servicer.rates.snapshot(), servicer.rates.peer_snapshot())
 
         host.refresh_every(config.metrics_refresh_s, refresh)
     log.info(
@@ -230,8 +230,9 @@ async def start_kvmanager(
 
 
 class _RatesPublisher:
-    """Puts the measured transfer rates on the kvmanager's etcd record when they moved
-    (``rates.moved``), one update at a time, so routers price fetches with them."""
+    """Puts the measured transfer rates (per tier, and per peer link) on the kvmanager's etcd
+    record when they moved (``rates.moved``), one update at a time, so routers price fetches
+    with them."""
 
     def __init__(self, host: ServiceHost, record: KvManagerRecord) -> None:
         self._host = host
@@ -239,13 +240,19 @@ class _RatesPublisher:
         self._task: asyncio.Task[None] | None = None
         host.callback(self._cancel)
 
-    def refresh(self, rates: dict[str, dict[str, float]]) -> None:
+    def refresh(
+        self, rates: dict[str, dict[str, float]], peer_rates: dict[str, dict[str, float]]
+    ) -> None:
+        """``rates``: layout -> kind -> s/token; ``peer_rates``: peer -> layout -> s/token."""
         registrar = self._host.registrar
         if registrar is None or (self._task is not None and not self._task.done()):
             return
-        if not moved(self._record.transfer_s_per_token, rates):
+        rec = self._record
+        if not moved(rec.transfer_s_per_token, rates) and not moved(
+            rec.peer_s_per_token, peer_rates
+        ):
             return
-        self._record = replace(self._record, transfer_s_per_token=rates)
+        self._record = replace(rec, transfer_s_per_token=rates, peer_s_per_token=peer_rates)
         self._task = asyncio.get_running_loop().create_task(
             self._put(registrar.update, self._record.to_json()), name="publish-rates"
         )

@@ -345,6 +345,8 @@ class KvManagerServicer(kvmanager_pb2_grpc.KvManagerServicer):
         self, request: kvmanager_pb2.FetchFromPeerRequest, context: grpc.aio.ServicerContext
     ) -> kvmanager_pb2.FetchFromPeerResponse:
         progress = FetchProgress()
+        layout: KvLayout | None = None
+        source = request.peer_kvmanager_id or request.peer_address
         try:
             self._check_serving()
             layout = layout_from_pb(request.layout)
@@ -359,11 +361,16 @@ class KvManagerServicer(kvmanager_pb2_grpc.KvManagerServicer):
         except Exception as exc:  # sent with its status by the host's error interceptor
             log.info("FetchFromPeer ended after %d blocks: %s", progress.fetched, exc)
             context.set_trailing_metadata(((FETCHED_KEY, str(progress.fetched)),))
+            if layout is not None:
+                # What arrived says how fast the link is; a fetch that ran out of time with
+                # nothing stored says at least that one block takes longer than that.
+                blocks = progress.fetched
+                if not blocks and isinstance(exc, errors.DeadlineExceeded):
+                    blocks = 1
+                self._measure_peer(layout, source, blocks, progress.seconds)
             raise
         context.set_trailing_metadata(((FETCHED_KEY, str(progress.fetched)),))
-        self.rates.add(
-            layout.key, Transfer.PEER, progress.fetched * layout.block_size, progress.seconds
-        )
+        self._measure_peer(layout, source, progress.fetched, progress.seconds)
         return kvmanager_pb2.FetchFromPeerResponse(
             fetched=progress.fetched,
             already_held=progress.already_held,
@@ -372,6 +379,10 @@ class KvManagerServicer(kvmanager_pb2_grpc.KvManagerServicer):
             peer_missing=progress.peer_missing,
             prefix_blocks=progress.prefix_blocks,
         )
+
+    def _measure_peer(self, layout: KvLayout, source: str, blocks: int, seconds: float) -> None:
+        """One fetch's speed, for the kvmanager's own rate and that of the link to ``source``."""
+        self.rates.add(layout.key, Transfer.PEER, blocks * layout.block_size, seconds, source)
 
 
 class _Sent:

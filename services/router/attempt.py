@@ -240,7 +240,7 @@ class AttemptRunner:
             explanation.cached_blocks if explanation is not None else -1,
             len(route.block_hashes),
             explanation.cached_gpu_blocks if explanation is not None else -1,
-            f" peer={peer.kvmanager_id} peer_blocks={peer.blocks}" if peer else "",
+            _peer_text(peer, decision.peer_skipped),
         )
         self.metrics.routed(
             route.model,
@@ -250,6 +250,8 @@ class AttemptRunner:
         if peer is not None:
             self.metrics.peer_hints.labels(route.model).inc()
             self.metrics.peer_hint_blocks.labels(route.model).inc(peer.gain_blocks)
+        if decision.peer_skipped is not None:
+            self.metrics.peer_hints_skipped.labels(route.model).inc()
 
     def _call_worker(
         self,
@@ -269,7 +271,25 @@ class AttemptRunner:
 def kv_source_pb(peer: PeerHint | None) -> worker_pb2.KvSource | None:
     if peer is None:
         return None
-    return worker_pb2.KvSource(kvmanager_id=peer.kvmanager_id, blocks=peer.blocks)
+    return worker_pb2.KvSource(
+        kvmanager_id=peer.kvmanager_id, blocks=peer.blocks, max_fetch_s=peer.max_fetch_s
+    )
+
+
+def _peer_text(peer: PeerHint | None, skipped: PeerHint | None) -> str:
+    """The routing log line's peer part: the peer named (and its price, when priced), and one
+    left out as slower than recomputing."""
+    out = ""
+    if peer is not None:
+        out = f" peer={peer.kvmanager_id} peer_blocks={peer.blocks}"
+        if peer.max_fetch_s:
+            out += (
+                f" fetch_s={peer.fetch_s:.3f} recompute_s={peer.recompute_s:.3f}"
+                f" max_fetch_s={peer.max_fetch_s:.3f}{' probe' if peer.probe else ''}"
+            )
+    if skipped is not None:
+        out += f" {skipped.skipped_text()}"
+    return out
 
 
 def trace_first_token(ttft_s: float) -> None:

@@ -3,6 +3,7 @@ defaults < config file < environment ``KVMESH_ROUTER_*`` < flags, loaded in main
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,6 +64,22 @@ class RouterConfig:
     )
     peer_hint_min_blocks: int = setting(
         4, "name a peer kvmanager only when it holds at least this many more prompt blocks"
+    )
+    peer_hint_cost: bool = setting(
+        True,
+        "price a peer hint: fetching over that link's measured speed against recomputing at the"
+        " worker's measured prefill speed; a slower peer is not named (core/peer_cost.py);"
+        " off: name the longest on blocks gained alone",
+    )
+    peer_hint_probe_s: float = setting(
+        30.0,
+        "name a peer skipped as slow at most this often anyway, to measure its link again,"
+        " seconds; 0: never",
+    )
+    peer_fetch_budget_floor_s: float = setting(
+        0.25,
+        "a priced hint tells the worker to stop its fetch once it took as long as recomputing"
+        " the blocks would, but never sooner than this, seconds",
     )
     disagg: DisaggConfig = setting(
         factory=DisaggConfig,
@@ -203,6 +220,12 @@ class RouterConfig:
             raise InvalidArgument(
                 f"--peer-hint-min-blocks is {self.peer_hint_min_blocks}; use 1 or more"
             )
+        for flag, v in (
+            ("--peer-hint-probe-s", self.peer_hint_probe_s),
+            ("--peer-fetch-budget-floor-s", self.peer_fetch_budget_floor_s),
+        ):
+            if not (v >= 0 and math.isfinite(v)):
+                raise InvalidArgument(f"{flag} is {v}; use seconds >= 0")
         if not self.first_token_timeout_s > 0:
             raise InvalidArgument(
                 f"--first-token-timeout-s is {self.first_token_timeout_s}; use > 0 seconds"

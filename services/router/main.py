@@ -41,6 +41,7 @@ from .core.disagg import DisaggHandler
 from .core.index import KvIndex
 from .core.index_types import IndexConfig
 from .core.node_stores import TierStream
+from .core.peer_cost import PeerCost, PeerCostConfig
 from .core.peers import PeerHintConfig, PeerHints
 from .core.routing import make_policy
 from .core.workers import Change, WorkerSet
@@ -124,7 +125,21 @@ async def start_router(
     tier_sync = TierSync(config.cluster, index, lambda: (v.record for v in workers.all()), tls=tls)
     policy = make_policy(config.policy, index=index, transfer_rates=tier_sync.kvmanagers)
     metrics = RouterMetrics()
-    peers = PeerHints(index, PeerHintConfig(config.peer_hints, config.peer_hint_min_blocks))
+    peer_cost = PeerCost(
+        tier_sync.kvmanagers,
+        lambda wid: v.load if (v := workers.get(WorkerId(wid))) is not None else None,
+        PeerCostConfig(
+            enabled=config.peer_hint_cost,
+            probe_interval_s=config.peer_hint_probe_s,
+            budget_floor_s=config.peer_fetch_budget_floor_s,
+        ),
+    )
+    peers = PeerHints(
+        index,
+        PeerHintConfig(config.peer_hints, config.peer_hint_min_blocks),
+        peer_cost,
+        lambda wid: v.record.block_size if (v := workers.get(wid)) is not None else 0,
+    )
     disagg = DisaggHandler(
         config.disagg, policy, can_hand_off=lambda wid: index.linked(wid) is not None
     )

@@ -237,6 +237,14 @@ class RouterMetrics:
             ["model"],
             registry=r,
         )
+        self.peer_hints_skipped = Counter(
+            "kvmesh_router_peer_hints_skipped",
+            "Requests whose worker was not told of another node's kvmanager holding more of the "
+            "prompt because fetching from it, at its link's measured speed, is slower than "
+            "recomputing (or than a faster peer).",
+            ["model"],
+            registry=r,
+        )
         self.peer_hint_blocks = Counter(
             "kvmesh_router_peer_hint_blocks",
             "Prompt blocks the hinted peers held beyond what the chosen workers held.",

@@ -252,11 +252,13 @@ class Proxy:
         if self._peers is None or not route.block_hashes:
             return decision
         try:
-            peer = self._peers.hint(route.block_hashes, decision.worker_id)
+            choice = self._peers.decide(route.block_hashes, decision.worker_id)
         except Exception:
             log.warning("peer hint for %s failed; sending none", route.request_id, exc_info=True)
             return decision
-        return decision if peer is None else replace(decision, peer=peer)
+        if choice.hint is None and choice.skipped is None:
+            return decision
+        return replace(decision, peer=choice.hint, peer_skipped=choice.skipped)
 
 
 def _final_after_lost_end(

@@ -33,6 +33,8 @@ class KvSource:
     kvmanager_id: str
     blocks: int  # contiguous prefix of the prompt, in full blocks
     handoff_wait_s: float = 0.0  # may wait this long for them to land there; 0: the default
+    # The router's estimate of recomputing what the fetch brings: wait no longer; 0: the default
+    max_fetch_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

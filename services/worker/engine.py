@@ -609,7 +609,9 @@ class VllmEngine:
         source = request.kv_source
         if source is not None:
             params.update(
-                PeerSource(source.kvmanager_id, source.blocks, source.handoff_wait_s).to_params()
+                PeerSource(
+                    source.kvmanager_id, source.blocks, source.handoff_wait_s, source.max_fetch_s
+                ).to_params()
             )
         headers: dict[str, str] = {}
         propagate.inject(headers)  # nothing when no span is recording (tracing off)

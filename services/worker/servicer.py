@@ -57,7 +57,7 @@ def request_from_pb(r: worker_pb2.WorkerGenerateRequest) -> GenerateRequest:
     source = None
     if r.HasField("kv_source"):
         k = r.kv_source
-        source = KvSource(k.kvmanager_id, k.blocks, k.handoff_wait_s)
+        source = KvSource(k.kvmanager_id, k.blocks, k.handoff_wait_s, k.max_fetch_s)
     return GenerateRequest(
         request_id=r.request_id,
         prompt_token_ids=tuple(r.prompt_token_ids),

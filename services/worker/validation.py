@@ -55,6 +55,11 @@ def check_kv_source(source: KvSource, prompt_tokens: int, block_size: int) -> No
             f"kv_source.handoff_wait_s is {source.handoff_wait_s}; use 0 (the worker's default)"
             f" to {MAX_HANDOFF_WAIT_S:g} seconds"
         )
+    if not 0 <= source.max_fetch_s <= MAX_HANDOFF_WAIT_S:  # also refuses NaN
+        raise InvalidArgument(
+            f"kv_source.max_fetch_s is {source.max_fetch_s}; use 0 (the worker's peer fetch"
+            f" timeout) to {MAX_HANDOFF_WAIT_S:g} seconds"
+        )
 
 
 def check_request_id(request_id: str) -> None:

@@ -356,7 +356,7 @@ async def test_peer_stalling_mid_stream_leaves_only_whole_verified_blocks(daemon
     stall = StallAfter(5)
     a, stub_a = await daemons("node-a", wrap_source=stall.wrap)
     stall_s = 0.5 if case == "stall" else 30.0
-    _, stub_b = await daemons("node-b", peer=PeerConfig(stall_timeout_s=stall_s))
+    b, stub_b = await daemons("node-b", peer=PeerConfig(stall_timeout_s=stall_s))
     hashes = list(range(100, 120))
     await put(stub_a, hashes)
     started = time.monotonic()
@@ -374,6 +374,12 @@ async def test_peer_stalling_mid_stream_leaves_only_whole_verified_blocks(daemon
     assert "after 5 of 20 blocks" in details, details
     assert fetched_trailer(err) == 5
     await holds_exactly(stub_b, hashes, 5)
+    # What arrived before it ended is the link's measured speed (one slow call is a sample):
+    # B's rate for fetches from A, as it will publish it for the routers (peer_s_per_token).
+    layout_key = layout_from_pb(LAYOUT).key
+    link = b.servicer.rates.peer_snapshot()[a.address][layout_key]
+    assert link == pytest.approx(elapsed / (5 * 32), rel=0.25), (link, elapsed)
+    assert b.servicer.rates.snapshot()[layout_key]["peer"] == link
     stall.go.set()
     assert a.data_plane is not None
     await eventually(lambda: a.store.usage(Tier.CPU).pinned == 0)  # A released what it pinned

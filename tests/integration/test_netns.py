@@ -63,6 +63,21 @@ def test_nodes_reach_each_other_and_a_shaped_link_is_slower():
     assert not (mine & ours()), "everything of the run is gone"
 
 
+def test_a_shaped_pair_slows_that_link_only():
+    """``shape_pair``: the link between nodes 0 and 1 is slow both ways; node 0 to node 2 and
+    the root namespace's traffic are not (htb with a u32 filter per destination)."""
+    with NetnsLab(3) as lab:
+        lab.shape_pair(lab.nodes[0], lab.nodes[1], "16mbit", "32kb")
+        slow = send(lab, 0, 1, 4 << 20)  # 4 MiB at 2 MB/s: about 2 s
+        slow_back = send(lab, 1, 0, 4 << 20)
+        other = send(lab, 0, 2, 4 << 20)
+        lab.unshape(lab.nodes[0])
+        lab.unshape(lab.nodes[1])
+        again = send(lab, 0, 1, 4 << 20)
+    assert slow > 1.5 and slow_back > 1.5, (slow, slow_back)
+    assert other < 1.0 and again < 1.0, (other, again)
+
+
 def test_sigterm_cleans_up_and_a_sigkilled_run_is_cleaned_by_the_next():
     script = textwrap.dedent(
         """

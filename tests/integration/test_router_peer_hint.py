@@ -24,6 +24,7 @@ from kvmesh.kv.hashing import HashConfig, block_hashes
 from kvmesh.v1 import kvmanager_pb2, kvmanager_pb2_grpc
 from services.kvmanager.config import KvManagerConfig
 from services.kvmanager.core.config import StoreConfig
+from services.kvmanager.core.rates import Transfer
 from services.kvmanager.main import RunningKvManager, start_kvmanager
 from services.kvmanager.servicer import layout_from_pb
 from services.router.config import RouterConfig
@@ -46,6 +47,8 @@ KEY = layout_from_pb(LAYOUT).key
 BLOCK_BYTES = layout_from_pb(LAYOUT).block_bytes
 PROMPT = list(range(1, 20 * BLOCK + 1))  # 20 full blocks
 HASHES = tuple(block_hashes(PROMPT, HashConfig(block_size=BLOCK)))
+PROMPT2 = [999 - t % 900 for t in range(20 * BLOCK)]  # another conversation: 20 blocks
+HASHES2 = tuple(block_hashes(PROMPT2, HashConfig(block_size=BLOCK)))
 B1 = WorkerId("b1")
 
 
@@ -71,7 +74,7 @@ class RecordingEngine(SimulatedEngine):
             yield delta
 
 
-async def put_blocks(kvm: RunningKvManager, n: int) -> None:
+async def put_blocks(kvm: RunningKvManager, n: int, hashes: tuple[int, ...] = HASHES) -> None:
     async with grpc.aio.insecure_channel(kvm.address) as channel:
         stub = kvmanager_pb2_grpc.KvManagerStub(channel)
 
@@ -79,7 +82,7 @@ async def put_blocks(kvm: RunningKvManager, n: int) -> None:
             yield kvmanager_pb2.PutBlocksRequest(
                 layout=LAYOUT,
                 blocks=[
-                    kvmanager_pb2.KvBlock(block_hash=h, data=bytes(BLOCK_BYTES)) for h in HASHES[:n]
+                    kvmanager_pb2.KvBlock(block_hash=h, data=bytes(BLOCK_BYTES)) for h in hashes[:n]
                 ],
             )
 
@@ -111,6 +114,7 @@ async def test_router_names_the_peer_kvmanager_holding_the_prefix(etcd, tmp_path
                 store=StoreConfig(cpu_bytes=64 * BLOCK_BYTES),
                 drain_grace_s=1.0,
                 metrics_port=-1,
+                metrics_refresh_s=0.1,  # publishes its measured rates this often
             )
         )
         for kid, node in (("kvm-a", "node-a"), ("kvm-b", "node-b"))
@@ -150,7 +154,9 @@ async def test_router_names_the_peer_kvmanager_holding_the_prefix(etcd, tmp_path
             await client.wait_for_models()
             done = await client.complete(make_request([*PROMPT, 7], max_tokens=2))
             assert done.usage is not None and done.usage.worker_id == B1
-            assert engine.seen[-1].kv_source == KvSource("kvm-a", 20)
+            # Priced: kvm-b never fetched from kvm-a (the link is unmeasured: tried), and the
+            # fetch may take as long as recomputing its 20 blocks, at least the 0.25 s floor.
+            assert engine.seen[-1].kv_source == KvSource("kvm-a", 20, 0.0, 0.25)
             assert router.metrics_server is not None
             url = router.metrics_server.url
             assert await asyncio.to_thread(counter, url, "kvmesh_router_peer_hints_total") == 1
@@ -163,6 +169,22 @@ async def test_router_names_the_peer_kvmanager_holding_the_prefix(etcd, tmp_path
             await client.complete(make_request([*PROMPT, 8], max_tokens=2))
             assert engine.seen[-1].kv_source is None
             assert await asyncio.to_thread(counter, url, "kvmesh_router_peer_hints_total") == 1
+
+            # kvm-b measures its link from kvm-a as slow (one fetch of 20 blocks in 5 s; how a
+            # fetch is measured: test_kvmanager_peer.py): it publishes it on its etcd record,
+            # the router reads it, and stops naming kvm-a to b1: recomputing is cheaper.
+            kvms[1].servicer.rates.add(KEY, Transfer.PEER, 20 * BLOCK, 5.0, source="kvm-a")
+            rates = router.tier_sync.kvmanagers
+            await eventually(lambda: rates.peer_s_per_token("kvm-b", "kvm-a", KEY) > 0, 15.0)
+            assert rates.peer_s_per_token("kvm-b", "kvm-a", KEY) == pytest.approx(5.0 / 640)
+            await put_blocks(kvms[0], 20, HASHES2)
+            await eventually(lambda: router.index.match_stores(HASHES2).get(peer) is not None)
+            await eventually(lambda: router.index.match_stores(HASHES2)[peer].blocks == 20)
+            await client.complete(make_request([*PROMPT2, 7], max_tokens=2))
+            assert engine.seen[-1].kv_source is None
+            assert await asyncio.to_thread(counter, url, "kvmesh_router_peer_hints_total") == 1
+            skipped = "kvmesh_router_peer_hints_skipped_total"
+            assert await asyncio.to_thread(counter, url, skipped) == 1
     finally:
         await router.stop()
         await worker.stop()

@@ -7,6 +7,7 @@ with a fake fetch and a fake clock)."""
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
 
 import pytest
@@ -40,6 +41,8 @@ def test_request_from_pb_carries_the_hint():
     assert request_from_pb(msg).kv_source == KvSource("kvm-a", 7)
     msg.kv_source.handoff_wait_s = 2.5
     assert request_from_pb(msg).kv_source == KvSource("kvm-a", 7, 2.5)
+    msg.kv_source.max_fetch_s = 0.4
+    assert request_from_pb(msg).kv_source == KvSource("kvm-a", 7, 2.5, 0.4)
     msg.ClearField("kv_source")
     assert request_from_pb(msg).kv_source is None
 
@@ -62,6 +65,9 @@ def req(source: KvSource | None, tokens: int = 100) -> GenerateRequest:
         pytest.param(KvSource("kvm-a", 3, -1.0), "handoff_wait_s is -1.0", id="negative-wait"),
         pytest.param(KvSource("kvm-a", 3, 601.0), "to 600 seconds", id="endless-wait"),
         pytest.param(KvSource("kvm-a", 3, float("nan")), "handoff_wait_s", id="nan-wait"),
+        pytest.param(KvSource("kvm-a", 3, 0.0, 0.3), None, id="fetch-budget"),
+        pytest.param(KvSource("kvm-a", 3, 0.0, -0.1), "max_fetch_s is -0.1", id="negative-budget"),
+        pytest.param(KvSource("kvm-a", 3, 0.0, float("nan")), "max_fetch_s", id="nan-budget"),
     ],
 )
 def test_kv_source_validation(source, error):
@@ -90,6 +96,16 @@ def test_kv_source_validation(source, error):
             {KV_SOURCE_PARAM: {"kvmanager_id": "k", "blocks": 3, "wait_s": "long"}},
             PeerSource("k", 3),
             id="bad-wait-is-the-default",
+        ),
+        pytest.param(
+            PeerSource("kvm-a", 10, 0.0, 0.3).to_params(),
+            PeerSource("kvm-a", 10, 0.0, 0.3),
+            id="budget",
+        ),
+        pytest.param(
+            {KV_SOURCE_PARAM: {"kvmanager_id": "k", "blocks": 3, "max_s": True}},
+            PeerSource("k", 3),
+            id="bad-budget-is-the-default",
         ),
     ],
 )
@@ -204,6 +220,32 @@ def test_a_hint_with_its_own_wait_is_waited_for_that_much_longer():
         assert not pf.pending("r1")
         assert fetch.calls[0][3] == pytest.approx(7.0)  # the fetch's own deadline
         assert counts == Counter(peer_fetches=1, peer_fetch_timeouts=1)
+    finally:
+        fetch.release.set()
+        pf.close()
+
+
+def test_a_hint_with_a_budget_gives_up_there():
+    """The router priced the fetch: past the time recomputing its blocks would take, waiting is
+    a loss, so the request goes ahead with what arrived (sooner than timeout_s); a budget longer
+    than timeout_s changes nothing."""
+    fetch, clock, counts = FakeFetch(), Clock(), Counter()
+    pf = prefetcher(fetch, clock, counts)
+    try:
+        assert pf.start("r1", PeerSource("kvm-a", 10, 0.0, 0.3), ["L"], [5, 6])
+        assert pf.start("r2", PeerSource("kvm-a", 10, 0.0, 9.0), ["L"], [5, 6])
+        deadline = time.monotonic() + 5
+        while len(fetch.calls) < 2 and time.monotonic() < deadline:  # both on the pool
+            time.sleep(0.01)
+        clock.t += 0.2
+        assert pf.pending("r1")
+        clock.t += 0.2  # past r1's budget, within timeout_s
+        assert not pf.pending("r1") and pf.pending("r2")
+        clock.t += 1.7
+        assert not pf.pending("r2")
+        deadlines = sorted(call[3] for call in fetch.calls)
+        assert deadlines == [pytest.approx(0.3), pytest.approx(2.0)]  # the fetches' deadlines
+        assert counts == Counter(peer_fetches=2, peer_fetch_timeouts=2)
     finally:
         fetch.release.set()
         pf.close()

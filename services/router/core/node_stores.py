@@ -53,6 +53,15 @@ class KvManagerSet:
             return 0.0
         return rec.transfer_s_per_token.get(layout_key, {}).get(kind, 0.0)
 
+    def peer_s_per_token(self, kvmanager_id: str, peer_id: str, layout_key: str) -> float:
+        """How fast ``kvmanager_id`` fetched from ``peer_id`` (its record's
+        ``peer_s_per_token``: that one link), seconds per token; 0: never measured
+        (``peer_cost.LinkRates``)."""
+        rec = self._by_id.get(kvmanager_id)
+        if rec is None:
+            return 0.0
+        return rec.peer_s_per_token.get(peer_id, {}).get(layout_key, 0.0)
+
     def __len__(self) -> int:
         return len(self._by_id)
 

@@ -8,11 +8,16 @@ layouts), so the candidates are the other kvmanagers' stores of the layout of th
 linked store; a worker with no linked store has no kvmanager to fetch into and gets no hint.
 Cost: one walk over the request's hashes for all peer stores (a miss is one dict lookup), plus
 the worker's own match when some peer holds anything.
+
+With a ``PeerCost`` (``peer_cost.py``) the hint is priced: fetching from each peer over the
+measured speed of its link against recomputing on the chosen worker at its measured prefill
+speed. A peer behind a slow link is skipped (``PeerChoice.skipped``) for a faster one or for
+recomputing, and a hint carries the longest its fetch is worth waiting for (``max_fetch_s``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -21,6 +26,7 @@ from kvmesh.errors import InvalidArgument
 from kvmesh.kv.events import BlockHash
 
 from .index_types import PrefixMatch, StoreId, StoreMatch, store_parts
+from .peer_cost import PeerCost, PeerOption
 from .types import PeerHint
 
 
@@ -54,23 +60,51 @@ class PeerHintConfig:
             )
 
 
-class PeerHints:
-    """``hint(hashes, worker_id)``: the best peer for a request routed to a worker, if any."""
+@dataclass(frozen=True, slots=True)
+class PeerChoice:
+    """``hint``: the peer to name (None: none); ``skipped``: a peer holding more that was left
+    out because fetching from it is slower (priced: its ``fetch_s`` and ``recompute_s``)."""
 
-    def __init__(self, index: StoreIndex, config: PeerHintConfig | None = None) -> None:
+    hint: PeerHint | None = None
+    skipped: PeerHint | None = None
+
+
+_NONE = PeerChoice()
+
+
+class PeerHints:
+    """``decide(hashes, worker_id)``: the best peer for a request routed to a worker, if any.
+
+    ``cost``: prices each peer's fetch against recomputing (``peer_cost.py``); None, or one not
+    enabled: the peer with the longest prefix, on blocks gained alone. ``block_size_of``: the
+    worker's tokens per block (the price is in tokens)."""
+
+    def __init__(
+        self,
+        index: StoreIndex,
+        config: PeerHintConfig | None = None,
+        cost: PeerCost | None = None,
+        block_size_of: Callable[[WorkerId], int] | None = None,
+    ) -> None:
         self._index = index
         self._cfg = config or PeerHintConfig()
+        self._cost = cost if cost is not None and cost.enabled else None
+        self._block_size_of = block_size_of
 
     def hint(self, hashes: Sequence[BlockHash], worker_id: WorkerId) -> PeerHint | None:
-        """The store of the worker's layout on another kvmanager with the longest contiguous
-        prefix of ``hashes`` (ties: smallest store id), when it beats what the worker holds by
-        ``min_gain_blocks`` or more; else None."""
+        return self.decide(hashes, worker_id).hint
+
+    def decide(self, hashes: Sequence[BlockHash], worker_id: WorkerId) -> PeerChoice:
+        """Unpriced: the store of the worker's layout on another kvmanager with the longest
+        contiguous prefix of ``hashes`` (ties: smallest store id), when it beats what the worker
+        holds by ``min_gain_blocks`` or more. Priced: the cheapest of those stores, or none
+        when recomputing is cheaper (module doc)."""
         if not self._cfg.enabled or not hashes:
-            return None
+            return _NONE
         index = self._index
         own = index.linked(worker_id)
         if own is None:
-            return None
+            return _NONE
         own_kvm, layout = store_parts(own)
         peers = [
             s
@@ -78,12 +112,46 @@ class PeerHints:
             if s != own and (parts := store_parts(s))[1] == layout and parts[0] != own_kvm
         ]
         if not peers:
-            return None
-        best = next(iter(index.match_stores(hashes, peers).values()), None)
-        if best is None or best.blocks < self._cfg.min_gain_blocks:
-            return None
+            return _NONE
+        matches = index.match_stores(hashes, peers)
+        best = next(iter(matches.values()), None)
+        min_gain = self._cfg.min_gain_blocks
+        if best is None or best.blocks < min_gain:
+            return _NONE
         mine = index.match(hashes, [worker_id]).get(worker_id)
         local = mine.blocks if mine is not None else 0
-        if best.blocks - local < self._cfg.min_gain_blocks:
-            return None
-        return PeerHint(store_parts(best.store)[0], best.blocks, local, best.exact)
+        if best.blocks - local < min_gain:
+            return _NONE
+        block_size = self._block_size_of(worker_id) if self._block_size_of is not None else 0
+        if self._cost is None or block_size <= 0:
+            return PeerChoice(PeerHint(store_parts(best.store)[0], best.blocks, local, best.exact))
+        exact = {store_parts(m.store)[0]: m.exact for m in matches.values()}
+        price = self._cost.price(
+            worker_id,
+            own_kvm,
+            layout,
+            block_size,
+            local,
+            ((store_parts(m.store)[0], m.blocks) for m in matches.values()),
+            min_gain,
+        )
+
+        def as_hint(
+            o: PeerOption | None, budget_s: float = 0.0, probe: bool = False
+        ) -> PeerHint | None:
+            if o is None:
+                return None
+            return PeerHint(
+                o.kvmanager_id,
+                o.blocks,
+                local,
+                exact[o.kvmanager_id],
+                fetch_s=o.fetch_s,
+                recompute_s=price.recompute_s,
+                max_fetch_s=budget_s,
+                probe=probe,
+            )
+
+        return PeerChoice(
+            as_hint(price.chosen, price.max_fetch_s, price.probe), as_hint(price.skipped)
+        )

@@ -139,10 +139,24 @@ class PeerHint:
     blocks: int  # the contiguous prefix of the request the peer holds, in blocks
     local_blocks: int  # what the chosen worker holds (own gpu + its node store), in blocks
     exact: bool = True  # the index's view of the peer's store is EXACT (False: a hint)
+    # Priced (core/peer_cost.py; 0 when not): the estimated fetch of the blocks gained over the
+    # link's measured speed, and recomputing them (to the longest peer prefix) instead.
+    fetch_s: float = 0.0
+    recompute_s: float = 0.0
+    # The longest the fetch is worth waiting for (KvSource.max_fetch_s); 0: the worker's default.
+    max_fetch_s: float = 0.0
+    probe: bool = False  # named although its link measured slow: to measure it again
 
     @property
     def gain_blocks(self) -> int:
         return self.blocks - self.local_blocks
+
+    def skipped_text(self) -> str:
+        """How a log line says this peer was left out, and why (its price)."""
+        return (
+            f"peer_skipped={self.kvmanager_id} peer_blocks={self.blocks}"
+            f" fetch_s={self.fetch_s:.3f} recompute_s={self.recompute_s:.3f}"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,12 +169,16 @@ class RouteDecision:
     explanation: Explanation | None = field(default=None, repr=False, compare=False)
     # Set after the pick (core/peers.py) when a peer kvmanager can supply more of the prefix.
     peer: PeerHint | None = field(default=None, compare=False)
+    # A peer that holds more but was not named: fetching from it priced slower (core/peers.py).
+    peer_skipped: PeerHint | None = field(default=None, compare=False)
 
     def details(self, full: bool = False) -> str:
         head = f"worker={self.worker_id} policy={self.policy} reason={self.reason}"
         if self.peer is not None:
             p = self.peer
             head += f" peer={p.kvmanager_id} peer_blocks={p.blocks} local_blocks={p.local_blocks}"
+        if self.peer_skipped is not None:
+            head += f" {self.peer_skipped.skipped_text()}"
         if self.explanation is None:
             return head
         return f"{head}\n{self.explanation.details(full)}"
@@ -186,4 +204,6 @@ class RouteDecision:
         if self.peer is not None:
             out["peer_kvmanager"] = self.peer.kvmanager_id
             out["peer_blocks"] = self.peer.blocks
+        if self.peer_skipped is not None:
+            out["peer_skipped"] = self.peer_skipped.kvmanager_id
         return out

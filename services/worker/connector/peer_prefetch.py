@@ -16,8 +16,9 @@ Runs in vLLM's engine-core process, on the scheduler side. The gRPC call runs on
 pool of its own (with its own channel), never on the scheduler's thread: while a fetch is in
 flight, ``pending`` waits at most ``poll_s`` for it and the connector answers "ask again later"
 (``get_num_new_matched_tokens`` -> None), so the engine keeps stepping its other requests. A
-request waits at most ``timeout_s`` for its fetch; then it is scheduled with whatever arrived
-(the kvmanager stores each verified block as it arrives). Anything that goes wrong (unknown
+request waits at most ``timeout_s`` for its fetch (or the hint's ``max_s``, when shorter: the
+router's estimate of recomputing what the fetch brings, past which waiting is a loss); then it is
+scheduled with whatever arrived (the kvmanager stores each verified block as it arrives). Anything that goes wrong (unknown
 peer, peer down, deadline, no kvmanager) is a miss: the engine recomputes, nothing fails.
 """
 
@@ -161,8 +162,10 @@ class PeerPrefetcher:
         if not keys or req_id in self._fetches:
             return False
         # A hint with its own wait (a prefill still running elsewhere) gets that long for the
-        # blocks to land, plus the usual time for the last fetch.
-        timeout = self._cfg.timeout_s + peer.wait_s
+        # blocks to land, plus the usual time for the last fetch; one whose fetch is not worth
+        # waiting for past the router's estimate of recomputing it (max_s) gives up there.
+        fetch_s = min(self._cfg.timeout_s, peer.max_s) if peer.max_s > 0 else self._cfg.timeout_s
+        timeout = fetch_s + peer.wait_s
         deadline = self._clock() + timeout
         keys = list(keys)
         self._fetches[req_id] = _Fetch(

@@ -26,6 +26,9 @@ class PeerSource:
     kvmanager_id: str
     blocks: int
     wait_s: float = 0.0  # how long to wait for them to land there (0: the connector's default)
+    # The longest the fetch is worth waiting for (the router's estimate of recomputing what it
+    # brings); 0: the connector's peer_fetch.timeout_s.
+    max_s: float = 0.0
 
     def to_params(self) -> dict[str, Any]:
         """The request's ``kv_transfer_params`` carrying this hint (plain types: it is pickled
@@ -33,6 +36,8 @@ class PeerSource:
         raw: dict[str, Any] = {"kvmanager_id": self.kvmanager_id, "blocks": self.blocks}
         if self.wait_s > 0:
             raw["wait_s"] = self.wait_s
+        if self.max_s > 0:
+            raw["max_s"] = self.max_s
         return {KV_SOURCE_PARAM: raw}
 
     @classmethod
@@ -45,10 +50,15 @@ class PeerSource:
         kid, blocks = raw.get("kvmanager_id"), raw.get("blocks")
         if not isinstance(kid, str) or not kid or not isinstance(blocks, int) or blocks <= 0:
             return None
-        wait_s = raw.get("wait_s", 0.0)
-        if not isinstance(wait_s, int | float) or not 0 <= wait_s <= 600:  # NaN too
-            wait_s = 0.0
-        return cls(kid, blocks, float(wait_s))
+        wait_s, max_s = (_seconds(raw.get(k, 0.0)) for k in ("wait_s", "max_s"))
+        return cls(kid, blocks, wait_s, max_s)
+
+
+def _seconds(v: object) -> float:
+    """A hint's time in seconds (0 to 600); 0 (the default) when malformed, NaN too."""
+    if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v <= 600:
+        return 0.0
+    return float(v)
 
 
 REQUEST_ID_PARAM = "kvmesh_request_id"
