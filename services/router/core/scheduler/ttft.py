@@ -55,10 +55,11 @@ from typing import Any
 from kvmesh.discovery.keys import WorkerId
 
 from ..index_types import StoreId, store_parts
-from ..workers import WorkerView
+from ..workers import WorkerView, outstanding
 from .params import check, relative_scores
 from .plugins import CycleContext, PluginEnv, TransferRates
 from .rates import PrefillRates
+from .steps import StepRates, in_flight_s
 
 # The defaults' base: the simulator's prefill cost per token (docs/simulator.md) and the
 # measured TTFT ratios of a 4K-token prompt loaded instead of recomputed (issue 4).
@@ -81,6 +82,16 @@ class TtftParams:
     peer_min_gain_blocks: int = 4  # as the router's peer hints (RouterConfig.peer_hint_min_blocks)
     floor_s: float = 0.05  # costs this close count as equal (keeps idle fleets from flapping)
     displacement: bool = True  # price the cache slots it takes on a full worker (module doc)
+    # The work in flight (steps.py): what each request and each context token in flight add to
+    # an engine step until the workers' reports measure them (defaults: the simulator's 8B
+    # model on an H100, docs/simulator.md), the prefill tokens a step takes, and the decode
+    # steps of a request (its expected output tokens). in_flight: false leaves the term out.
+    in_flight: bool = True
+    seq_step_s: float = 1e-4
+    context_step_s_per_token: float = 4e-8
+    step_tokens: int = 8192
+    decode_steps: float = 256.0
+    learn_step_rates: bool = True  # fit the two rates to the engines' measured step times
 
     def __post_init__(self) -> None:
         for name in (
@@ -92,6 +103,9 @@ class TtftParams:
             "disk_latency_s",
             "peer_s_per_token",
             "peer_latency_s",
+            "seq_step_s",
+            "context_step_s_per_token",
+            "decode_steps",
         ):
             v = getattr(self, name)
             check(v >= 0.0, f"{name} is {v}; use seconds >= 0")
@@ -100,6 +114,7 @@ class TtftParams:
         check(self.rate_half_life_samples > 0, "rate_half_life_samples must be > 0")
         check(self.peer_min_gain_blocks >= 1, "peer_min_gain_blocks must be >= 1")
         check(self.floor_s > 0.0, f"floor_s is {self.floor_s}; use seconds > 0")
+        check(self.step_tokens >= 1, "step_tokens must be >= 1")
 
 
 class TtftCostScorer:
@@ -123,6 +138,7 @@ class TtftCostScorer:
         self.rates = PrefillRates(
             params.prefill_s_per_token, params.min_sample_tokens, params.rate_half_life_samples
         )
+        self.steps = StepRates(params.seq_step_s, params.context_step_s_per_token)
 
     @classmethod
     def build(cls, name: str, params: TtftParams, env: PluginEnv) -> TtftCostScorer:
@@ -182,8 +198,14 @@ class TtftCostScorer:
         matches: Mapping[WorkerId, Any] = ctx.prefix()
         tally = ctx.ledger.tally
         rates = self.rates
+        steps = self.steps if p.in_flight and p.learn_step_rates else None
         for v in candidates:
-            rates.observe(v.record.worker_id, v.load)
+            wid = v.record.worker_id
+            rates.observe(wid, v.load)
+            if steps is not None:
+                steps.observe(wid, v.load, tally(wid).prompt_tokens)
+        if p.in_flight:
+            seq_s, ctx_s = self.steps.rates()
         links, top = self._peer_bests(candidates, matches)
         configured = (p.cpu_s_per_token, p.disk_s_per_token, p.peer_s_per_token)
         speeds: dict[StoreId, tuple[float, float, float]] = {}
@@ -200,7 +222,8 @@ class TtftCostScorer:
                     sp = speeds[own] = self.links(own)
                 cpu_s, disk_s, peer_s = sp
             load = v.load
-            queue = tally(wid).prefill_tokens * rate
+            t = tally(wid)
+            queue = t.prefill_tokens * rate
             if p.running_request_s:
                 queue += max(load.running_requests, 0) * p.running_request_s
             bs = v.record.block_size or fallback_bs
@@ -224,7 +247,19 @@ class TtftCostScorer:
                     fetch += p.peer_latency_s + gain * bs * peer_s
                     have += gain
             uncached = prompt - have * bs
-            cost = queue + fetch + (uncached if uncached > 0 else 0) * rate
+            if uncached < 0:
+                uncached = 0
+            cost = queue + fetch + uncached * rate
+            if p.in_flight:
+                cost += in_flight_s(
+                    max(t.requests, outstanding(v)),
+                    t.prompt_tokens,
+                    t.prefill_tokens + uncached,
+                    seq_s,
+                    ctx_s,
+                    p.step_tokens,
+                    p.decode_steps,
+                )
             if p.displacement:
                 usage = load.kv_cache_usage
                 if usage > 0.0:
