@@ -154,3 +154,20 @@ def test_params_rejected(bad):
 
     with pytest.raises(InvalidArgument):
         TtftParams(**bad)
+
+
+def test_decode_steps_learned_from_output_per_finished_request():
+    r = StepRates(1e-4, 4e-8, decode_steps=256.0, min_finished=4)
+    r.observe("w0", _report(1000, 0.0, 2), 0)  # the first report only sets the counter
+    r.observe("w1", _report(0, 0.0, 2), 0)
+    for _ in range(3):
+        r.finished()
+    assert r.decode_steps() == 256.0  # fewer than min_finished so far
+    r.observe("w0", _report(1300, 0.0, 2), 0)
+    r.observe("w1", _report(100, 0.0, 2), 0)
+    r.finished()
+    assert r.decode_steps() == pytest.approx(400 / 4)
+    r.observe("w0", _report(1500, 0.0, 2), 0)
+    for _ in range(4):
+        r.finished()
+    assert r.decode_steps() == pytest.approx(100 + 0.125 * (50 - 100))

@@ -25,6 +25,8 @@ sample of its step time ``dt * n / tokens``; a least-squares fit over the fleet'
 (``step = base + seq_s * n + context_s_per_token * context``, with the context this router has
 in flight on the worker, exponentially forgotten) gives the two slopes. Until the samples vary
 enough to fit them (or where the workers do not report output), the configured rates stand in.
+``decode_steps`` is learned alike: the output tokens the fleet reported emitting per request this
+router saw finish (``finished``), a moving average over batches of ``min_finished`` requests.
 Pure: the report times come with the reports (``LoadSnapshot.reported_s``); no clock, no I/O.
 """
 
@@ -70,8 +72,16 @@ class StepRates:
         min_sample_tokens: int = 256,
         half_life_samples: float = 64.0,
         min_samples: int = 8,
+        decode_steps: float = 256.0,
+        min_finished: int = 32,
     ) -> None:
         self._default = (seq_s, context_s_per_token)
+        self._decode_steps = decode_steps
+        self._min_finished = min_finished
+        self._gen: dict[str, int] = {}  # worker -> its last generation_tokens
+        self._gen_new = 0  # output tokens reported since the last decode_steps sample
+        self._finished_new = 0  # requests finished since then
+        self._decode_learned = False
         self._min_tokens = min_sample_tokens
         self._keep = 0.5 ** (1.0 / half_life_samples)
         self._min_samples = min_samples
@@ -86,6 +96,11 @@ class StepRates:
         """Takes the worker's latest report; ``context_tokens``: the prompt tokens this router
         has in flight on it now (cheap when nothing changed)."""
         tokens, at = load.generation_tokens, load.reported_s
+        last = self._gen.get(worker_id)
+        if last is None or tokens != last:
+            if last is not None and tokens > last:
+                self._gen_new += tokens - last
+            self._gen[worker_id] = tokens
         if at <= 0.0:
             return  # no report time: nothing to measure with
         s = self._seen.get(worker_id)
@@ -121,8 +136,26 @@ class StepRates:
             self._fit = _solve(self._xx, self._xy) or self._default
         return self._fit
 
+    def finished(self) -> None:
+        """A request this router sent has finished: one more to divide the output by."""
+        self._finished_new += 1
+        if self._finished_new < self._min_finished:
+            return
+        if self._gen_new > 0:
+            sample = self._gen_new / self._finished_new
+            if self._decode_learned:
+                self._decode_steps += 0.125 * (sample - self._decode_steps)
+            else:
+                self._decode_steps, self._decode_learned = sample, True
+        self._gen_new = self._finished_new = 0
+
+    def decode_steps(self) -> float:
+        """Output tokens per request: measured (see ``finished``), else the configured."""
+        return self._decode_steps
+
     def forget(self, worker_id: str) -> None:
         self._seen.pop(worker_id, None)
+        self._gen.pop(worker_id, None)
 
 
 def _solve(xx: list[list[float]], xy: list[float]) -> tuple[float, float] | None:

@@ -55,6 +55,7 @@ from typing import Any
 from kvmesh.discovery.keys import WorkerId
 
 from ..index_types import StoreId, store_parts
+from ..types import RouteRequest
 from ..workers import WorkerView, outstanding
 from .params import check, relative_scores
 from .plugins import CycleContext, PluginEnv, TransferRates
@@ -138,7 +139,9 @@ class TtftCostScorer:
         self.rates = PrefillRates(
             params.prefill_s_per_token, params.min_sample_tokens, params.rate_half_life_samples
         )
-        self.steps = StepRates(params.seq_step_s, params.context_step_s_per_token)
+        self.steps = StepRates(
+            params.seq_step_s, params.context_step_s_per_token, decode_steps=params.decode_steps
+        )
 
     @classmethod
     def build(cls, name: str, params: TtftParams, env: PluginEnv) -> TtftCostScorer:
@@ -206,6 +209,7 @@ class TtftCostScorer:
                 steps.observe(wid, v.load, tally(wid).prompt_tokens)
         if p.in_flight:
             seq_s, ctx_s = self.steps.rates()
+            decode_steps = self.steps.decode_steps() if steps is not None else p.decode_steps
         links, top = self._peer_bests(candidates, matches)
         configured = (p.cpu_s_per_token, p.disk_s_per_token, p.peer_s_per_token)
         speeds: dict[StoreId, tuple[float, float, float]] = {}
@@ -258,7 +262,7 @@ class TtftCostScorer:
                     seq_s,
                     ctx_s,
                     p.step_tokens,
-                    p.decode_steps,
+                    decode_steps,
                 )
             if p.displacement:
                 usage = load.kv_cache_usage
@@ -271,3 +275,6 @@ class TtftCostScorer:
 
     def score(self, ctx: CycleContext, candidates: Sequence[WorkerView]) -> Sequence[float]:
         return relative_scores(self.estimate(ctx, candidates), self._p.floor_s)
+
+    def on_finished(self, request: RouteRequest, worker_id: WorkerId) -> None:
+        self.steps.finished()
