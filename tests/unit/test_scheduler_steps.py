@@ -74,6 +74,17 @@ def test_step_rates_fit_a_known_step_model():
     assert ctx_s == pytest.approx(5e-8, rel=1e-6)
 
 
+def test_step_rates_separate_the_prefill_chunks_from_the_context():
+    """Steps that also carry prefill chunks: the fit gives the prefill its own slope, so the
+    context's is the decode's alone."""
+    rng = random.Random(2)
+    r = StepRates(1.0, 1.0, min_samples=8)
+    for _ in range(80):
+        n, ctx, pre = rng.randint(1, 40), rng.randint(0, 400_000), rng.randint(0, 50_000)
+        r.add_sample(n, ctx, 0.006 + 0.0002 * n + 5e-8 * ctx + 3e-6 * pre, pre)
+    assert r.rates() == pytest.approx((0.0002, 5e-8), rel=1e-6)
+
+
 def test_step_rates_keep_defaults_when_samples_do_not_determine_the_slopes():
     r = StepRates(1e-4, 4e-8, min_samples=2)
     for _ in range(10):  # always the same n and context: no slope can be told

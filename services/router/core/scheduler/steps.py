@@ -22,8 +22,10 @@ prefix brings its whole context into the worker's steps; this term is what makes
 worker's cumulative decode output (``LoadSnapshot.generation_tokens``: one token per decoding
 request per step) between two reports ``dt`` seconds apart, while ``n`` requests ran, gives one
 sample of its step time ``dt * n / tokens``; a least-squares fit over the fleet's samples
-(``step = base + seq_s * n + context_s_per_token * context``, with the context this router has
-in flight on the worker, exponentially forgotten) gives the two slopes. Until the samples vary
+(``step = base + seq_s * n + context_s_per_token * context + p * prefill``, with the context and
+the tokens still to prefill that this router has in flight on the worker, exponentially
+forgotten) gives the two slopes; the prefill regressor takes the prefill chunks that share the
+steps out of them (the measured prefill rate prices those). Until the samples vary
 enough to fit them (or where the workers do not report output), the configured rates stand in.
 ``decode_steps`` is learned alike: the output tokens the fleet reported emitting per request this
 router saw finish (``finished``), a moving average over batches of ``min_finished`` requests.
@@ -35,6 +37,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..types import LoadSnapshot
+
+_K = 4  # regressors of a step time: 1, requests, context tokens, tokens still to prefill
 
 
 def in_flight_s(
@@ -87,14 +91,17 @@ class StepRates:
         self._min_samples = min_samples
         self._seen: dict[str, _Seen] = {}
         # Forgotten sums of the normal equations over x = (1, n, context), y = step seconds.
-        self._xx = [[0.0] * 3 for _ in range(3)]
-        self._xy = [0.0] * 3
+        self._xx = [[0.0] * _K for _ in range(_K)]
+        self._xy = [0.0] * _K
         self._samples = 0
         self._fit: tuple[float, float] | None = None
 
-    def observe(self, worker_id: str, load: LoadSnapshot, context_tokens: int) -> None:
-        """Takes the worker's latest report; ``context_tokens``: the prompt tokens this router
-        has in flight on it now (cheap when nothing changed)."""
+    def observe(
+        self, worker_id: str, load: LoadSnapshot, context_tokens: int, prefill_tokens: int = 0
+    ) -> None:
+        """Takes the worker's latest report; ``context_tokens`` and ``prefill_tokens``: the
+        prompt tokens this router has in flight on it now, and those still to prefill (cheap
+        when nothing changed)."""
         tokens, at = load.generation_tokens, load.reported_s
         last = self._gen.get(worker_id)
         if last is None or tokens != last:
@@ -114,15 +121,18 @@ class StepRates:
         running = load.running_requests
         if running <= 0:
             return
-        self.add_sample(running, context_tokens, dt * running / dn)
+        self.add_sample(running, context_tokens, dt * running / dn, prefill_tokens)
 
-    def add_sample(self, requests: int, context_tokens: int, step_s: float) -> None:
-        """One measured step time of a worker running ``requests`` over ``context_tokens``."""
-        x = (1.0, float(requests), float(context_tokens))
+    def add_sample(
+        self, requests: int, context_tokens: int, step_s: float, prefill_tokens: int = 0
+    ) -> None:
+        """One measured step time of a worker running ``requests`` over ``context_tokens``,
+        with ``prefill_tokens`` still to prefill among them."""
+        x = (1.0, float(requests), float(context_tokens), float(prefill_tokens))
         keep = self._keep
-        for i in range(3):
+        for i in range(_K):
             row = self._xx[i]
-            for j in range(3):
+            for j in range(_K):
                 row[j] = row[j] * keep + x[i] * x[j]
             self._xy[i] = self._xy[i] * keep + x[i] * step_s
         self._samples += 1
@@ -161,24 +171,28 @@ class StepRates:
 def _solve(xx: list[list[float]], xy: list[float]) -> tuple[float, float] | None:
     """The least-squares slopes (seq_s, context_s_per_token) of ``xx @ b = xy``, or None when
     the samples do not determine them (too little variety) or give a negative slope (noise: a
-    step never gets cheaper with more work in it). Columns are scaled first, so a context of
-    1e5 tokens and a count of 10 requests condition alike."""
-    scale = [max(abs(xx[i][i]), 1e-300) ** 0.5 for i in range(3)]
+    step never gets cheaper with more work in it). A regressor past the first three that was
+    always 0 is left out. Columns are scaled first, so a context of 1e5 tokens and a count of
+    10 requests condition alike."""
+    cols = [i for i in range(len(xy)) if i < 3 or xx[i][i] > 0.0]
+    k = len(cols)
+    scale = [max(abs(xx[i][i]), 1e-300) ** 0.5 for i in cols]
     a = [
-        [xx[i][j] / (scale[i] * scale[j]) for j in range(3)] + [xy[i] / scale[i]] for i in range(3)
+        [xx[i][j] / (scale[r] * scale[c]) for c, j in enumerate(cols)] + [xy[i] / scale[r]]
+        for r, i in enumerate(cols)
     ]
-    for col in range(3):  # Gauss-Jordan with partial pivoting
-        piv = max(range(col, 3), key=lambda r: abs(a[r][col]))
+    for col in range(k):  # Gauss-Jordan with partial pivoting
+        piv = max(range(col, k), key=lambda r: abs(a[r][col]))
         if abs(a[piv][col]) < 1e-9:
             return None
         a[col], a[piv] = a[piv], a[col]
         p = a[col][col]
         a[col] = [v / p for v in a[col]]
-        for r in range(3):
+        for r in range(k):
             if r != col and a[r][col]:
                 f = a[r][col]
                 a[r] = [v - f * w for v, w in zip(a[r], a[col], strict=True)]
-    seq, ctx = a[1][3] / scale[1], a[2][3] / scale[2]
+    seq, ctx = a[1][k] / scale[1], a[2][k] / scale[2]
     if seq < 0.0 or ctx < 0.0:
         return None
     return seq, ctx

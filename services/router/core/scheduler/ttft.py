@@ -206,7 +206,8 @@ class TtftCostScorer:
             wid = v.record.worker_id
             rates.observe(wid, v.load)
             if steps is not None:
-                steps.observe(wid, v.load, tally(wid).prompt_tokens)
+                t = tally(wid)
+                steps.observe(wid, v.load, t.prompt_tokens, t.prefill_tokens)
         if p.in_flight:
             seq_s, ctx_s = self.steps.rates()
             decode_steps = self.steps.decode_steps() if steps is not None else p.decode_steps
