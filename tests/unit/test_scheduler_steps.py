@@ -4,6 +4,7 @@ ttft-cost scorer: pure, with known answers."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -120,6 +121,7 @@ def test_ttft_cost_counts_the_cached_context_in_flight():
         step_tokens=100,
         decode_steps=10.0,
         learn_step_rates=False,
+        in_flight=True,
     )
     ledger = InFlightLedger()
     for i in range(3):
@@ -145,7 +147,7 @@ def test_ttft_cost_counts_requests_the_worker_reports():
     """Another router's requests show up only in the worker's report: counted by request."""
     p = TtftParams(
         floor_s=0.01, seq_step_s=1e-3, context_step_s_per_token=0.0, decode_steps=9.0,
-        learn_step_rates=False,
+        learn_step_rates=False, in_flight=True,
     )  # fmt: skip
     busy = view("w0", in_flight=50)
     source, scorer = _scorer(p, {})
@@ -182,3 +184,29 @@ def test_decode_steps_learned_from_output_per_finished_request():
     for _ in range(4):
         r.finished()
     assert r.decode_steps() == pytest.approx(100 + 0.125 * (50 - 100))
+
+
+def test_ttft_cost_learns_its_step_rates_from_the_reports_it_scores_with():
+    """Cycles over workers whose reports say step = 0.004 + 0.001 n + 2e-7 ctx: the scorer's
+    fitted rates come from those reports and the ledger's context, not the configured ones."""
+    p = TtftParams(in_flight=True, seq_step_s=1.0, context_step_s_per_token=1.0)
+    source, scorer = _scorer(p, {})
+    rng = random.Random(3)
+    state = {f"w{i}": [0, 1.0] for i in range(3)}  # generation tokens, report time
+    for cycle in range(60):
+        ledger = InFlightLedger()
+        cands = []
+        for wid, st in state.items():
+            n, ctx = rng.randint(1, 30), rng.randint(1, 200) * 1000
+            for k in range(n):
+                ledger.routed(f"{wid}-{cycle}-{k}", wid, ctx // n, 0)
+            steps = 40
+            st[0] += n * steps
+            st[1] += steps * (0.004 + 0.001 * n + 2e-7 * (ctx // n) * n)
+            v = view(wid, running=n)
+            v.load = replace(v.load, generation_tokens=st[0], reported_s=st[1])
+            cands.append(v)
+        scorer.estimate(ctx_for(request(8, prompt_tokens=TOKENS), cands, source, ledger), cands)
+    seq_s, ctx_s = scorer.steps.rates()
+    assert seq_s == pytest.approx(0.001, rel=0.05)
+    assert ctx_s == pytest.approx(2e-7, rel=0.05)

@@ -8,7 +8,8 @@ For each candidate ``w`` (``estimate``)::
                    + load(peer_tokens(w), peer)        # what another node's kvmanager adds
     prefill_s(w) = tokens_nobody_holds(w) * prefill_s_per_token(w)
     displace_s(w) = kv_cache_usage(w) * tokens_not_on_its_gpu(w) * refill_s_per_token(w)
-    ttft_s(w)    = queue_s(w) + fetch_s(w) + prefill_s(w) + displace_s(w)
+    in_flight_s(w) = step_s(w) * (prefill_steps(w) + decode_steps)     # steps.py; in_flight: true
+    ttft_s(w)    = queue_s(w) + fetch_s(w) + prefill_s(w) + displace_s(w) [+ in_flight_s(w)]
 
 with ``load(n, link) = link latency + n * link s_per_token`` (0 for n = 0). The matched prefix on
 ``w``'s engine and its node's tiers comes from the profile's prefix source (the KV index);
@@ -40,6 +41,12 @@ full (usage well below 1) the term is small, and the cheapest wait/fetch/recompu
 (Found on the replay's saturated agentic runs: pricing this request's TTFT alone, sessions moved
 to shorter queues, their contexts then held twice, and the evictions that followed cost more
 hits than the moves saved; BENCHMARKS.md.) ``displacement: false`` leaves it out.
+
+``in_flight_s`` (off unless ``in_flight: true``) prices the work a worker carries, cached
+context included: each request and each context token in flight lengthen every engine step,
+so the steps this request's prefill and decode ride (steps.py; rates fitted to the engines'
+measured decode output, ``StepRates``). ``queue_s`` counts only the tokens still to prefill, so
+without it a worker holding a hot prefix looks cheap for every request that shares it.
 
 The score is ``(min_ttft + floor_s) / (ttft_s(w) + floor_s)``: 1 for the cheapest worker. A
 session stays where its context is while waiting there costs less than fetching it elsewhere
@@ -86,13 +93,18 @@ class TtftParams:
     # The work in flight (steps.py): what each request and each context token in flight add to
     # an engine step until the workers' reports measure them (defaults: the simulator's 8B
     # model on an H100, docs/simulator.md), the prefill tokens a step takes, and the decode
-    # steps of a request (its expected output tokens). in_flight: false leaves the term out.
-    in_flight: bool = True
+    # steps of a request (its expected output tokens). Off by default: measured as a trade, not
+    # a win (BENCHMARKS.md, issue 12 fourth pass); in_flight: true adds the term.
+    in_flight: bool = False
     seq_step_s: float = 1e-4
     context_step_s_per_token: float = 4e-8
     step_tokens: int = 8192
     decode_steps: float = 256.0
     learn_step_rates: bool = True  # fit the two rates to the engines' measured step times
+    # Fit the prefill chunks sharing the steps as a regressor of their own (steps.py); false
+    # (the better of the two on the replays): the rates include them, as the step time a
+    # request rides, whatever fills the steps.
+    step_fit_prefill: bool = False
 
     def __post_init__(self) -> None:
         for name in (
@@ -207,7 +219,9 @@ class TtftCostScorer:
             rates.observe(wid, v.load)
             if steps is not None:
                 t = tally(wid)
-                steps.observe(wid, v.load, t.prompt_tokens, t.prefill_tokens)
+                steps.observe(
+                    wid, v.load, t.prompt_tokens, t.prefill_tokens if p.step_fit_prefill else 0
+                )
         if p.in_flight:
             seq_s, ctx_s = self.steps.rates()
             decode_steps = self.steps.decode_steps() if steps is not None else p.decode_steps
