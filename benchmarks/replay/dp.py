@@ -52,6 +52,7 @@ class _Group:
             prefix_hit_tokens=sum(x.prefix_hit_tokens for x in loads),
             prefill_computed_tokens=sum(x.prefill_computed_tokens for x in loads),
             prefill_s=sum(x.prefill_s for x in loads),
+            generation_tokens=sum(x.generation_tokens for x in loads),
         )
 
     def is_active(self, request_id: str) -> bool:

@@ -81,6 +81,7 @@ class RouterPolicy:
 
     def __call__(self, request: ReplayRequest, view: ClusterView) -> int:
         self._retire_finished(view)
+        now = max(view.now_s, 1e-9)  # a report time of 0 reads as "unknown"
         for i, sim in enumerate(view.workers):
             load = sim.load()
             self.workers.set_load(
@@ -92,6 +93,8 @@ class RouterPolicy:
                     kv_cache_usage=load.kv_usage,
                     prefill_computed_tokens=load.prefill_computed_tokens,
                     prefill_s=load.prefill_s,
+                    generation_tokens=load.generation_tokens,
+                    reported_s=now,
                 ),
             )
         route = RouteRequest(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -96,7 +97,7 @@ class WorkerPool:
                 )
                 async for msg in stream:
                     attempt = 0
-                    self._workers.set_load(worker_id, load_from_pb(msg))
+                    self._workers.set_load(worker_id, load_from_pb(msg, time.monotonic()))
             except grpc.aio.AioRpcError as exc:
                 log.debug("load stream of %s ended: %s", worker_id, exc.code())
             self._workers.load_stream_ended(worker_id)
@@ -122,7 +123,7 @@ async def _close_later(conn: _Conn) -> None:
     await conn.mux.close()
 
 
-def load_from_pb(msg: worker_pb2.WorkerLoad) -> LoadSnapshot:
+def load_from_pb(msg: worker_pb2.WorkerLoad, reported_s: float = 0.0) -> LoadSnapshot:
     return LoadSnapshot(
         running_requests=msg.running_requests,
         waiting_requests=msg.waiting_requests,
@@ -135,4 +136,5 @@ def load_from_pb(msg: worker_pb2.WorkerLoad) -> LoadSnapshot:
         generation_tokens=msg.generation_tokens,
         spec_draft_tokens=msg.spec_draft_tokens,
         spec_accepted_tokens=msg.spec_accepted_tokens,
+        reported_s=reported_s,
     )

@@ -32,6 +32,7 @@ P = TtftParams(
     peer_min_gain_blocks=2,
     floor_s=0.5,
     min_sample_tokens=100,
+    in_flight=False,  # the work-in-flight term has its own tests (test_scheduler_steps.py)
 )
 
 

@@ -352,3 +352,16 @@ def test_long_prefill_tokens_cap_each_request_chunk_so_a_short_one_is_not_held()
         assert by["long"].ttft_s == pytest.approx(0.400 + 0.008 + steps * 0.001)
     with pytest.raises(ValueError, match="long_prefill_tokens"):
         SimWorkerConfig(long_prefill_tokens=-1)
+
+
+def test_load_counts_the_output_tokens_emitted():
+    """``generation_tokens``: cumulative output, as vLLM's counter, also mid-way through a run
+    of coalesced decode steps once the run is cut (an arrival settles it)."""
+    w = SimulatedWorker(replace(PREFILL_ONLY, capacity_blocks=64, step_s=1e-3))
+    w.submit(req("a", (1, 2), 8, output=50))
+    w.advance_to(0.02)  # prefilled (first token) and decoding
+    w.submit(req("b", (3,), 4, output=5))  # settles the decode run in progress
+    mid = w.load().generation_tokens
+    assert 1 < mid < 50
+    w.drain()
+    assert w.load().generation_tokens == 55

@@ -36,6 +36,9 @@ class LoadSnapshot:
     generation_tokens: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    # When the router received this report (its monotonic clock, or a replay's virtual one), s;
+    # 0: unknown. Rates learned from cumulative counters divide by the time between reports.
+    reported_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

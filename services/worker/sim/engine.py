@@ -266,6 +266,7 @@ class SimulatedEngine:
             prefill_computed_tokens=s.prefill_computed_tokens,
             # Wall seconds, as an engine measures them (the model counts virtual ones).
             prefill_s=s.prefill_s / self._config.speedup,
+            generation_tokens=s.generation_tokens,
         )
 
     def add_load_listener(self, listener: Callable[[], None]) -> None:

@@ -143,6 +143,7 @@ class SimLoad:
     # (not served from a cache) and the seconds from admission to the first token.
     prefill_computed_tokens: int = 0
     prefill_s: float = 0.0
+    generation_tokens: int = 0  # cumulative output tokens emitted (vLLM's generation tokens)
 
 
 class _Run:
@@ -256,6 +257,7 @@ class SimulatedWorker:
         self._hit_tokens = 0
         self._prefill_tokens = 0
         self._prefill_s = 0.0
+        self._generated = 0  # output tokens emitted, cumulative
         self._mem_version = 0  # bumped whenever blocks are released
         self._blocked: tuple[_Run, int] | None = None  # head that did not fit, at mem version
 
@@ -411,6 +413,7 @@ class SimulatedWorker:
             prefix_hit_tokens=self._hit_tokens,
             prefill_computed_tokens=self._prefill_tokens,
             prefill_s=self._prefill_s,
+            generation_tokens=self._generated,
         )
 
     # ---- internals -----------------------------------------------------------------------------
@@ -430,6 +433,7 @@ class SimulatedWorker:
         for run in step.decoders:
             if not run.done:
                 run.generated += done
+                self._generated += done
                 if sink is not None:
                     sink(run.req.request_id, done, at)
         step.start = at
@@ -607,6 +611,7 @@ class SimulatedWorker:
             if run.done:
                 continue
             run.generated += count
+            self._generated += count
             if sink is not None:
                 sink(run.req.request_id, count, now)
             if run.generated >= run.req.output_tokens:
@@ -627,6 +632,7 @@ class SimulatedWorker:
                 self._prefill_tokens += run.req.prompt_tokens - run.hit_blocks * bs
                 self._prefill_s += now - (run.admitted_s or now)
                 run.generated = 1
+                self._generated += 1
                 if sink is not None:
                     sink(run.req.request_id, 1, now)
                 if run.req.output_tokens <= 1:

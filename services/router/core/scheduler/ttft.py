@@ -8,7 +8,8 @@ For each candidate ``w`` (``estimate``)::
                    + load(peer_tokens(w), peer)        # what another node's kvmanager adds
     prefill_s(w) = tokens_nobody_holds(w) * prefill_s_per_token(w)
     displace_s(w) = kv_cache_usage(w) * tokens_not_on_its_gpu(w) * refill_s_per_token(w)
-    ttft_s(w)    = queue_s(w) + fetch_s(w) + prefill_s(w) + displace_s(w)
+    in_flight_s(w) = step_s(w) * (prefill_steps(w) + decode_steps)     # steps.py; in_flight: true
+    ttft_s(w)    = queue_s(w) + fetch_s(w) + prefill_s(w) + displace_s(w) [+ in_flight_s(w)]
 
 with ``load(n, link) = link latency + n * link s_per_token`` (0 for n = 0). The matched prefix on
 ``w``'s engine and its node's tiers comes from the profile's prefix source (the KV index);
@@ -41,6 +42,12 @@ full (usage well below 1) the term is small, and the cheapest wait/fetch/recompu
 to shorter queues, their contexts then held twice, and the evictions that followed cost more
 hits than the moves saved; BENCHMARKS.md.) ``displacement: false`` leaves it out.
 
+``in_flight_s`` (off unless ``in_flight: true``) prices the work a worker carries, cached
+context included: each request and each context token in flight lengthen every engine step,
+so the steps this request's prefill and decode ride (steps.py; rates fitted to the engines'
+measured decode output, ``StepRates``). ``queue_s`` counts only the tokens still to prefill, so
+without it a worker holding a hot prefix looks cheap for every request that shares it.
+
 The score is ``(min_ttft + floor_s) / (ttft_s(w) + floor_s)``: 1 for the cheapest worker. A
 session stays where its context is while waiting there costs less than fetching it elsewhere
 (from the node tier or a peer) or recomputing it, and moves, with its cache, once it does not.
@@ -55,10 +62,12 @@ from typing import Any
 from kvmesh.discovery.keys import WorkerId
 
 from ..index_types import StoreId, store_parts
-from ..workers import WorkerView
+from ..types import RouteRequest
+from ..workers import WorkerView, outstanding
 from .params import check, relative_scores
 from .plugins import CycleContext, PluginEnv, TransferRates
 from .rates import PrefillRates
+from .steps import StepRates, in_flight_s
 
 # The defaults' base: the simulator's prefill cost per token (docs/simulator.md) and the
 # measured TTFT ratios of a 4K-token prompt loaded instead of recomputed (issue 4).
@@ -81,6 +90,21 @@ class TtftParams:
     peer_min_gain_blocks: int = 4  # as the router's peer hints (RouterConfig.peer_hint_min_blocks)
     floor_s: float = 0.05  # costs this close count as equal (keeps idle fleets from flapping)
     displacement: bool = True  # price the cache slots it takes on a full worker (module doc)
+    # The work in flight (steps.py): what each request and each context token in flight add to
+    # an engine step until the workers' reports measure them (defaults: the simulator's 8B
+    # model on an H100, docs/simulator.md), the prefill tokens a step takes, and the decode
+    # steps of a request (its expected output tokens). Off by default: measured as a trade, not
+    # a win (BENCHMARKS.md, issue 12 fourth pass); in_flight: true adds the term.
+    in_flight: bool = False
+    seq_step_s: float = 1e-4
+    context_step_s_per_token: float = 4e-8
+    step_tokens: int = 8192
+    decode_steps: float = 256.0
+    learn_step_rates: bool = True  # fit the two rates to the engines' measured step times
+    # Fit the prefill chunks sharing the steps as a regressor of their own (steps.py); false
+    # (the better of the two on the replays): the rates include them, as the step time a
+    # request rides, whatever fills the steps.
+    step_fit_prefill: bool = False
 
     def __post_init__(self) -> None:
         for name in (
@@ -92,6 +116,9 @@ class TtftParams:
             "disk_latency_s",
             "peer_s_per_token",
             "peer_latency_s",
+            "seq_step_s",
+            "context_step_s_per_token",
+            "decode_steps",
         ):
             v = getattr(self, name)
             check(v >= 0.0, f"{name} is {v}; use seconds >= 0")
@@ -100,6 +127,7 @@ class TtftParams:
         check(self.rate_half_life_samples > 0, "rate_half_life_samples must be > 0")
         check(self.peer_min_gain_blocks >= 1, "peer_min_gain_blocks must be >= 1")
         check(self.floor_s > 0.0, f"floor_s is {self.floor_s}; use seconds > 0")
+        check(self.step_tokens >= 1, "step_tokens must be >= 1")
 
 
 class TtftCostScorer:
@@ -122,6 +150,9 @@ class TtftCostScorer:
         self._stores = index if callable(getattr(index, "linked", None)) else None
         self.rates = PrefillRates(
             params.prefill_s_per_token, params.min_sample_tokens, params.rate_half_life_samples
+        )
+        self.steps = StepRates(
+            params.seq_step_s, params.context_step_s_per_token, decode_steps=params.decode_steps
         )
 
     @classmethod
@@ -182,8 +213,18 @@ class TtftCostScorer:
         matches: Mapping[WorkerId, Any] = ctx.prefix()
         tally = ctx.ledger.tally
         rates = self.rates
+        steps = self.steps if p.in_flight and p.learn_step_rates else None
         for v in candidates:
-            rates.observe(v.record.worker_id, v.load)
+            wid = v.record.worker_id
+            rates.observe(wid, v.load)
+            if steps is not None:
+                t = tally(wid)
+                steps.observe(
+                    wid, v.load, t.prompt_tokens, t.prefill_tokens if p.step_fit_prefill else 0
+                )
+        if p.in_flight:
+            seq_s, ctx_s = self.steps.rates()
+            decode_steps = self.steps.decode_steps() if steps is not None else p.decode_steps
         links, top = self._peer_bests(candidates, matches)
         configured = (p.cpu_s_per_token, p.disk_s_per_token, p.peer_s_per_token)
         speeds: dict[StoreId, tuple[float, float, float]] = {}
@@ -200,7 +241,8 @@ class TtftCostScorer:
                     sp = speeds[own] = self.links(own)
                 cpu_s, disk_s, peer_s = sp
             load = v.load
-            queue = tally(wid).prefill_tokens * rate
+            t = tally(wid)
+            queue = t.prefill_tokens * rate
             if p.running_request_s:
                 queue += max(load.running_requests, 0) * p.running_request_s
             bs = v.record.block_size or fallback_bs
@@ -224,7 +266,19 @@ class TtftCostScorer:
                     fetch += p.peer_latency_s + gain * bs * peer_s
                     have += gain
             uncached = prompt - have * bs
-            cost = queue + fetch + (uncached if uncached > 0 else 0) * rate
+            if uncached < 0:
+                uncached = 0
+            cost = queue + fetch + uncached * rate
+            if p.in_flight:
+                cost += in_flight_s(
+                    max(t.requests, outstanding(v)),
+                    t.prompt_tokens,
+                    t.prefill_tokens + uncached,
+                    seq_s,
+                    ctx_s,
+                    p.step_tokens,
+                    decode_steps,
+                )
             if p.displacement:
                 usage = load.kv_cache_usage
                 if usage > 0.0:
@@ -236,3 +290,6 @@ class TtftCostScorer:
 
     def score(self, ctx: CycleContext, candidates: Sequence[WorkerView]) -> Sequence[float]:
         return relative_scores(self.estimate(ctx, candidates), self._p.floor_s)
+
+    def on_finished(self, request: RouteRequest, worker_id: WorkerId) -> None:
+        self.steps.finished()
