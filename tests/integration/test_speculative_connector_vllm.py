@@ -1,13 +1,18 @@
-"""Speculation with the KV connector on real vLLM (the tiny model, float32, ngram prompt
-lookup): a speculating worker whose KvmeshConnector talks to a real kvmanager saves its prompts'
-blocks there and publishes them as KV events that the router's own index (KvEventSync into a
-KvIndex) holds; a fresh speculating engine then loads those prefixes from the kvmanager. Both
-give the greedy output of a plain engine (no speculation, no connector), and both speculate
-(drafts counted). ngram adds no KV layers, so the connector's layout is the plain model's."""
+"""Speculation with the KV connector on real vLLM (the tiny model, float32), for ngram prompt
+lookup and for two model-based drafters (draft_model: the built-in tiny-draft; eagle: the
+built-in tiny-eagle head): a speculating worker whose KvmeshConnector talks to a real kvmanager
+saves its prompts' blocks there and publishes them as KV events that the router's own index
+(KvEventSync into a KvIndex) holds; a fresh engine with the same speculation then loads those
+prefixes from the kvmanager. Both give the greedy output of a plain engine (no speculation, no
+connector), and both speculate (drafts counted). ngram adds no KV layers, so the connector's
+layout is the plain model's; a drafter's attention layers share the target's blocks, so the
+connector saves and loads their KV with the target's (the layout counts their layers), and the
+fresh engine drafts exactly what the first one drafted: the drafter's KV arrived too."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -24,7 +29,7 @@ from services.router.core.index import KvIndex
 from services.router.core.workers import Change
 from services.router.kvsync import KvEventSync
 from services.worker.config import EngineConfig, SpeculativeConfig, WorkerConfig
-from services.worker.connector import kv_transfer_config
+from services.worker.connector import kv_transfer_config, parse_layout_key
 from services.worker.connector.kvmanager_client import kv_layout
 from services.worker.main import VLLM_ENVIRONMENT
 from tests.support import eventually
@@ -35,6 +40,7 @@ BLOCK = 32
 VOCAB = 1024
 MAX_TOKENS = 16
 NUM_SPEC = 3
+TINY_LAYERS = 2
 
 
 def prompt_of(n: int, salt: int, period: int) -> list[int]:
@@ -64,6 +70,34 @@ def engine_config(
     )
 
 
+def drafter(method: str) -> Callable[[Path], tuple[SpeculativeConfig, int]]:
+    """The speculative config of ``method`` (its drafter built under a directory) and how many
+    attention layers the drafter adds to the target's KV cache."""
+
+    def make(root: Path) -> tuple[SpeculativeConfig, int]:
+        if method == "ngram":
+            return NGRAM, 0
+        if method == "draft_model":
+            from kvmesh.models.tiny import DRAFT_LAYERS, ensure_tiny_draft
+
+            path, layers = ensure_tiny_draft(root), DRAFT_LAYERS
+        else:
+            from kvmesh.models.tiny_eagle import ensure_tiny_eagle
+
+            path, layers = ensure_tiny_eagle(root), 1
+        return SpeculativeConfig(method, NUM_SPEC, draft_model=str(path)), layers
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def vllm_env() -> object:
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in VLLM_ENVIRONMENT.items():
+            mp.setenv(key, os.environ.get(key, value))
+        yield None
+
+
 async def run_all(stub: worker_pb2_grpc.WorkerStub, tag: str) -> list[tuple[list[int], object]]:
     """(greedy output, usage) of each prompt, one after another."""
     out = []
@@ -81,26 +115,31 @@ async def run_all(stub: worker_pb2_grpc.WorkerStub, tag: str) -> list[tuple[list
     return out
 
 
-async def test_speculating_worker_offloads_publishes_and_loads_through_the_kvmanager(
-    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    for key, value in VLLM_ENVIRONMENT.items():
-        monkeypatch.setenv(key, os.environ.get(key, value))
+@pytest.fixture(scope="module")
+async def reference(tiny_model: Path, vllm_env: object) -> list[list[int]]:
+    """Greedy outputs of PROMPTS on a plain engine (no speculation, no connector), closed after."""
     from services.worker.engine import VllmEngine
     from services.worker.server import start_worker
 
-    # The reference: no speculation, no connector.
-    plain_config = WorkerConfig(
+    config = WorkerConfig(
         engine=engine_config(tiny_model), worker_id="plain", etcd_endpoints=(), drain_grace_s=2.0
     )
-    plain = await VllmEngine.start(plain_config.engine)
-    plain_worker = await start_worker(plain_config, plain)
+    worker = await start_worker(config, await VllmEngine.start(config.engine))
     try:
-        async with grpc.aio.insecure_channel(plain_worker.address) as ch:
-            reference = [t for t, _ in await run_all(worker_pb2_grpc.WorkerStub(ch), "ref")]
+        async with grpc.aio.insecure_channel(worker.address) as ch:
+            return [t for t, _ in await run_all(worker_pb2_grpc.WorkerStub(ch), "ref")]
     finally:
-        await plain_worker.stop()
+        await worker.stop()
 
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle"])
+async def test_speculating_worker_offloads_publishes_and_loads_through_the_kvmanager(
+    tiny_model: Path, tmp_path: Path, reference: list[list[int]], method: str
+) -> None:
+    from services.worker.engine import VllmEngine
+    from services.worker.server import start_worker
+
+    spec, drafter_layers = drafter(method)(tmp_path / "drafter")
     kvm = await start_kvmanager(
         KvManagerConfig(
             kvmanager_id="node-1",
@@ -120,7 +159,7 @@ async def test_speculating_worker_offloads_publishes_and_loads_through_the_kvman
     try:
         # 1. A speculating worker with the connector: computes, saves, publishes.
         config = WorkerConfig(
-            engine=engine_config(tiny_model, NGRAM, kvm.address),
+            engine=engine_config(tiny_model, spec, kvm.address),
             worker_id="spec-a",
             etcd_endpoints=(),
             drain_grace_s=2.0,
@@ -128,9 +167,12 @@ async def test_speculating_worker_offloads_publishes_and_loads_through_the_kvman
         engine = await VllmEngine.start(config.engine)
         worker = await start_worker(config, engine)
         try:
-            assert engine.info.speculative_method == "ngram"
+            assert engine.info.speculative_method == method
             layout_key = engine.info.connector_layout
             assert layout_key, "the connector is on"
+            # The drafter's attention layers are in the target's KV cache group: their KV is
+            # saved and loaded with the target's, and the layout says so.
+            assert parse_layout_key(layout_key).num_layers == TINY_LAYERS + drafter_layers
             record = WorkerRecord(
                 worker_id=WorkerId("spec-a"),
                 address=worker.address,
@@ -145,7 +187,10 @@ async def test_speculating_worker_offloads_publishes_and_loads_through_the_kvman
                 first = await run_all(worker_pb2_grpc.WorkerStub(ch), "a")
             assert [t for t, _ in first] == reference, "speculation + connector: same output"
             assert all(u.cached_prompt_tokens == 0 for _, u in first)
-            await eventually(lambda: engine.load().spec.draft_tokens > 0, what="drafts counted")
+            total = MAX_TOKENS * len(PROMPTS)
+            await eventually(lambda: engine.load().generation_tokens == total, what="counted")
+            spec_a = engine.load().spec
+            assert spec_a.draft_tokens > 0, "drafts counted"
             # KV events with speculation on: the router's index holds each prompt's full blocks
             # on this worker's GPU tier (as vLLM hashes them).
             for p in PROMPTS:
@@ -165,10 +210,10 @@ async def test_speculating_worker_offloads_publishes_and_loads_through_the_kvman
             hashes = block_hashes(p, HashConfig(block_size=BLOCK))
             assert len(kvm.store.lookup(layout, hashes)) == len(hashes), "prompt blocks saved"
 
-        # 2. A fresh speculating engine (empty GPU cache) loads them from the kvmanager.
+        # 2. A fresh engine with the same speculation (empty GPU cache) loads them.
         hits_before = kvm.store.stats.hits_cpu
         config2 = WorkerConfig(
-            engine=engine_config(tiny_model, NGRAM, kvm.address),
+            engine=engine_config(tiny_model, spec, kvm.address),
             worker_id="spec-b",
             etcd_endpoints=(),
             drain_grace_s=2.0,
@@ -183,8 +228,11 @@ async def test_speculating_worker_offloads_publishes_and_loads_through_the_kvman
             for (_, usage), p in zip(second, PROMPTS, strict=True):
                 assert usage.cached_prompt_tokens == (len(p) - 1) // BLOCK * BLOCK
                 assert usage.cached_cpu_tokens == usage.cached_prompt_tokens, usage
-            await eventually(lambda: engine2.load().spec.draft_tokens > 0, what="drafts")
-            assert engine2.load().generation_tokens == MAX_TOKENS * len(PROMPTS)
+            await eventually(lambda: engine2.load().generation_tokens == total, what="counted")
+            # The same drafts, accepted at the same positions, as the engine that computed the
+            # prompts: a drafter's KV of the loaded blocks is the one it computed there (had it
+            # not been loaded, the draft model and the EAGLE head would attend to garbage).
+            assert engine2.load().spec == spec_a
         finally:
             await worker2.stop()
         assert kvm.store.stats.hits_cpu - hits_before >= sum(len(p) // BLOCK for p in PROMPTS)
