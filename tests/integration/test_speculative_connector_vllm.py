@@ -1,18 +1,20 @@
-"""Speculation with the KV connector on real vLLM (the tiny model, float32), for ngram prompt
-lookup and for two model-based drafters (draft_model: the built-in tiny-draft; eagle: the
-built-in tiny-eagle head): a speculating worker whose KvmeshConnector talks to a real kvmanager
-saves its prompts' blocks there and publishes them as KV events that the router's own index
-(KvEventSync into a KvIndex) holds; a fresh engine with the same speculation then loads those
-prefixes from the kvmanager. Both give the greedy output of a plain engine (no speculation, no
-connector), and both speculate (drafts counted). ngram adds no KV layers, so the connector's
-layout is the plain model's; a drafter's attention layers share the target's blocks, so the
-connector saves and loads their KV with the target's (the layout counts their layers), and the
-fresh engine drafts exactly what the first one drafted: the drafter's KV arrived too."""
+"""Speculation with the KV connector on real vLLM (the tiny models, float32), for ngram prompt
+lookup and for the model-based drafters (draft_model: the built-in tiny-draft; eagle: the
+built-in tiny-eagle head; mtp: the built-in tiny-mtp's own MTP layer): a speculating worker whose
+KvmeshConnector talks to a real kvmanager saves its prompts' blocks there and publishes them as
+KV events that the router's own index (KvEventSync into a KvIndex) holds; a fresh engine with the
+same speculation then loads those prefixes from the kvmanager. Both give the greedy output of a
+plain engine of the same model (no speculation, no connector), and both speculate (drafts
+counted). ngram adds no KV layers, so the connector's layout is the plain model's; a drafter's
+attention layers share the target's blocks, so the connector saves and loads their KV with the
+target's (the layout counts their layers), and the fresh engine drafts exactly what the first
+one drafted: the drafter's KV arrived too."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -70,24 +72,30 @@ def engine_config(
     )
 
 
-def drafter(method: str) -> Callable[[Path], tuple[SpeculativeConfig, int]]:
-    """The speculative config of ``method`` (its drafter built under a directory) and how many
-    attention layers the drafter adds to the target's KV cache."""
+@dataclass(frozen=True)
+class Setting:
+    target: Path  # the model served
+    spec: SpeculativeConfig
+    drafter_layers: int  # attention layers the drafter adds to the target's KV cache
 
-    def make(root: Path) -> tuple[SpeculativeConfig, int]:
-        if method == "ngram":
-            return NGRAM, 0
-        if method == "draft_model":
-            from kvmesh.models.tiny import DRAFT_LAYERS, ensure_tiny_draft
 
-            path, layers = ensure_tiny_draft(root), DRAFT_LAYERS
-        else:
-            from kvmesh.models.tiny_eagle import ensure_tiny_eagle
+def setting_of(method: str, tiny: Path, root: Path) -> Setting:
+    """The speculative setting of ``method`` on the tiny models, its drafter built under root."""
+    if method == "ngram":
+        return Setting(tiny, NGRAM, 0)
+    if method == "mtp":  # the model's own MTP layer drafts: another target
+        from kvmesh.models.tiny_mtp import MTP_LAYERS, ensure_tiny_mtp
 
-            path, layers = ensure_tiny_eagle(root), 1
-        return SpeculativeConfig(method, NUM_SPEC, draft_model=str(path)), layers
+        return Setting(ensure_tiny_mtp(root), SpeculativeConfig("mtp"), MTP_LAYERS)
+    if method == "draft_model":
+        from kvmesh.models.tiny import DRAFT_LAYERS, ensure_tiny_draft
 
-    return make
+        path, layers = ensure_tiny_draft(root), DRAFT_LAYERS
+    else:
+        from kvmesh.models.tiny_eagle import ensure_tiny_eagle
+
+        path, layers = ensure_tiny_eagle(root), 1
+    return Setting(tiny, SpeculativeConfig(method, NUM_SPEC, draft_model=str(path)), layers)
 
 
 @pytest.fixture(scope="module")
@@ -116,30 +124,41 @@ async def run_all(stub: worker_pb2_grpc.WorkerStub, tag: str) -> list[tuple[list
 
 
 @pytest.fixture(scope="module")
-async def reference(tiny_model: Path, vllm_env: object) -> list[list[int]]:
-    """Greedy outputs of PROMPTS on a plain engine (no speculation, no connector), closed after."""
+def references(vllm_env: object) -> Callable[[Path], Awaitable[list[list[int]]]]:
+    """Greedy outputs of PROMPTS on a plain engine of a model (no speculation, no connector,
+    closed after), once per model."""
     from services.worker.engine import VllmEngine
     from services.worker.server import start_worker
 
-    config = WorkerConfig(
-        engine=engine_config(tiny_model), worker_id="plain", etcd_endpoints=(), drain_grace_s=2.0
-    )
-    worker = await start_worker(config, await VllmEngine.start(config.engine))
-    try:
-        async with grpc.aio.insecure_channel(worker.address) as ch:
-            return [t for t, _ in await run_all(worker_pb2_grpc.WorkerStub(ch), "ref")]
-    finally:
-        await worker.stop()
+    done: dict[Path, list[list[int]]] = {}
+
+    async def reference(model: Path) -> list[list[int]]:
+        if model not in done:
+            config = WorkerConfig(
+                engine=engine_config(model), worker_id="plain", etcd_endpoints=(), drain_grace_s=2.0
+            )
+            worker = await start_worker(config, await VllmEngine.start(config.engine))
+            try:
+                async with grpc.aio.insecure_channel(worker.address) as ch:
+                    outs = await run_all(worker_pb2_grpc.WorkerStub(ch), "ref")
+                done[model] = [t for t, _ in outs]
+            finally:
+                await worker.stop()
+        return done[model]
+
+    return reference
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle"])
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle", "mtp"])
 async def test_speculating_worker_offloads_publishes_and_loads_through_the_kvmanager(
-    tiny_model: Path, tmp_path: Path, reference: list[list[int]], method: str
-) -> None:
+    tiny_model: Path, tmp_path: Path, references, method: str
+) -> None:  # type: ignore[no-untyped-def]
     from services.worker.engine import VllmEngine
     from services.worker.server import start_worker
 
-    spec, drafter_layers = drafter(method)(tmp_path / "drafter")
+    setting = setting_of(method, tiny_model, tmp_path / "models")
+    model, spec = setting.target, setting.spec
+    reference = await references(model)
     kvm = await start_kvmanager(
         KvManagerConfig(
             kvmanager_id="node-1",
@@ -159,7 +178,7 @@ async def test_speculating_worker_offloads_publishes_and_loads_through_the_kvman
     try:
         # 1. A speculating worker with the connector: computes, saves, publishes.
         config = WorkerConfig(
-            engine=engine_config(tiny_model, spec, kvm.address),
+            engine=engine_config(model, spec, kvm.address),
             worker_id="spec-a",
             etcd_endpoints=(),
             drain_grace_s=2.0,
@@ -172,12 +191,12 @@ async def test_speculating_worker_offloads_publishes_and_loads_through_the_kvman
             assert layout_key, "the connector is on"
             # The drafter's attention layers are in the target's KV cache group: their KV is
             # saved and loaded with the target's, and the layout says so.
-            assert parse_layout_key(layout_key).num_layers == TINY_LAYERS + drafter_layers
+            assert parse_layout_key(layout_key).num_layers == TINY_LAYERS + setting.drafter_layers
             record = WorkerRecord(
                 worker_id=WorkerId("spec-a"),
                 address=worker.address,
                 model="tiny",
-                model_path=str(tiny_model),
+                model_path=str(model),
                 max_model_len=1024,
                 block_size=BLOCK,
                 vocab_size=engine.info.vocab_size,
@@ -213,7 +232,7 @@ async def test_speculating_worker_offloads_publishes_and_loads_through_the_kvman
         # 2. A fresh engine with the same speculation (empty GPU cache) loads them.
         hits_before = kvm.store.stats.hits_cpu
         config2 = WorkerConfig(
-            engine=engine_config(tiny_model, spec, kvm.address),
+            engine=engine_config(model, spec, kvm.address),
             worker_id="spec-b",
             etcd_endpoints=(),
             drain_grace_s=2.0,
