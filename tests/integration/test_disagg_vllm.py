@@ -40,7 +40,7 @@ from services.worker.connector import kv_transfer_config
 from services.worker.main import VLLM_ENVIRONMENT
 from tests.support import eventually
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 BLOCK = 32
 VOCAB = 1024
