@@ -375,3 +375,49 @@ def test_placement_config_is_checked(kw) -> None:
 def test_config_is_checked(kw) -> None:
     with pytest.raises(InvalidArgument):
         DisaggConfig(**kw)
+
+
+# ---- KV layouts ------------------------------------------------------------------------------
+def with_layout(v, layout: str):  # type: ignore[no-untyped-def]
+    v.record = replace(v.record, kv_layout=layout)
+    return v
+
+
+PLAIN = "kvmesh-kv1;model=tiny;num_layers=2"
+DRAFTED = "kvmesh-kv1;model=tiny;num_layers=3"  # a speculative drafter's KV layers too
+
+
+@pytest.mark.parametrize("placement", list(Placement))
+def test_prefill_only_on_a_worker_of_the_decode_picks_kv_layout(placement) -> None:
+    """Blocks of another layout would not load (a decode worker with a draft model needs them
+    with the drafter's KV too): the pair shares the layout, whatever else the profile prefers."""
+    cfg = replace(COST, mode=placement)
+    for p0_layout, p1_layout, want in [
+        (PLAIN, DRAFTED, "p1"),  # p0 holds more, but its blocks do not fit d0
+        (DRAFTED, PLAIN, "p0"),
+        ("", PLAIN, "p0"),  # a worker that does not say its layout is not excluded
+    ]:
+        cands = [
+            with_layout(on_node("p0", "a", P), p0_layout),
+            with_layout(on_node("p1", "b", P), p1_layout),
+            with_layout(on_node("d0", "a", D), DRAFTED),
+        ]
+        d = handler({"p0": gpu(12)}, placement=cfg).decide(request(20), cands)
+        assert d.prefill is not None and d.prefill.worker_id == want, (p0_layout, p1_layout)
+    cands = [with_layout(on_node("p0", "a", P), PLAIN), with_layout(on_node("d0", "a", D), DRAFTED)]
+    d = handler({}, placement=cfg).decide(request(20), cands)
+    assert (d.prefill, d.reason) == (None, Reason.NO_PREFILL_CANDIDATE)
+
+
+def test_joint_placement_moves_the_decode_only_to_a_worker_of_the_prefills_layout() -> None:
+    """Decode slack may move the decode to another prefill worker's node, but not to a worker
+    whose layout that prefill worker's blocks do not fit."""
+    cands = [
+        with_layout(on_node("p0", "a", P, in_flight=4), PLAIN),
+        with_layout(on_node("d0", "a", D), PLAIN),
+        with_layout(on_node("p1", "b", P), PLAIN),
+        with_layout(on_node("d1", "b", D, kv=0.1), DRAFTED),
+    ]
+    d = handler({}, placement=replace(COST, decode_slack=0.05)).decide(request(20), cands)
+    # without layouts this is decode-slack-pairs-on-one-node: (d1, p1)
+    assert d.decode.worker_id == "d0" and d.prefill is not None and d.prefill.worker_id == "p1"

@@ -10,11 +10,12 @@ One request, two scheduling cycles over the same routing policy:
 2. **prefill**, only when that uncached part is at least ``threshold_tokens`` and the mesh has
    dedicated prefill workers: the policy picks among the prefill-capable workers (role
    ``prefill`` or ``both``, not the decode pick, and able to hand the KV over: a node
-   kvmanager), so the best prefix score wins. With ``placement.mode`` ``joint`` (the default)
-   the pair is then settled by an estimated cost (``placement.py``): the profile's two picks,
-   or a prefill worker on the decode worker's node (the hand-off free: one kvmanager), or a
-   near-best decode worker on another prefill worker's node, whichever costs least in prefill
-   compute + bytes handed across nodes / bandwidth + queueing.
+   kvmanager, and blocks of the decode pick's KV layout), so the best prefix score wins.
+   With ``placement.mode`` ``joint`` (the default) the pair is then settled by an estimated
+   cost (``placement.py``): the profile's two picks, or a prefill worker on the decode worker's
+   node (the hand-off free: one kvmanager), or a near-best decode worker on another prefill
+   worker's node, whichever costs least in prefill compute + bytes handed across nodes /
+   bandwidth + queueing (pairs of one KV layout only).
 
 Otherwise the request is served aggregated on the decode pick (a ``decode`` worker is a full
 engine: it prefills short prompts itself). A mesh of ``both`` workers only is never
@@ -32,7 +33,15 @@ from kvmesh.discovery.keys import Role, WorkerId
 from kvmesh.errors import InvalidArgument, Unavailable
 from kvmesh.settings import setting
 
-from .placement import JointPlacer, PairCost, Placement, PlacementConfig, PrefixFn, profile_prefix
+from .placement import (
+    JointPlacer,
+    PairCost,
+    Placement,
+    PlacementConfig,
+    PrefixFn,
+    layouts_match,
+    profile_prefix,
+)
 from .types import RouteDecision, RouteRequest
 from .workers import WorkerView
 
@@ -152,12 +161,16 @@ class DisaggHandler:
         reason = self._gate(candidates, uncached)
         if reason is not None:
             return DisaggDecision(decode, None, reason, uncached)
+        # Only a worker whose blocks the decode pick can load (the same KV layout: a decode
+        # worker with a speculative drafter needs a prefill worker with the same drafter).
+        picked = next(v for v in candidates if v.record.worker_id == decode.worker_id)
         prefill_cands = [
             v
             for v in candidates
             if v.record.role in PREFILL_ROLES
             and v.record.worker_id != decode.worker_id
             and self._can_hand_off(v.record.worker_id)
+            and layouts_match(v, picked)
         ]
         if not prefill_cands:
             return DisaggDecision(decode, None, Reason.NO_PREFILL_CANDIDATE, uncached)

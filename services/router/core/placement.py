@@ -153,6 +153,13 @@ def same_node(a: WorkerView, b: WorkerView) -> bool:
     return bool(node) and node == b.record.node
 
 
+def layouts_match(a: WorkerView, b: WorkerView) -> bool:
+    """One worker can load the blocks the other saves: the same KV layout key (a speculative
+    drafter's KV layers, another dtype or block size change it), or either does not say."""
+    la, lb = a.record.kv_layout, b.record.kv_layout
+    return not la or not lb or la == lb
+
+
 def decode_shortlist(
     decision: RouteDecision, views: Mapping[WorkerId, WorkerView], slack: float
 ) -> list[WorkerView]:
@@ -231,7 +238,7 @@ class JointPlacer:
             network = handoff * self._s_per_token
             for order, p in enumerate(plist):
                 pid = p.record.worker_id
-                if pid == d.record.worker_id:
+                if pid == d.record.worker_id or not layouts_match(p, d):
                     continue
                 p_blocks, p_bs = held(p)
                 p_uncached = max(prompt - p_blocks * p_bs, 0)
