@@ -43,6 +43,14 @@ from .core.plan import (
     TierUsage,
     WriteToDisk,
 )
+from .core.prefetch import (
+    PrefetchPlan,
+    PrefetchResult,
+    Promotion,
+    outcome,
+    plan_prefetch,
+    ram_cap_bytes,
+)
 from .core.retention import PinResult, Retention, SessionKey
 from .core.tiers import TierIndex
 from .peer import wire
@@ -72,7 +80,7 @@ class StoreStats:
     hits_cpu: int = 0
     hits_disk: int = 0
     misses: int = 0
-    promotions: int = 0  # disk -> RAM copies made by get
+    promotions: int = 0  # disk -> RAM copies made by get and by prefetch
     demotions: int = 0  # RAM -> disk write-backs done under memory pressure
     disk_writes: int = 0
     disk_deletes: int = 0
@@ -82,6 +90,11 @@ class StoreStats:
     # Renewed retentions whose previous pin's blocks were all still held (kept) or not (lost).
     retention_kept: int = 0
     retention_lost: int = 0
+    # Session prefetch (PrefetchSession): calls for a live session, those whose planned
+    # promotions all landed in RAM before their deadline, and the blocks they brought from disk.
+    prefetch_requests: int = 0
+    prefetch_done: int = 0
+    prefetch_blocks: int = 0
 
 
 class TieredStore:
@@ -398,6 +411,66 @@ class TieredStore:
         try:
             return len(self._retention.expire(now_s))
         finally:
+            self._sync()
+
+    async def prefetch_session(
+        self, tenant: str, session_id: str, timeout_s: float | None = None
+    ) -> PrefetchResult:
+        """Brings the session's retained chain from disk into RAM (``core/prefetch.py``'s
+        plan); waits at most ``timeout_s`` (promotions under way then still land). No live
+        retention: an empty result."""
+        self._check_open()
+        chain = self._retention.blocks_of(SessionKey(tenant, session_id))
+        layout = self._index.layout_of(chain[0]) if chain else None
+        if layout is None:
+            return outcome(PrefetchPlan((), 0, 0, len(chain)), ())
+        plan = plan_prefetch(
+            chain,
+            self._index.tier_of,
+            layout.block_bytes,
+            ram_cap_bytes(self._index.usage(Tier.CPU).budget_bytes),
+        )
+        self.stats.prefetch_requests += 1
+        tasks = [self._spawn(self.promote(layout, b.block_hash)) for b in plan.promote]
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout_s)
+        got = outcome(
+            plan,
+            [t.result() for t in tasks if t.done() and not t.cancelled() and t.exception() is None],
+        )
+        self.stats.prefetch_blocks += got.promoted
+        self.stats.prefetch_done += got.done
+        return got
+
+    async def promote(self, layout: KvLayout, block_hash: int) -> Promotion:
+        """Brings a block held on disk (only) into RAM, waiting while room is made."""
+        self._check_open()
+        bid = BlockId(layout.key, check_block_hash(block_hash))
+        tier = self._index.pin(bid)
+        if tier is not Tier.DISK:
+            if tier is not None:
+                self._index.unpin(bid, tier)
+                self._sync()
+            return Promotion.MISSING if tier is None else Promotion.IN_CPU
+        try:
+            try:
+                got = await self._reserve(layout, bid, Tier.CPU, self._index.parent_of(bid))
+            except StoreClosed:
+                return Promotion.NO_ROOM
+            if got is not Grant.GRANTED:
+                return Promotion.IN_CPU if got is Grant.PRESENT else Promotion.NO_ROOM
+            data: RamBlock | None = None
+            try:
+                data = await self._read_checked(layout, bid)
+            finally:
+                if data is None:  # a bad file (dropped), or cancelled: the RAM copy never lands
+                    self._index.write_done(bid, Tier.CPU, ok=False)
+            if data is None:
+                return Promotion.MISSING
+            self._land(bid, data)
+            return Promotion.PROMOTED
+        finally:
+            self._index.unpin(bid, Tier.DISK)
             self._sync()
 
     def retained_usage(self) -> dict[Tier, tuple[int, int]]:

@@ -168,6 +168,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 )
             model = self._workers.model(request.model)
             model_name = model.name
+            if retention is not None:  # its node brings the session's blocks to RAM meanwhile
+                retention.before_turn(model, request.session_id, request.tenant)
             request_span.set_attribute("model", model_name)
             if admission is not None:  # a full queue refuses before the prompt is tokenized
                 admission.precheck(model.name, request.tenant, request.priority)
@@ -251,6 +253,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                                 output_ids,
                                 usage.worker_id,
                                 usage.cached_prompt_tokens,
+                                request.retention_ttl_s,
                             )
                     yield chunk
         except errors.KvmeshError as exc:

@@ -228,8 +228,12 @@ def chat_messages(system: object, messages: object) -> list[dict[str, Any]]:
                     param,
                 )
             out.append(_assistant(content, param))
+        elif role == "system":  # a mid-conversation system turn (Claude Code sends them)
+            out.append({"role": "system", "content": _text_blocks(content, f"{param}.content")})
         else:
-            raise BadRequest(f"{param}.role: is {role!r}; use 'user' or 'assistant'", param)
+            raise BadRequest(
+                f"{param}.role: is {role!r}; use 'user', 'assistant' or 'system'", param
+            )
     return out
 
 
@@ -316,30 +320,65 @@ def _session(body: Mapping[str, Any], ext: extensions.Extensions) -> extensions.
     ``x-kvmesh-session-id`` header, else ``metadata.user_id`` (agent CLIs send one per
     conversation), else, when the request marks anything with ``cache_control`` (the client
     asks for its prefix to be kept), a session named after the conversation's start: the
-    model, system prompt, tools and first message, which every later turn resends unchanged."""
+    model, system prompt, tools and first message, which every later turn resends unchanged.
+    A marker's ``ttl`` ("5m", "1h"; the longest of them) is how long the session is kept."""
     metadata = body.get("metadata")
     user_id = None
     if metadata is not None:
         user_id = _object(metadata, "metadata").get("user_id")
         if user_id is not None and not isinstance(user_id, str):
             raise BadRequest("metadata.user_id: must be a string", "metadata.user_id")
+    markers = cache_markers(body)
+    ttl_s = marker_ttl_s(markers)
+    if ttl_s:
+        ext = replace(ext, retention_ttl_s=ttl_s)
     if ext.session_id:
         return ext
     if user_id:
         return replace(ext, session_id=user_id)
-    if _marks_cache(body):
+    if markers:
         return replace(ext, session_id=_conversation_id(body))
     return ext
 
 
-def _marks_cache(value: Any) -> bool:
-    """Whether a ``cache_control`` marker stands anywhere in ``value`` (system, tools,
-    messages' content blocks)."""
-    if isinstance(value, Mapping):
-        return "cache_control" in value or any(_marks_cache(v) for v in value.values())
-    if isinstance(value, list):
-        return any(_marks_cache(v) for v in value)
-    return False
+# Anthropic's cache lifetimes (cache_control.ttl), seconds.
+CACHE_TTLS_S = {"5m": 300.0, "1h": 3600.0}
+
+
+def cache_markers(value: Any) -> list[object]:
+    """Every ``cache_control`` marker in ``value`` (system, tools, messages' content blocks,
+    the top level)."""
+    found: list[object] = []
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, Mapping):
+            if "cache_control" in v:
+                found.append(v["cache_control"])
+            stack.extend(x for k, x in v.items() if k != "cache_control")
+        elif isinstance(v, list):
+            stack.extend(v)
+    return found
+
+
+def marker_ttl_s(markers: list[object]) -> float:
+    """The longest ``ttl`` the markers name, in seconds; 0 when none names one. A marker that
+    is not an object, or a ttl other than "5m" and "1h", is a 400."""
+    ttl_s = 0.0
+    for marker in markers:
+        if marker is None:
+            continue
+        m = _object(marker, "cache_control")
+        ttl = m.get("ttl")
+        if ttl is None:
+            continue
+        if ttl not in CACHE_TTLS_S:
+            raise BadRequest(
+                f"cache_control.ttl: is {ttl!r}; use '5m' or '1h' (or leave it out)",
+                "cache_control.ttl",
+            )
+        ttl_s = max(ttl_s, CACHE_TTLS_S[ttl])
+    return ttl_s
 
 
 def _conversation_id(body: Mapping[str, Any]) -> str:
