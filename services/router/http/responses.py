@@ -423,6 +423,13 @@ def build(
     )
 
 
+def output_room(max_model_len: int, prompt_tokens: int) -> int:
+    """The tokens an answer may have when the request sets no ``max_output_tokens``: what the
+    context leaves after the prompt (0: unknown, or no room: the router's default then, and its
+    own error for a prompt too long)."""
+    return max(0, max_model_len - prompt_tokens)
+
+
 def _param(param: str) -> str:
     """A chat request's parameter as the Responses request names it."""
     if param.startswith("messages"):
