@@ -189,6 +189,24 @@ def test_a_cache_control_marker_names_a_session_after_the_conversations_start():
     assert header.chat.generate.session_id == "h"
 
 
+def test_max_tokens_is_an_upper_bound_the_context_may_cut_short():
+    """Claude Code sends max_tokens 32000 whatever the model's context: the router lowers it to
+    the room the prompt leaves (fit_max_tokens), and an answer cut there, short of max_tokens,
+    says model_context_window_exceeded, streamed or not."""
+    req = parse(messages=HI, max_tokens=32000)
+    assert req.chat.generate.fit_max_tokens and req.max_tokens == 32000
+    length = common_pb2.FINISH_REASON_LENGTH
+    assert collect(req, chunks(["a", "b"], reason=length))["stop_reason"] == (
+        "model_context_window_exceeded"
+    )
+    streamed = parse(messages=HI, max_tokens=32000, stream=True)
+    got = events(streamed, chunks(["a"], reason=length))
+    assert got[-2][1]["delta"]["stop_reason"] == "model_context_window_exceeded"
+    assert collect(parse(messages=HI, max_tokens=2), chunks(["a", "b"], reason=length))[
+        "stop_reason"
+    ] == ("max_tokens")
+
+
 def test_a_mid_conversation_system_turn_is_a_system_message():
     # Claude Code sends its environment so, after the first user message.
     req = parse(
@@ -518,9 +536,12 @@ def test_forced_calls():
     assert parts == ['{"city":', ' "Rome"}']
     assert got[-2][1]["delta"]["stop_reason"] == "tool_use"
 
+    forced: Any = {"tools": [WEATHER], "tool_choice": {"type": "tool", "name": "weather"}}
+    named = parse(messages=HI, max_tokens=1, **forced)  # cut by max_tokens: 1 of 1 tokens
     cut = collect(named, chunks(['{"city":'], reason=common_pb2.FINISH_REASON_LENGTH))
     assert cut["content"] == [{"type": "text", "text": '{"city":'}]
     assert cut["stop_reason"] == "max_tokens"
+    streamed = parse(messages=HI, max_tokens=1, stream=True, **forced)
     got = events(streamed, chunks(['{"city":'], reason=common_pb2.FINISH_REASON_LENGTH))
     assert got[-2][1]["delta"]["stop_reason"] == "max_tokens"
 

@@ -52,6 +52,7 @@ class MessagesRequest:
 
     chat: parsing.ParsedRequest  # its id (msg_...) is the kvmesh request_id
     stop_sequences: tuple[str, ...] = ()
+    max_tokens: int = 0  # as sent (the router lowers it to the context's room)
 
     @property
     def id(self) -> str:
@@ -432,7 +433,10 @@ def parse_messages(body: object, ext: extensions.Extensions, request_id: str) ->
         _chat_body(body, max_tokens), _session(body, ext), request_id, max_tokens
     )
     chat.generate.sampling.stop.extend(stops)  # the router checks them (at most 16)
-    return MessagesRequest(chat, stops)
+    # max_tokens is an upper bound (Claude Code sends 32000 whatever the context): a prompt
+    # that leaves less room lowers it, and the answer says model_context_window_exceeded.
+    chat.generate.fit_max_tokens = True
+    return MessagesRequest(chat, stops, max_tokens)
 
 
 def parse_count_tokens(
@@ -471,12 +475,15 @@ def stop_reason(
     matched: str | None,
     calls_complete: bool,
     stop_sequences: tuple[str, ...],
+    cut_short_of: int = 0,
 ) -> tuple[str, str | None]:
-    """(stop_reason, stop_sequence) of an answer: ``max_tokens`` when cut short, ``tool_use``
-    when it holds whole tool calls, ``stop_sequence`` when one of ``stop_sequences`` ended it
-    (``matched``: the router's stop reason), else ``end_turn``."""
+    """(stop_reason, stop_sequence) of an answer: ``max_tokens`` when cut short, or
+    ``model_context_window_exceeded`` when cut by the context before ``max_tokens``
+    (``cut_short_of``: how many tokens short of it), ``tool_use`` when it holds whole tool
+    calls, ``stop_sequence`` when one of ``stop_sequences`` ended it (``matched``: the router's
+    stop reason), else ``end_turn``."""
     if finish_reason == "length":
-        return "max_tokens", None
+        return ("model_context_window_exceeded" if cut_short_of > 0 else "max_tokens"), None
     if calls_complete:
         return "tool_use", None
     if matched is not None and matched in stop_sequences:
@@ -528,7 +535,11 @@ def message_json(
         else:
             content.append({"type": "text", "text": fn["arguments"]})
     reason, sequence = stop_reason(
-        choice["finish_reason"], matched, calls > 0, request.stop_sequences
+        choice["finish_reason"],
+        matched,
+        calls > 0,
+        request.stop_sequences,
+        request.max_tokens - usage.completion_tokens,
     )
     return {
         "id": request.id,
