@@ -115,17 +115,20 @@ async def run(argv: list[str], env: dict[str, str], cwd: Path) -> tuple[int, str
     return proc.returncode, out.decode(), err.decode()
 
 
-def requests_on(m: Mesh, endpoint: str) -> float:
-    """Requests the router's HTTP front door ended on ``endpoint``, whatever their status."""
+def sample(m: Mesh, name: str, **labels: str) -> float:
+    """The sum of the router's samples ``name`` whose labels include ``labels``."""
     total = 0.0
     for metric in m.router.metrics.registry.collect():
-        for sample in metric.samples:
-            if (
-                sample.name == "kvmesh_router_http_requests_total"
-                and sample.labels.get("endpoint") == endpoint
-            ):
-                total += sample.value
+        for s in metric.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                total += s.value
     return total
+
+
+def http_requests(m: Mesh, endpoint: str) -> tuple[float, float]:
+    """(answered 200, all) requests the router's HTTP front door ended on ``endpoint``."""
+    name = "kvmesh_router_http_requests_total"
+    return sample(m, name, endpoint=endpoint, code="200"), sample(m, name, endpoint=endpoint)
 
 
 def base_env(home: Path) -> dict[str, str]:
@@ -153,8 +156,9 @@ async def test_claude_code_turn_and_continued_turn(mesh: Mesh, tmp_path: Path):
         assert out.strip(), err
         turns.append(json.loads(out))
     for turn in turns:
-        # The whole answer was read: its usage, and why it ended (the random model fills the
-        # context; a protocol error would be an api_error_status or no usage at all).
+        # The whole answer was read: its usage, and why it ended (the random model runs to the
+        # context's end: "The model has reached its context window limit"); a protocol error
+        # would be an api_error_status or no usage at all.
         assert turn["api_error_status"] is None, turn
         assert turn["usage"]["output_tokens"] > 0, turn
         prompt = (
@@ -165,4 +169,39 @@ async def test_claude_code_turn_and_continued_turn(mesh: Mesh, tmp_path: Path):
         assert prompt > 10_000, turn  # Claude Code's system prompt and tools
     # The continued turn resent the conversation: its prompt came from the cache.
     assert turns[1]["usage"]["cache_read_input_tokens"] > 10_000, turns[1]
-    assert requests_on(mesh, "/v1/messages") >= 2
+    ok, sent = http_requests(mesh, "/v1/messages")
+    assert ok == sent >= 2
+
+
+@pytest.mark.skipif(CODEX is None, reason="Codex is not installed (no `codex` on PATH)")
+async def test_codex_turn_and_resumed_turn(mesh: Mesh, tmp_path: Path):
+    assert CODEX is not None
+    home = tmp_path / "codex"
+    home.mkdir()
+    (home / "config.toml").write_text(
+        'model = "tiny"\nmodel_provider = "kvmesh"\n\n[model_providers.kvmesh]\n'
+        f'name = "kvmesh"\nbase_url = "{mesh.http}/v1"\nwire_api = "responses"\n'
+    )
+    env = base_env(tmp_path) | {"CODEX_HOME": str(home)}
+    cached = []
+    for argv in (
+        [CODEX, "exec", "--skip-git-repo-check", "--json", "Say hello."],
+        [CODEX, "exec", "--skip-git-repo-check", "--json", "resume", "--last", "And again."],
+    ):
+        before = sample(mesh, "kvmesh_router_cached_prompt_tokens_total")
+        _, out, err = await run(argv, env, tmp_path)
+        events = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        kinds = [e["type"] for e in events]
+        assert "turn.started" in kinds, (out, err)
+        # The whole answer was read: it ran to the context's end (the random model never ends
+        # its turn), which Codex reports as an incomplete response; a protocol error would be
+        # a status code or a broken stream.
+        ended = events[-1]
+        assert ended["type"] in ("turn.completed", "turn.failed"), events
+        if ended["type"] == "turn.failed":
+            assert "Incomplete response returned" in ended["error"]["message"], ended
+        cached.append(sample(mesh, "kvmesh_router_cached_prompt_tokens_total") - before)
+    ok, sent = http_requests(mesh, "/v1/responses")
+    assert ok == sent >= 2
+    # The resumed turn resent the whole conversation (store: false): read from the cache.
+    assert cached[1] > 20_000, cached
