@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -431,19 +431,47 @@ class TieredStore:
             ram_cap_bytes(self._index.usage(Tier.CPU).budget_bytes),
         )
         self.stats.prefetch_requests += 1
-        tasks = [self._spawn(self.promote(layout, b.block_hash)) for b in plan.promote]
-        if tasks:
-            await asyncio.wait(tasks, timeout=timeout_s)
-        got = outcome(
-            plan,
-            [t.result() for t in tasks if t.done() and not t.cancelled() and t.exception() is None],
-        )
+        ended: list[Promotion] = []
+        if plan.promote:
+            run = chain[: len(plan.promote) + plan.in_cpu + plan.on_disk]
+            task = self._spawn(self._prefetch(layout, run, plan.promote, ended))
+            with contextlib.suppress(TimeoutError):  # what is under way still lands
+                await asyncio.wait_for(asyncio.shield(task), timeout_s)
+        got = outcome(plan, list(ended))
         self.stats.prefetch_blocks += got.promoted
         self.stats.prefetch_done += got.done
         return got
 
-    async def promote(self, layout: KvLayout, block_hash: int) -> Promotion:
-        """Brings a block held on disk (only) into RAM, waiting while room is made."""
+    async def _prefetch(
+        self,
+        layout: KvLayout,
+        run: Sequence[BlockId],
+        promote: Sequence[BlockId],
+        ended: list[Promotion],
+    ) -> None:
+        """Promotes ``promote`` (in parallel), keeping the run's RAM copies pinned meanwhile:
+        making room for one promotion must not push out another, or a block in RAM already
+        (the run is at most half the RAM tier). ``ended`` gets each promotion's outcome."""
+        pinned: list[BlockId] = []
+        for b in run:
+            if self._index.tier_of(b) is Tier.CPU and self._index.pin(b) is Tier.CPU:
+                pinned.append(b)
+
+        async def one(b: BlockId) -> None:
+            ended.append(await self.promote(layout, b.block_hash, keep=pinned))
+
+        try:
+            await asyncio.gather(*(one(b) for b in promote), return_exceptions=True)
+        finally:
+            for b in pinned:
+                self._index.unpin(b, Tier.CPU)
+            self._sync()
+
+    async def promote(
+        self, layout: KvLayout, block_hash: int, keep: list[BlockId] | None = None
+    ) -> Promotion:
+        """Brings a block held on disk (only) into RAM, waiting while room is made. ``keep``:
+        the RAM copy landed is pinned and added to it (the caller unpins it)."""
         self._check_open()
         bid = BlockId(layout.key, check_block_hash(block_hash))
         tier = self._index.pin(bid)
@@ -468,6 +496,8 @@ class TieredStore:
             if data is None:
                 return Promotion.MISSING
             self._land(bid, data)
+            if keep is not None and self._index.pin(bid) is Tier.CPU:
+                keep.append(bid)
             return Promotion.PROMOTED
         finally:
             self._index.unpin(bid, Tier.DISK)
