@@ -295,8 +295,8 @@ async def test_max_tokens_past_the_context_is_lowered_to_its_room(
     messages: Any = [{"role": "user", "content": "alpha beta gamma delta " * 121}]
     counted = (await client.messages.count_tokens(model="tiny", messages=messages)).input_tokens
     assert 1900 < counted < 2048, counted  # a room of a few dozen tokens
-    msg = await client.messages.create(
-        model="tiny", max_tokens=32000, messages=messages, extra_body=GREEDY
+    msg = await client.messages.create(  # a timeout: the SDK wants one for max_tokens 32000
+        model="tiny", max_tokens=32000, messages=messages, extra_body=GREEDY, timeout=120
     )
     assert msg.stop_reason == "model_context_window_exceeded"
     assert msg.usage.output_tokens == 2048 - counted
@@ -314,8 +314,9 @@ async def test_errors(client: anthropic.AsyncAnthropic, mesh: Mesh, etcd):
             model="tiny", max_tokens=4, messages=HI, extra_body={"temperature": 3.0}
         )
     assert "temperature" in hot.value.message
-    with pytest.raises(anthropic.BadRequestError) as long:
-        await client.messages.create(model="tiny", max_tokens=5000, messages=HI)
+    with pytest.raises(anthropic.BadRequestError) as long:  # a prompt past the context
+        too_long: Any = [{"role": "user", "content": "alpha beta gamma delta " * 200}]
+        await client.messages.create(model="tiny", max_tokens=5, messages=too_long)
     assert long.value.body["error"]["type"] == "invalid_request_error"  # type: ignore[index]
 
     empty = await start_router(
