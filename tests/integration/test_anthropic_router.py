@@ -314,8 +314,8 @@ async def test_errors(client: anthropic.AsyncAnthropic, mesh: Mesh, etcd):
             model="tiny", max_tokens=4, messages=HI, extra_body={"temperature": 3.0}
         )
     assert "temperature" in hot.value.message
+    too_long: Any = [{"role": "user", "content": "alpha beta gamma delta " * 200}]
     with pytest.raises(anthropic.BadRequestError) as long:  # a prompt past the context
-        too_long: Any = [{"role": "user", "content": "alpha beta gamma delta " * 200}]
         await client.messages.create(model="tiny", max_tokens=5, messages=too_long)
     assert long.value.body["error"]["type"] == "invalid_request_error"  # type: ignore[index]
 
