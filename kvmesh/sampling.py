@@ -218,6 +218,15 @@ def check_prompt(
         )
 
 
+def fitted_max_tokens(max_tokens: int, prompt_tokens: int, max_model_len: int, fit: bool) -> int:
+    """``max_tokens``, or with ``fit`` (an upper bound, as Anthropic's), at most the room the
+    prompt leaves in the context (at least 1: a prompt that fills the context is
+    ``check_prompt``'s error)."""
+    if not fit:
+        return max_tokens
+    return max(1, min(max_tokens, max_model_len - prompt_tokens))
+
+
 def sampling_from_pb(p) -> Sampling:  # type: ignore[no-untyped-def]
     """From a ``kvmesh.v1.SamplingParams`` message (duck-typed: this module imports no grpc)."""
     return Sampling(

@@ -7,6 +7,28 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class PrefetchSessionRequest(_message.Message):
+    __slots__ = ("session_id", "tenant")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    tenant: str
+    def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
+
+class PrefetchSessionResponse(_message.Message):
+    __slots__ = ("retained_blocks", "in_cpu_blocks", "promoted_blocks", "on_disk_blocks", "missing_blocks")
+    RETAINED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    IN_CPU_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PROMOTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    ON_DISK_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MISSING_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    retained_blocks: int
+    in_cpu_blocks: int
+    promoted_blocks: int
+    on_disk_blocks: int
+    missing_blocks: int
+    def __init__(self, retained_blocks: _Optional[int] = ..., in_cpu_blocks: _Optional[int] = ..., promoted_blocks: _Optional[int] = ..., on_disk_blocks: _Optional[int] = ..., missing_blocks: _Optional[int] = ...) -> None: ...
+
 class RetainSessionRequest(_message.Message):
     __slots__ = ("layout_key", "session_id", "tenant", "block_hashes", "ttl_s")
     LAYOUT_KEY_FIELD_NUMBER: _ClassVar[int]

@@ -90,6 +90,11 @@ class KvManagerStub(object):
                 request_serializer=kvmesh_dot_v1_dot_kvmanager__pb2.ReleaseSessionRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_kvmanager__pb2.ReleaseSessionResponse.FromString,
                 _registered_method=True)
+        self.PrefetchSession = channel.unary_unary(
+                '/kvmesh.v1.KvManager/PrefetchSession',
+                request_serializer=kvmesh_dot_v1_dot_kvmanager__pb2.PrefetchSessionRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_kvmanager__pb2.PrefetchSessionResponse.FromString,
+                _registered_method=True)
 
 
 class KvManagerServicer(object):
@@ -206,6 +211,19 @@ class KvManagerServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PrefetchSession(self, request, context):
+        """Session prefetch (docs/agents.md#prefetch): brings the session's retained chain (its last
+        RetainSession's blocks) from the disk tier into RAM, leading blocks first, so that its next
+        turn loads them from RAM; the router sends it when that turn arrives. The chain stops at its
+        first block held nowhere; blocks in RAM already are skipped; at most half the RAM tier is
+        filled so. Answers when the promotions are done or the call's deadline passes (those under
+        way then still land). No live retention for the session: an empty answer.
+        INVALID_ARGUMENT: no session id; UNAVAILABLE: the kvmanager is shutting down.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KvManagerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -263,6 +281,11 @@ def add_KvManagerServicer_to_server(servicer, server):
                     servicer.ReleaseSession,
                     request_deserializer=kvmesh_dot_v1_dot_kvmanager__pb2.ReleaseSessionRequest.FromString,
                     response_serializer=kvmesh_dot_v1_dot_kvmanager__pb2.ReleaseSessionResponse.SerializeToString,
+            ),
+            'PrefetchSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.PrefetchSession,
+                    request_deserializer=kvmesh_dot_v1_dot_kvmanager__pb2.PrefetchSessionRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_kvmanager__pb2.PrefetchSessionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -562,6 +585,33 @@ class KvManager(object):
             '/kvmesh.v1.KvManager/ReleaseSession',
             kvmesh_dot_v1_dot_kvmanager__pb2.ReleaseSessionRequest.SerializeToString,
             kvmesh_dot_v1_dot_kvmanager__pb2.ReleaseSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrefetchSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.KvManager/PrefetchSession',
+            kvmesh_dot_v1_dot_kvmanager__pb2.PrefetchSessionRequest.SerializeToString,
+            kvmesh_dot_v1_dot_kvmanager__pb2.PrefetchSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

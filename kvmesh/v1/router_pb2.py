@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from kvmesh.v1 import common_pb2 as kvmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvmesh/v1/router.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\"\x7f\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\'\n\ntool_calls\x18\x05 \x03(\x0b\x32\x13.kvmesh.v1.ToolCallJ\x04\x08\x06\x10\n\"E\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04type\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"P\n\x04Tool\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x03 \x01(\t\x12\x17\n\x0fparameters_json\x18\x04 \x01(\t\"L\n\nToolChoice\x12\'\n\x04mode\x18\x01 \x01(\x0e\x32\x19.kvmesh.v1.ToolChoiceMode\x12\x15\n\rfunction_name\x18\x02 \x01(\t\"\x87\x01\n\tChatInput\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.kvmesh.v1.ChatMessage\x12\x1e\n\x05tools\x18\x02 \x03(\x0b\x32\x0f.kvmesh.v1.Tool\x12*\n\x0btool_choice\x18\x03 \x01(\x0b\x32\x15.kvmesh.v1.ToolChoiceJ\x04\x08\x04\x10\x06\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xd2\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12$\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x14.kvmesh.v1.ChatInputH\x00\x12(\n\ttoken_ids\x18\x05 \x01(\x0b\x32\x13.kvmesh.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\x12\n\nsession_id\x18\x07 \x01(\t\x12\x0e\n\x06tenant\x18\x08 \x01(\t\x12\x10\n\x08priority\x18\t \x01(\x05\x12\x12\n\ncache_salt\x18\n \x01(\t\x12!\n\x06resume\x18\x14 \x01(\x0b\x32\x11.kvmesh.v1.Resume\x12\x13\n\x0b\x65nd_session\x18\x15 \x01(\x08\x42\x07\n\x05inputJ\x04\x08\x0b\x10\x14\"Y\n\x06Resume\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0f\n\x07resumes\x18\x03 \x01(\r\x12\x1d\n\x15time_to_first_token_s\x18\x04 \x01(\x01\"\xcb\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12%\n\x08\x66inished\x18\x04 \x01(\x0b\x32\x13.kvmesh.v1.Finished\x12)\n\x08logprobs\x18\x05 \x03(\x0b\x32\x17.kvmesh.v1.TokenLogprob\x12\x30\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x17.kvmesh.v1.TokenLogprob\"\x13\n\x11ListModelsRequest\"U\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x0f\n\x07workers\x18\x04 \x01(\r\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.kvmesh.v1.ModelInfo*\xa6\x01\n\x0eToolChoiceMode\x12 \n\x1cTOOL_CHOICE_MODE_UNSPECIFIED\x10\x00\x12\x19\n\x15TOOL_CHOICE_MODE_AUTO\x10\x01\x12\x19\n\x15TOOL_CHOICE_MODE_NONE\x10\x02\x12\x1d\n\x19TOOL_CHOICE_MODE_REQUIRED\x10\x03\x12\x1d\n\x19TOOL_CHOICE_MODE_FUNCTION\x10\x04\x32\xd6\x01\n\x06Router\x12\x45\n\x08Generate\x12\x1a.kvmesh.v1.GenerateRequest\x1a\x1b.kvmesh.v1.GenerateResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.kvmesh.v1.AbortRequest\x1a\x18.kvmesh.v1.AbortResponse\x12I\n\nListModels\x12\x1c.kvmesh.v1.ListModelsRequest\x1a\x1d.kvmesh.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvmesh/v1/router.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\"\x7f\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\'\n\ntool_calls\x18\x05 \x03(\x0b\x32\x13.kvmesh.v1.ToolCallJ\x04\x08\x06\x10\n\"E\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04type\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"P\n\x04Tool\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x03 \x01(\t\x12\x17\n\x0fparameters_json\x18\x04 \x01(\t\"L\n\nToolChoice\x12\'\n\x04mode\x18\x01 \x01(\x0e\x32\x19.kvmesh.v1.ToolChoiceMode\x12\x15\n\rfunction_name\x18\x02 \x01(\t\"\x87\x01\n\tChatInput\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.kvmesh.v1.ChatMessage\x12\x1e\n\x05tools\x18\x02 \x03(\x0b\x32\x0f.kvmesh.v1.Tool\x12*\n\x0btool_choice\x18\x03 \x01(\x0b\x32\x15.kvmesh.v1.ToolChoiceJ\x04\x08\x04\x10\x06\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x83\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12$\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x14.kvmesh.v1.ChatInputH\x00\x12(\n\ttoken_ids\x18\x05 \x01(\x0b\x32\x13.kvmesh.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\x12\n\nsession_id\x18\x07 \x01(\t\x12\x0e\n\x06tenant\x18\x08 \x01(\t\x12\x10\n\x08priority\x18\t \x01(\x05\x12\x12\n\ncache_salt\x18\n \x01(\t\x12!\n\x06resume\x18\x14 \x01(\x0b\x32\x11.kvmesh.v1.Resume\x12\x13\n\x0b\x65nd_session\x18\x15 \x01(\x08\x12\x17\n\x0fretention_ttl_s\x18\x16 \x01(\x01\x12\x16\n\x0e\x66it_max_tokens\x18\x17 \x01(\x08\x42\x07\n\x05inputJ\x04\x08\x0b\x10\x14\"Y\n\x06Resume\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0f\n\x07resumes\x18\x03 \x01(\r\x12\x1d\n\x15time_to_first_token_s\x18\x04 \x01(\x01\"\xcb\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12%\n\x08\x66inished\x18\x04 \x01(\x0b\x32\x13.kvmesh.v1.Finished\x12)\n\x08logprobs\x18\x05 \x03(\x0b\x32\x17.kvmesh.v1.TokenLogprob\x12\x30\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x17.kvmesh.v1.TokenLogprob\"\x13\n\x11ListModelsRequest\"U\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x0f\n\x07workers\x18\x04 \x01(\r\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.kvmesh.v1.ModelInfo*\xa6\x01\n\x0eToolChoiceMode\x12 \n\x1cTOOL_CHOICE_MODE_UNSPECIFIED\x10\x00\x12\x19\n\x15TOOL_CHOICE_MODE_AUTO\x10\x01\x12\x19\n\x15TOOL_CHOICE_MODE_NONE\x10\x02\x12\x1d\n\x19TOOL_CHOICE_MODE_REQUIRED\x10\x03\x12\x1d\n\x19TOOL_CHOICE_MODE_FUNCTION\x10\x04\x32\xd6\x01\n\x06Router\x12\x45\n\x08Generate\x12\x1a.kvmesh.v1.GenerateRequest\x1a\x1b.kvmesh.v1.GenerateResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.kvmesh.v1.AbortRequest\x1a\x18.kvmesh.v1.AbortResponse\x12I\n\nListModels\x12\x1c.kvmesh.v1.ListModelsRequest\x1a\x1d.kvmesh.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvmesh.v1.router_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TOOLCHOICEMODE']._serialized_start=1391
-  _globals['_TOOLCHOICEMODE']._serialized_end=1557
+  _globals['_TOOLCHOICEMODE']._serialized_start=1440
+  _globals['_TOOLCHOICEMODE']._serialized_end=1606
   _globals['_CHATMESSAGE']._serialized_start=61
   _globals['_CHATMESSAGE']._serialized_end=188
   _globals['_TOOLCALL']._serialized_start=190
@@ -47,17 +47,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=559
   _globals['_TOKENIDS']._serialized_end=582
   _globals['_GENERATEREQUEST']._serialized_start=585
-  _globals['_GENERATEREQUEST']._serialized_end=923
-  _globals['_RESUME']._serialized_start=925
-  _globals['_RESUME']._serialized_end=1014
-  _globals['_GENERATERESPONSE']._serialized_start=1017
-  _globals['_GENERATERESPONSE']._serialized_end=1220
-  _globals['_LISTMODELSREQUEST']._serialized_start=1222
-  _globals['_LISTMODELSREQUEST']._serialized_end=1241
-  _globals['_MODELINFO']._serialized_start=1243
-  _globals['_MODELINFO']._serialized_end=1328
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1330
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1388
-  _globals['_ROUTER']._serialized_start=1560
-  _globals['_ROUTER']._serialized_end=1774
+  _globals['_GENERATEREQUEST']._serialized_end=972
+  _globals['_RESUME']._serialized_start=974
+  _globals['_RESUME']._serialized_end=1063
+  _globals['_GENERATERESPONSE']._serialized_start=1066
+  _globals['_GENERATERESPONSE']._serialized_end=1269
+  _globals['_LISTMODELSREQUEST']._serialized_start=1271
+  _globals['_LISTMODELSREQUEST']._serialized_end=1290
+  _globals['_MODELINFO']._serialized_start=1292
+  _globals['_MODELINFO']._serialized_end=1377
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1379
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1437
+  _globals['_ROUTER']._serialized_start=1609
+  _globals['_ROUTER']._serialized_end=1823
 # @@protoc_insertion_point(module_scope)

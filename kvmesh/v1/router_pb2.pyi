@@ -84,7 +84,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "model", "text", "chat", "token_ids", "sampling", "session_id", "tenant", "priority", "cache_salt", "resume", "end_session")
+    __slots__ = ("request_id", "model", "text", "chat", "token_ids", "sampling", "session_id", "tenant", "priority", "cache_salt", "resume", "end_session", "retention_ttl_s", "fit_max_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +97,8 @@ class GenerateRequest(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     RESUME_FIELD_NUMBER: _ClassVar[int]
     END_SESSION_FIELD_NUMBER: _ClassVar[int]
+    RETENTION_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    FIT_MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     text: str
@@ -109,7 +111,9 @@ class GenerateRequest(_message.Message):
     cache_salt: str
     resume: Resume
     end_session: bool
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., end_session: bool = ...) -> None: ...
+    retention_ttl_s: float
+    fit_max_tokens: bool
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., end_session: bool = ..., retention_ttl_s: _Optional[float] = ..., fit_max_tokens: bool = ...) -> None: ...
 
 class Resume(_message.Message):
     __slots__ = ("token_ids", "text", "resumes", "time_to_first_token_s")

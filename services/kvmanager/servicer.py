@@ -131,6 +131,23 @@ class KvManagerServicer(kvmanager_pb2_grpc.KvManagerServicer):
         released = self._store.release_session(request.tenant, request.session_id)
         return kvmanager_pb2.ReleaseSessionResponse(released=released)
 
+    async def PrefetchSession(
+        self, request: kvmanager_pb2.PrefetchSessionRequest, context: grpc.aio.ServicerContext
+    ) -> kvmanager_pb2.PrefetchSessionResponse:
+        self._check_serving()
+        if not request.session_id:
+            raise errors.InvalidArgument("a session id is required", "session_id")
+        got = await self._store.prefetch_session(
+            request.tenant, request.session_id, context.time_remaining()
+        )
+        return kvmanager_pb2.PrefetchSessionResponse(
+            retained_blocks=got.retained,
+            in_cpu_blocks=got.in_cpu,
+            promoted_blocks=got.promoted,
+            on_disk_blocks=got.on_disk,
+            missing_blocks=got.missing,
+        )
+
     async def Lookup(
         self, request: kvmanager_pb2.LookupRequest, context: grpc.aio.ServicerContext
     ) -> kvmanager_pb2.LookupResponse:

@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +42,14 @@ from .core.plan import (
     LayoutEvent,
     TierUsage,
     WriteToDisk,
+)
+from .core.prefetch import (
+    PrefetchPlan,
+    PrefetchResult,
+    Promotion,
+    outcome,
+    plan_prefetch,
+    ram_cap_bytes,
 )
 from .core.retention import PinResult, Retention, SessionKey
 from .core.tiers import TierIndex
@@ -72,7 +80,7 @@ class StoreStats:
     hits_cpu: int = 0
     hits_disk: int = 0
     misses: int = 0
-    promotions: int = 0  # disk -> RAM copies made by get
+    promotions: int = 0  # disk -> RAM copies made by get and by prefetch
     demotions: int = 0  # RAM -> disk write-backs done under memory pressure
     disk_writes: int = 0
     disk_deletes: int = 0
@@ -82,6 +90,11 @@ class StoreStats:
     # Renewed retentions whose previous pin's blocks were all still held (kept) or not (lost).
     retention_kept: int = 0
     retention_lost: int = 0
+    # Session prefetch (PrefetchSession): calls for a live session, those whose planned
+    # promotions all landed in RAM before their deadline, and the blocks they brought from disk.
+    prefetch_requests: int = 0
+    prefetch_done: int = 0
+    prefetch_blocks: int = 0
 
 
 class TieredStore:
@@ -398,6 +411,96 @@ class TieredStore:
         try:
             return len(self._retention.expire(now_s))
         finally:
+            self._sync()
+
+    async def prefetch_session(
+        self, tenant: str, session_id: str, timeout_s: float | None = None
+    ) -> PrefetchResult:
+        """Brings the session's retained chain from disk into RAM (``core/prefetch.py``'s
+        plan); waits at most ``timeout_s`` (promotions under way then still land). No live
+        retention: an empty result."""
+        self._check_open()
+        chain = self._retention.blocks_of(SessionKey(tenant, session_id))
+        layout = self._index.layout_of(chain[0]) if chain else None
+        if layout is None:
+            return outcome(PrefetchPlan((), 0, 0, len(chain)), ())
+        plan = plan_prefetch(
+            chain,
+            self._index.tier_of,
+            layout.block_bytes,
+            ram_cap_bytes(self._index.usage(Tier.CPU).budget_bytes),
+        )
+        self.stats.prefetch_requests += 1
+        ended: list[Promotion] = []
+        if plan.promote:
+            run = chain[: len(plan.promote) + plan.in_cpu + plan.on_disk]
+            task = self._spawn(self._prefetch(layout, run, plan.promote, ended))
+            with contextlib.suppress(TimeoutError):  # what is under way still lands
+                await asyncio.wait_for(asyncio.shield(task), timeout_s)
+        got = outcome(plan, list(ended))
+        self.stats.prefetch_blocks += got.promoted
+        self.stats.prefetch_done += got.done
+        return got
+
+    async def _prefetch(
+        self,
+        layout: KvLayout,
+        run: Sequence[BlockId],
+        promote: Sequence[BlockId],
+        ended: list[Promotion],
+    ) -> None:
+        """Promotes ``promote`` (in parallel), keeping the run's RAM copies pinned meanwhile:
+        making room for one promotion must not push out another, or a block in RAM already
+        (the run is at most half the RAM tier). ``ended`` gets each promotion's outcome."""
+        pinned: list[BlockId] = []
+        for b in run:
+            if self._index.tier_of(b) is Tier.CPU and self._index.pin(b) is Tier.CPU:
+                pinned.append(b)
+
+        async def one(b: BlockId) -> None:
+            ended.append(await self.promote(layout, b.block_hash, keep=pinned))
+
+        try:
+            await asyncio.gather(*(one(b) for b in promote), return_exceptions=True)
+        finally:
+            for b in pinned:
+                self._index.unpin(b, Tier.CPU)
+            self._sync()
+
+    async def promote(
+        self, layout: KvLayout, block_hash: int, keep: list[BlockId] | None = None
+    ) -> Promotion:
+        """Brings a block held on disk (only) into RAM, waiting while room is made. ``keep``:
+        the RAM copy landed is pinned and added to it (the caller unpins it)."""
+        self._check_open()
+        bid = BlockId(layout.key, check_block_hash(block_hash))
+        tier = self._index.pin(bid)
+        if tier is not Tier.DISK:
+            if tier is not None:
+                self._index.unpin(bid, tier)
+                self._sync()
+            return Promotion.MISSING if tier is None else Promotion.IN_CPU
+        try:
+            try:
+                got = await self._reserve(layout, bid, Tier.CPU, self._index.parent_of(bid))
+            except StoreClosed:
+                return Promotion.NO_ROOM
+            if got is not Grant.GRANTED:
+                return Promotion.IN_CPU if got is Grant.PRESENT else Promotion.NO_ROOM
+            data: RamBlock | None = None
+            try:
+                data = await self._read_checked(layout, bid)
+            finally:
+                if data is None:  # a bad file (dropped), or cancelled: the RAM copy never lands
+                    self._index.write_done(bid, Tier.CPU, ok=False)
+            if data is None:
+                return Promotion.MISSING
+            self._land(bid, data)
+            if keep is not None and self._index.pin(bid) is Tier.CPU:
+                keep.append(bid)
+            return Promotion.PROMOTED
+        finally:
+            self._index.unpin(bid, Tier.DISK)
             self._sync()
 
     def retained_usage(self) -> dict[Tier, tuple[int, int]]:

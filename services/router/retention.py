@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 import grpc
@@ -45,6 +45,19 @@ class RetentionMetrics:
             ["model", "outcome"],
             registry=r,
         )
+        self.prefetches = Counter(
+            "kvmesh_router_retention_prefetches",
+            "PrefetchSession calls when a retained session's turn arrives, by outcome: ok, "
+            "failed (the kvmanager refused or did not answer in time), no_kvmanager.",
+            ["model", "outcome"],
+            registry=r,
+        )
+        self.prefetched_blocks = Counter(
+            "kvmesh_router_retention_prefetched_blocks",
+            "Blocks the kvmanagers brought from disk to RAM on the router's prefetch calls.",
+            ["model"],
+            registry=r,
+        )
 
 
 class SessionRetention:
@@ -67,6 +80,17 @@ class SessionRetention:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
 
+    def before_turn(self, model: ModelSummary, session_id: str, tenant: str) -> None:
+        """A session's turn arrived: if its last turn was retained, ask that node's kvmanager
+        to bring the retained blocks from disk into RAM while this turn is tokenized, routed
+        and queued (in the background; the request does not wait)."""
+        if not self.config.prefetch_timeout_s:
+            return
+        worker_id = self.book.worker_of(tenant, session_id)
+        if worker_id is None:
+            return
+        self._background(self._prefetch(model, session_id, tenant, worker_id))
+
     def after_turn(
         self,
         model: ModelSummary,
@@ -77,29 +101,75 @@ class SessionRetention:
         output_ids: Sequence[int],
         worker_id: str,
         cached_prompt_tokens: int,
+        ttl_s: float = 0.0,
     ) -> None:
         """A session's turn ended with its final message: judge it, and pin its blocks (in
-        the background; the request does not wait)."""
+        the background; the request does not wait) for ``ttl_s`` (0: the configured TTL)."""
         outcome = self.book.judge(tenant, session_id, cached_prompt_tokens)
         if outcome is not None:
             self.metrics.turns.labels(model.name, outcome.value).inc()
         ids = retained_ids(prompt_ids, output_ids)
         if len(ids) < model.block_size:
             return
-        task = asyncio.get_running_loop().create_task(
-            self._pin(model, session_id, tenant, cache_salt, ids, len(prompt_ids), worker_id)
+        self._background(
+            self._pin(
+                model,
+                session_id,
+                tenant,
+                cache_salt,
+                ids,
+                len(prompt_ids),
+                worker_id,
+                self.config.turn_ttl_s(ttl_s),
+            )
         )
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
 
     def end(self, model: ModelSummary, session_id: str, tenant: str, worker_id: str) -> None:
         """The session ended with this turn: release its retention (in the background)."""
         self.book.forget(tenant, session_id)
-        task = asyncio.get_running_loop().create_task(
-            self._release(model, session_id, tenant, worker_id)
-        )
+        self._background(self._release(model, session_id, tenant, worker_id))
+
+    def _background(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    async def _prefetch(
+        self, model: ModelSummary, session_id: str, tenant: str, worker_id: str
+    ) -> None:
+        stream = self._stream_of(WorkerId(worker_id))
+        if stream is None:
+            self.metrics.prefetches.labels(model.name, "no_kvmanager").inc()
+            return
+        stub = kvmanager_pb2_grpc.KvManagerStub(self._channel(stream.address))
+        try:
+            got = await stub.PrefetchSession(
+                kvmanager_pb2.PrefetchSessionRequest(session_id=session_id, tenant=tenant),
+                timeout=self.config.prefetch_timeout_s,
+            )
+        except grpc.aio.AioRpcError as exc:
+            self.metrics.prefetches.labels(model.name, "failed").inc()
+            log.info(
+                "session %s: kvmanager %s did not prefetch its blocks: %s %s",
+                session_id,
+                stream.kvmanager_id,
+                exc.code().name,
+                exc.details(),
+            )
+            return
+        self.metrics.prefetches.labels(model.name, "ok").inc()
+        self.metrics.prefetched_blocks.labels(model.name).inc(got.promoted_blocks)
+        log.debug(
+            "session %s: %d of %d retained blocks brought to RAM on %s (%d there already, "
+            "%d left on disk, %d missing)",
+            session_id,
+            got.promoted_blocks,
+            got.retained_blocks,
+            stream.kvmanager_id,
+            got.in_cpu_blocks,
+            got.on_disk_blocks,
+            got.missing_blocks,
+        )
 
     async def _release(
         self, model: ModelSummary, session_id: str, tenant: str, worker_id: str
@@ -129,6 +199,7 @@ class SessionRetention:
         ids: list[int],
         prompt_tokens: int,
         worker_id: str,
+        ttl_s: float,
     ) -> None:
         stream = self._stream_of(WorkerId(worker_id))
         if stream is None:
@@ -151,7 +222,7 @@ class SessionRetention:
                     session_id=session_id,
                     tenant=tenant,
                     block_hashes=prompt.hashed.hashes,
-                    ttl_s=self.config.ttl_s,
+                    ttl_s=ttl_s,
                 ),
                 timeout=self.config.timeout_s,
             )

@@ -18,7 +18,13 @@ from kvmesh import errors
 from kvmesh.discovery.keys import WorkerId
 from kvmesh.grpc_errors import status_for
 from kvmesh.kv.hashing import check_cache_salt
-from kvmesh.sampling import STRUCTURED_FIELD, check_prompt, check_sampling, sampling_from_pb
+from kvmesh.sampling import (
+    STRUCTURED_FIELD,
+    check_prompt,
+    check_sampling,
+    fitted_max_tokens,
+    sampling_from_pb,
+)
 from kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 from .admission import AdmissionGate
@@ -168,12 +174,15 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 )
             model = self._workers.model(request.model)
             model_name = model.name
+            if retention is not None:  # its node brings the session's blocks to RAM meanwhile
+                retention.before_turn(model, request.session_id, request.tenant)
             request_span.set_attribute("model", model_name)
             if admission is not None:  # a full queue refuses before the prompt is tokenized
                 admission.precheck(model.name, request.tenant, request.priority)
             sampling = sampling_from_pb(request.sampling)
             check_sampling(sampling, model.vocab_size)
             check_cache_salt(request.cache_salt)  # the tenant's with API keys (auth.py)
+            fit = request.fit_max_tokens
             prompt = await self._prompts.build(
                 model.name,
                 model.model_path,
@@ -181,11 +190,19 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 request.session_id,
                 prompt_input(request),
                 lambda ids: check_prompt(
-                    ids, sampling.max_tokens, model.vocab_size, model.max_model_len
+                    ids,
+                    fitted_max_tokens(sampling.max_tokens, len(ids), model.max_model_len, fit),
+                    model.vocab_size,
+                    model.max_model_len,
                 ),
                 request.cache_salt,
             )
             ids, hashed = prompt.token_ids, prompt.hashed
+            fitted = fitted_max_tokens(sampling.max_tokens, len(ids), model.max_model_len, fit)
+            if fitted != sampling.max_tokens:  # the context's room (Anthropic's max_tokens)
+                request.sampling.max_tokens = fitted
+                sampling = sampling_from_pb(request.sampling)
+                check_sampling(sampling, model.vocab_size)
             forced = forced_choice(request)
             sampling_pb = constrained_sampling(request, forced)
             route = RouteRequest(
@@ -251,6 +268,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                                 output_ids,
                                 usage.worker_id,
                                 usage.cached_prompt_tokens,
+                                request.retention_ttl_s,
                             )
                     yield chunk
         except errors.KvmeshError as exc:

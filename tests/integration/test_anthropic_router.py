@@ -287,6 +287,24 @@ async def test_a_session_reads_more_from_cache_turn_after_turn(client: anthropic
     assert read[-1] >= prompts[-2] - 2 * BLOCK  # nearly all of the previous turn
 
 
+async def test_max_tokens_past_the_context_is_lowered_to_its_room(
+    client: anthropic.AsyncAnthropic,
+):
+    """Claude Code sends max_tokens 32000 whatever the context (2048 here): the answer runs to
+    the context's end and says so, instead of a 400."""
+    messages: Any = [{"role": "user", "content": "alpha beta gamma delta " * 121}]
+    counted = (await client.messages.count_tokens(model="tiny", messages=messages)).input_tokens
+    assert 1900 < counted < 2048, counted  # a room of a few dozen tokens
+    msg = await client.messages.create(  # a timeout: the SDK wants one for max_tokens 32000
+        model="tiny", max_tokens=32000, messages=messages, extra_body=GREEDY, timeout=120
+    )
+    assert msg.stop_reason == "model_context_window_exceeded"
+    assert msg.usage.output_tokens == 2048 - counted
+    assert (await client.messages.count_tokens(model="tiny", messages=HI)).input_tokens < 100
+    short = await client.messages.create(model="tiny", max_tokens=3, messages=HI, extra_body=GREEDY)
+    assert short.stop_reason == "max_tokens" and short.usage.output_tokens == 3
+
+
 async def test_errors(client: anthropic.AsyncAnthropic, mesh: Mesh, etcd):
     with pytest.raises(anthropic.NotFoundError) as missing:
         await client.messages.create(model="nope", max_tokens=4, messages=HI)
@@ -296,8 +314,9 @@ async def test_errors(client: anthropic.AsyncAnthropic, mesh: Mesh, etcd):
             model="tiny", max_tokens=4, messages=HI, extra_body={"temperature": 3.0}
         )
     assert "temperature" in hot.value.message
-    with pytest.raises(anthropic.BadRequestError) as long:
-        await client.messages.create(model="tiny", max_tokens=5000, messages=HI)
+    too_long: Any = [{"role": "user", "content": "alpha beta gamma delta " * 200}]
+    with pytest.raises(anthropic.BadRequestError) as long:  # a prompt past the context
+        await client.messages.create(model="tiny", max_tokens=5, messages=too_long)
     assert long.value.body["error"]["type"] == "invalid_request_error"  # type: ignore[index]
 
     empty = await start_router(

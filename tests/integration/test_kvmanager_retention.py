@@ -1,7 +1,8 @@
 """Session retention on a real kvmanager over gRPC: a session's pinned blocks survive pressure
 that evicts unpinned ones (RAM only, and written back to disk with a disk tier), TTL expiry and
 ReleaseSession give them back to the LRU, the budget releases the least recently active
-session, bad calls get the right status, and /metrics counts it."""
+session, bad calls get the right status, and /metrics counts it. PrefetchSession brings a
+session's retained blocks, written back to disk under pressure, into RAM."""
 
 from __future__ import annotations
 
@@ -204,6 +205,89 @@ async def test_retention_off_is_unavailable_and_metrics_count_sessions():
             2 * BLOCK_BYTES
         )
         assert reg.get_sample_value("kvmesh_kvmanager_retention_pins_total") == 1
+    finally:
+        await channel.close()
+        await running.stop()
+
+
+async def prefetch(stub, session: str, tenant: str = ""):  # type: ignore[no-untyped-def]
+    return await stub.PrefetchSession(
+        kvmanager_pb2.PrefetchSessionRequest(session_id=session, tenant=tenant), timeout=5
+    )
+
+
+async def test_prefetch_brings_a_demoted_session_back_to_ram(tmp_path: Path):
+    """Four retained 6-block sessions through a 12-block RAM tier: the two oldest were written
+    back to disk to make room for the newer ones. The first one's next turn is coming: its
+    prefetch brings its chain back into RAM (pushing the least recently used retained copies to
+    disk), and /metrics counts it."""
+    running, channel, stub = await start(
+        tmp_path, cpu_blocks=12, disk_blocks=64, retained_blocks=24
+    )
+    disk, cpu = worker_pb2.KV_TIER_DISK, worker_pb2.KV_TIER_CPU
+    try:
+        chains = {f"s{n}": [10 * n + i for i in range(1, 7)] for n in range(1, 5)}
+        for session, chain in chains.items():
+            await put(stub, chain)
+            got = await retain(stub, session, chain)
+            assert got.retained_blocks == 6
+        await running.store.wait_idle()
+        before = await held(stub, chains["s1"])
+        assert set(before) <= {cpu, disk} and before.count(disk) >= 2, before
+
+        got = await prefetch(stub, "s1")
+        assert (got.retained_blocks, got.promoted_blocks, got.in_cpu_blocks) == (
+            6,
+            before.count(disk),
+            before.count(cpu),
+        )
+        assert (got.on_disk_blocks, got.missing_blocks) == (0, 0)
+        assert await held(stub, chains["s1"]) == [cpu] * 6
+        await running.store.wait_idle()
+        # Room was made from the least recently used retained copies: written back, not lost.
+        assert all(t in (cpu, disk) for t in await held(stub, chains["s3"] + chains["s4"]))
+
+        # Again: nothing to do. A session with no retention here: an empty answer.
+        got = await prefetch(stub, "s1")
+        assert (got.retained_blocks, got.promoted_blocks, got.in_cpu_blocks) == (6, 0, 6)
+        got = await prefetch(stub, "s1", tenant="another")
+        assert (got.retained_blocks, got.promoted_blocks) == (0, 0)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await prefetch(stub, "")
+        assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+
+        running.metrics.refresh(running.store)
+        reg = running.metrics.registry
+        assert reg.get_sample_value("kvmesh_kvmanager_prefetch_requests_total") == 2
+        assert reg.get_sample_value("kvmesh_kvmanager_prefetch_done_total") == 2
+        promoted = reg.get_sample_value("kvmesh_kvmanager_prefetch_blocks_total")
+        assert promoted == before.count(disk)
+    finally:
+        await channel.close()
+        await running.stop()
+
+
+async def test_prefetch_stops_at_the_chains_first_gap(tmp_path: Path):
+    running, channel, stub = await start(tmp_path, cpu_blocks=8, disk_blocks=64, retained_blocks=24)
+    try:
+        first = list(range(1, 7))
+        await put(stub, first)
+        await retain(stub, "s1", [*first, 999, 7])  # 999 was never stored: a gap
+        # Two more retained sessions push s1's copies to disk.
+        for n, session in ((2, "s2"), (3, "s3")):
+            chain = [100 * n + i for i in range(6)]
+            await put(stub, chain)
+            await retain(stub, session, chain)
+        await running.store.wait_idle()
+        before = await held(stub, first)
+        assert worker_pb2.KV_TIER_DISK in before, before
+        got = await prefetch(stub, "s1")
+        # The chain ends at 999: its last 2 blocks are no prefix, and are not looked at. (The
+        # cap, half the RAM tier, is test_kvmanager_prefetch.py's.)
+        assert (got.retained_blocks, got.missing_blocks) == (8, 2)
+        assert got.in_cpu_blocks + got.promoted_blocks + got.on_disk_blocks == 6
+        after = await held(stub, first)
+        assert after.count(worker_pb2.KV_TIER_CPU) == got.in_cpu_blocks + got.promoted_blocks
     finally:
         await channel.close()
         await running.stop()

@@ -293,7 +293,7 @@ async def test_errors(client: openai.AsyncOpenAI):
     assert nf.value.body["param"] == "previous_response_id"  # type: ignore[index]
     bad: list[tuple[dict[str, Any], str]] = [
         ({"input": [{"type": "web_search_call", "id": "x"}]}, "input[0].type"),
-        ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+        ({"input": "hi", "tools": [{"name": "f"}]}, "tools[0].type"),
         ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input_image"),
         ({"input": "hi", "tool_choice": "sometimes"}, "tool_choice"),
         ({"input": "hi", "max_output_tokens": 100_000}, "max_output_tokens"),

@@ -6,6 +6,8 @@ nothing."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from kvmesh.client import RouterClient, make_request
@@ -54,15 +56,28 @@ async def test_a_session_turn_pins_its_chain_on_the_node_kvmanager(mesh: Mesh): 
         assert retention.blocks_of(key) == tuple(BlockId(KEY, h) for h in want[:fit])
         assert sample(mesh, "kvmesh_router_retention_pins_total", outcome="ok") == 1
 
-        # The next turn extends the previous one: the session's prefix is found (a hit).
+        # The next turn extends the previous one: the session's prefix is found (a hit). Its
+        # arrival cued the node to bring the retained blocks to RAM (there already: a no-op),
+        # and it asks for a shorter retention (an Anthropic cache_control ttl: "5m").
         nxt = [*ids, done.token_ids[-1], 4, 5, 6]
-        await client.complete(make_request(nxt, max_tokens=4, session_id="agent-1"))
+        second = make_request(nxt, max_tokens=4, session_id="agent-1")
+        second.retention_ttl_s = 300.0
+        await client.complete(second)
         await eventually(
             lambda: sample(mesh, "kvmesh_router_retention_pins_total", outcome="ok") == 2, 10.0
         )
         assert sample(mesh, "kvmesh_router_retention_turns_total", outcome="hit") == 1
         assert sample(mesh, "kvmesh_router_retention_turns_total", outcome="miss") == 0
         assert mesh.kvm.store.stats.retention_kept == 1
+        expiry = retention.next_expiry_s()
+        assert expiry is not None and 290.0 < expiry - time.monotonic() <= 300.0
+        await eventually(
+            lambda: sample(mesh, "kvmesh_router_retention_prefetches_total", outcome="ok") == 1,
+            10.0,
+        )
+        assert mesh.kvm.store.stats.prefetch_requests == 1
+        promoted = mesh.kvm.store.stats.prefetch_blocks  # those the node had put on disk
+        assert sample(mesh, "kvmesh_router_retention_prefetched_blocks_total") == promoted
 
         # A request without a session pins nothing.
         await client.complete(make_request([*PROMPT, 1], max_tokens=2))
@@ -73,7 +88,10 @@ async def test_a_session_turn_pins_its_chain_on_the_node_kvmanager(mesh: Mesh): 
         last.end_session = True
         await client.complete(last)
         await eventually(lambda: len(retention) == 0, 10.0)
-        assert sample(mesh, "kvmesh_router_retention_pins_total", outcome="released") == 1
+        await eventually(  # the router counts it once the kvmanager's answer is back
+            lambda: sample(mesh, "kvmesh_router_retention_pins_total", outcome="released") == 1,
+            10.0,
+        )
 
         # The kvmanager gone: the session's turns are served all the same.
         await mesh.stop_kvm()

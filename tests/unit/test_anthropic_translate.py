@@ -189,6 +189,71 @@ def test_a_cache_control_marker_names_a_session_after_the_conversations_start():
     assert header.chat.generate.session_id == "h"
 
 
+def test_max_tokens_is_an_upper_bound_the_context_may_cut_short():
+    """Claude Code sends max_tokens 32000 whatever the model's context: the router lowers it to
+    the room the prompt leaves (fit_max_tokens), and an answer cut there, short of max_tokens,
+    says model_context_window_exceeded, streamed or not."""
+    req = parse(messages=HI, max_tokens=32000)
+    assert req.chat.generate.fit_max_tokens and req.max_tokens == 32000
+    length = common_pb2.FINISH_REASON_LENGTH
+    assert collect(req, chunks(["a", "b"], reason=length))["stop_reason"] == (
+        "model_context_window_exceeded"
+    )
+    streamed = parse(messages=HI, max_tokens=32000, stream=True)
+    got = events(streamed, chunks(["a"], reason=length))
+    assert got[-2][1]["delta"]["stop_reason"] == "model_context_window_exceeded"
+    assert collect(parse(messages=HI, max_tokens=2), chunks(["a", "b"], reason=length))[
+        "stop_reason"
+    ] == ("max_tokens")
+
+
+def test_a_mid_conversation_system_turn_is_a_system_message():
+    # Claude Code sends its environment so, after the first user message.
+    req = parse(
+        system="You are a coder.",
+        messages=[
+            {"role": "user", "content": "fix it"},
+            {"role": "system", "content": [{"type": "text", "text": "# Environment"}]},
+        ],
+    )
+    got = [(m.role, m.content) for m in messages(req)]
+    assert got == [("system", "You are a coder."), ("user", "fix it"), ("system", "# Environment")]
+
+
+@pytest.mark.parametrize(
+    ("markers", "ttl_s"),
+    [
+        ([{"type": "ephemeral"}], 0.0),
+        ([{"type": "ephemeral", "ttl": "5m"}], 300.0),
+        ([{"type": "ephemeral", "ttl": "1h"}, {"type": "ephemeral", "ttl": "5m"}], 3600.0),
+        ([{"type": "ephemeral", "ttl": "5m"}, {"type": "ephemeral"}], 300.0),
+        ([], 0.0),
+    ],
+    ids=["no-ttl", "5m", "longest-wins", "5m-and-none", "no-marker"],
+)
+def test_a_cache_control_ttl_is_the_sessions_retention(markers: list[Any], ttl_s: float):
+    system = [
+        {"type": "text", "text": f"block {i}", "cache_control": m} for i, m in enumerate(markers)
+    ]
+    req = parse(system=system or "plain", messages=HI, metadata={"user_id": "u"})
+    assert req.chat.generate.retention_ttl_s == ttl_s
+    assert req.chat.generate.session_id == "u"
+
+
+def test_a_cache_control_ttl_on_a_message_block_counts_and_a_bad_one_is_a_400():
+    marked = [{"type": "text", "text": "x", "cache_control": {"type": "ephemeral", "ttl": "1h"}}]
+    req = parse(messages=[{"role": "user", "content": marked}])
+    assert req.chat.generate.retention_ttl_s == 3600.0
+    assert req.chat.generate.session_id.startswith(anthropic.CACHE_SESSION_PREFIX)
+    for bad in ("10m", 300, ""):
+        marked[0]["cache_control"] = {"type": "ephemeral", "ttl": bad}
+        with pytest.raises(BadRequest, match=r"cache_control\.ttl: .* use '5m' or '1h'"):
+            parse(messages=[{"role": "user", "content": marked}])
+    marked[0]["cache_control"] = "ephemeral"
+    with pytest.raises(BadRequest, match="cache_control: must be an object"):
+        parse(messages=[{"role": "user", "content": marked}])
+
+
 @pytest.mark.parametrize(
     ("body", "says"),
     [
@@ -196,9 +261,9 @@ def test_a_cache_control_marker_names_a_session_after_the_conversations_start():
         pytest.param({"messages": HI, "max_tokens": "8"}, "max_tokens", id="max_tokens-str"),
         pytest.param({"messages": [], "max_tokens": 8}, "messages", id="no-messages"),
         pytest.param(
-            {"messages": [{"role": "system", "content": "x"}], "max_tokens": 8},
-            "use 'user' or 'assistant'",
-            id="system-role",
+            {"messages": [{"role": "tool", "content": "x"}], "max_tokens": 8},
+            "use 'user', 'assistant' or 'system'",
+            id="tool-role",
         ),
         pytest.param(
             {"messages": [*HI, {"role": "assistant", "content": "{"}], "max_tokens": 8},
@@ -471,9 +536,12 @@ def test_forced_calls():
     assert parts == ['{"city":', ' "Rome"}']
     assert got[-2][1]["delta"]["stop_reason"] == "tool_use"
 
+    forced: Any = {"tools": [WEATHER], "tool_choice": {"type": "tool", "name": "weather"}}
+    named = parse(messages=HI, max_tokens=1, **forced)  # cut by max_tokens: 1 of 1 tokens
     cut = collect(named, chunks(['{"city":'], reason=common_pb2.FINISH_REASON_LENGTH))
     assert cut["content"] == [{"type": "text", "text": '{"city":'}]
     assert cut["stop_reason"] == "max_tokens"
+    streamed = parse(messages=HI, max_tokens=1, stream=True, **forced)
     got = events(streamed, chunks(['{"city":'], reason=common_pb2.FINISH_REASON_LENGTH))
     assert got[-2][1]["delta"]["stop_reason"] == "max_tokens"
 

@@ -177,3 +177,17 @@ async def test_no_store_no_endpoint():
                 await c.responses.create(model="tiny", input="hi")
     finally:
         await server.close()
+
+
+async def test_without_max_output_tokens_the_answer_may_fill_the_context(store: ResponseStore):
+    """As OpenAI's: no max_output_tokens, the context's room after the prompt (the fake serves a
+    64-token context and renders a 3-token prompt), not the router's chat default."""
+    fake = RenderingRouter()
+    server = await serve(store, fake)
+    try:
+        async with client(server) as c:
+            await c.responses.create(model="tiny", input="hi")
+            await c.responses.create(model="tiny", input="hi", max_output_tokens=5)
+    finally:
+        await server.close()
+    assert [r.sampling.max_tokens for r in fake.requests] == [61, 5]

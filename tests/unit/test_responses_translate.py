@@ -184,10 +184,13 @@ def test_text_format_is_structured_output():
             id="output-missing",
         ),
         pytest.param(
-            {"input": "x", "tools": [{"type": "web_search"}]},
-            "tools[0].type",
+            {"input": "x", "tools": [{"name": "f"}]}, "tools[0].type", "type", id="untyped-tool"
+        ),
+        pytest.param(
+            {"input": "x", "tools": [{"type": "namespace", "name": "ns", "tools": {}}]},
+            "tools[0].tools",
             "function tools",
-            id="builtin-tool",
+            id="namespace-not-a-list",
         ),
         pytest.param(
             {"input": "x", "tool_choice": "sometimes"}, "tool_choice", "required", id="choice"
@@ -433,3 +436,36 @@ def test_a_streamed_forced_call():
         "completed",
     )
     assert out.error({"error": {"code": "x", "message": "m"}})[1]["type"] == "error"
+
+
+NAMESPACE: Any = {
+    "type": "namespace",
+    "name": "multi_agent_v1",
+    "description": "Sub-agents",
+    "tools": [{**FN, "name": "spawn_agent"}, {"type": "custom", "name": "freeform"}],
+}
+
+
+def test_codex_tools_built_in_ones_are_not_offered_namespaced_calls_name_their_namespace():
+    """What Codex sends: function tools, a namespace of functions, and web_search (which kvmesh
+    does not run): the functions (the namespace's too) are offered, the rest is not."""
+    web = {"type": "web_search", "external_web_access": False}
+    req = build(input="hi", tools=[FN, NAMESPACE, web])
+    offered = [t.name for t in req.chat.generate.chat.tools]
+    assert offered == ["weather", "spawn_agent"]
+    assert req.input.namespaces == {"spawn_agent": "multi_agent_v1"}
+    text = (
+        '<tool_call>\n{"name": "spawn_agent", "arguments": {"city": "Rome"}}\n</tool_call>'
+        '<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    )
+    body, _ = collect(req, chunks([text]))
+    calls = [(c["name"], c.get("namespace")) for c in body["output"]]
+    assert calls == [("spawn_agent", "multi_agent_v1"), ("weather", None)]
+    assert body["tools"][1:] == [NAMESPACE, web]  # echoed as sent
+    # Streamed, the item names its namespace from its first event.
+    out = ResponseEvents(build(input="hi", tools=[NAMESPACE], stream=True), 1000, 32, False)
+    events = out.start()
+    for m in chunks([text.split("<tool_call>", 2)[1].join(["<tool_call>", ""])]):
+        events += out.feed(m)
+    added = [d["item"] for k, d in events if k == "response.output_item.added"]
+    assert added[0]["namespace"] == "multi_agent_v1"

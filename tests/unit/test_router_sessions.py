@@ -74,3 +74,32 @@ def test_session_end_header(value: str | None, end: bool) -> None:
 def test_a_bad_session_end_header_is_a_bad_request() -> None:
     with pytest.raises(BadRequest, match="x-kvmesh-session-end"):
         extensions_from_headers({"x-kvmesh-session-end": "maybe"})
+
+
+@pytest.mark.parametrize(
+    ("asked_s", "ttl_s"),
+    [(0.0, 600.0), (-1.0, 600.0), (300.0, 300.0), (3600.0, 1800.0), (float("nan"), 600.0)],
+    ids=["none", "negative", "5m", "capped", "nan"],
+)
+def test_turn_ttl_honours_the_request_within_the_maximum(asked_s: float, ttl_s: float) -> None:
+    config = RetentionConfig(ttl_s=600.0, max_ttl_s=1800.0)
+    assert config.turn_ttl_s(asked_s) == ttl_s
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"max_ttl_s": 0}, {"prefetch_timeout_s": -1}], ids=["max_ttl", "prefetch"]
+)
+def test_bad_ttl_and_prefetch_config(kwargs: dict[str, float]) -> None:
+    with pytest.raises(InvalidArgument):
+        RetentionConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_book_knows_the_worker_of_a_sessions_last_pin() -> None:
+    book = SessionBook(4)
+    assert book.worker_of("t", "s") is None
+    book.pinned("t", "s", 64, 16, "w1")
+    book.pinned("t", "s", 96, 16, "w2")
+    assert book.worker_of("t", "s") == "w2"
+    assert book.worker_of("other", "s") is None
+    book.forget("t", "s")
+    assert book.worker_of("t", "s") is None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvmesh.errors import InvalidArgument
-from kvmesh.sampling import Sampling, check_prompt, check_sampling
+from kvmesh.sampling import Sampling, check_prompt, check_sampling, fitted_max_tokens
 
 
 class TestSampling:
@@ -105,3 +105,14 @@ class TestSampling:
     def test_stop_token_ids_inside_vocab(self):
         with pytest.raises(InvalidArgument, match=r"stop_token_ids has 2000"):
             check_sampling(Sampling(max_tokens=1, stop_token_ids=(1, 2000)), vocab_size=1024)
+
+
+@pytest.mark.parametrize(
+    ("max_tokens", "prompt", "fit", "want"),
+    [(32000, 90, True, 10), (5, 90, True, 5), (32000, 90, False, 32000), (8, 100, True, 1)],
+    ids=["lowered", "fits", "not-fitted", "no-room"],
+)
+def test_fitted_max_tokens(max_tokens: int, prompt: int, fit: bool, want: int) -> None:
+    """Anthropic's max_tokens is an upper bound: the context's room lowers it (a prompt that
+    fills the context stays check_prompt's error)."""
+    assert fitted_max_tokens(max_tokens, prompt, 100, fit) == want

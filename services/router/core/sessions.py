@@ -29,6 +29,15 @@ class RetentionConfig:
     )
     timeout_s: float = setting(1.0, "deadline of a RetainSession call to a kvmanager, seconds")
     max_sessions: int = setting(65536, "sessions whose last pin the router remembers (LRU)")
+    max_ttl_s: float = setting(
+        3600.0,
+        "the longest retention a request may ask for (an Anthropic cache_control ttl), seconds",
+    )
+    prefetch_timeout_s: float = setting(
+        10.0,
+        "deadline of a PrefetchSession call (a session's next turn arrived: its node kvmanager "
+        "brings its retained blocks from disk to RAM), seconds; 0: no prefetch",
+    )
 
     def __post_init__(self) -> None:
         if self.ttl_s < 0:
@@ -37,6 +46,19 @@ class RetentionConfig:
             raise InvalidArgument(f"retention timeout_s must be > 0, got {self.timeout_s}")
         if self.max_sessions < 1:
             raise InvalidArgument(f"retention max_sessions must be >= 1, got {self.max_sessions}")
+        if not self.max_ttl_s > 0:
+            raise InvalidArgument(f"retention max_ttl_s must be > 0, got {self.max_ttl_s}")
+        if self.prefetch_timeout_s < 0:
+            raise InvalidArgument(
+                f"retention prefetch_timeout_s must be >= 0, got {self.prefetch_timeout_s}"
+            )
+
+    def turn_ttl_s(self, asked_s: float) -> float:
+        """How long a turn's blocks are kept: what the request asked for (an Anthropic
+        cache_control ttl; 0 or less: nothing asked), at most ``max_ttl_s``, else ``ttl_s``."""
+        if asked_s > 0:
+            return min(asked_s, self.max_ttl_s)
+        return self.ttl_s
 
     @property
     def enabled(self) -> bool:
@@ -87,6 +109,12 @@ class SessionBook:
         self._pins[key] = _Pinned(prompt_tokens // block_size, block_size, worker_id)
         while len(self._pins) > self._max:
             self._pins.popitem(last=False)
+
+    def worker_of(self, tenant: str, session_id: str) -> str | None:
+        """The worker that served the session's last pinned turn (its blocks are on that
+        worker's node), if the book remembers one."""
+        p = self._pins.get((tenant, session_id))
+        return p.worker_id if p is not None else None
 
     def forget(self, tenant: str, session_id: str) -> None:
         self._pins.pop((tenant, session_id), None)

@@ -52,6 +52,7 @@ class MessagesRequest:
 
     chat: parsing.ParsedRequest  # its id (msg_...) is the kvmesh request_id
     stop_sequences: tuple[str, ...] = ()
+    max_tokens: int = 0  # as sent (the router lowers it to the context's room)
 
     @property
     def id(self) -> str:
@@ -228,8 +229,12 @@ def chat_messages(system: object, messages: object) -> list[dict[str, Any]]:
                     param,
                 )
             out.append(_assistant(content, param))
+        elif role == "system":  # a mid-conversation system turn (Claude Code sends them)
+            out.append({"role": "system", "content": _text_blocks(content, f"{param}.content")})
         else:
-            raise BadRequest(f"{param}.role: is {role!r}; use 'user' or 'assistant'", param)
+            raise BadRequest(
+                f"{param}.role: is {role!r}; use 'user', 'assistant' or 'system'", param
+            )
     return out
 
 
@@ -316,30 +321,65 @@ def _session(body: Mapping[str, Any], ext: extensions.Extensions) -> extensions.
     ``x-kvmesh-session-id`` header, else ``metadata.user_id`` (agent CLIs send one per
     conversation), else, when the request marks anything with ``cache_control`` (the client
     asks for its prefix to be kept), a session named after the conversation's start: the
-    model, system prompt, tools and first message, which every later turn resends unchanged."""
+    model, system prompt, tools and first message, which every later turn resends unchanged.
+    A marker's ``ttl`` ("5m", "1h"; the longest of them) is how long the session is kept."""
     metadata = body.get("metadata")
     user_id = None
     if metadata is not None:
         user_id = _object(metadata, "metadata").get("user_id")
         if user_id is not None and not isinstance(user_id, str):
             raise BadRequest("metadata.user_id: must be a string", "metadata.user_id")
+    markers = cache_markers(body)
+    ttl_s = marker_ttl_s(markers)
+    if ttl_s:
+        ext = replace(ext, retention_ttl_s=ttl_s)
     if ext.session_id:
         return ext
     if user_id:
         return replace(ext, session_id=user_id)
-    if _marks_cache(body):
+    if markers:
         return replace(ext, session_id=_conversation_id(body))
     return ext
 
 
-def _marks_cache(value: Any) -> bool:
-    """Whether a ``cache_control`` marker stands anywhere in ``value`` (system, tools,
-    messages' content blocks)."""
-    if isinstance(value, Mapping):
-        return "cache_control" in value or any(_marks_cache(v) for v in value.values())
-    if isinstance(value, list):
-        return any(_marks_cache(v) for v in value)
-    return False
+# Anthropic's cache lifetimes (cache_control.ttl), seconds.
+CACHE_TTLS_S = {"5m": 300.0, "1h": 3600.0}
+
+
+def cache_markers(value: Any) -> list[object]:
+    """Every ``cache_control`` marker in ``value`` (system, tools, messages' content blocks,
+    the top level)."""
+    found: list[object] = []
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, Mapping):
+            if "cache_control" in v:
+                found.append(v["cache_control"])
+            stack.extend(x for k, x in v.items() if k != "cache_control")
+        elif isinstance(v, list):
+            stack.extend(v)
+    return found
+
+
+def marker_ttl_s(markers: list[object]) -> float:
+    """The longest ``ttl`` the markers name, in seconds; 0 when none names one. A marker that
+    is not an object, or a ttl other than "5m" and "1h", is a 400."""
+    ttl_s = 0.0
+    for marker in markers:
+        if marker is None:
+            continue
+        m = _object(marker, "cache_control")
+        ttl = m.get("ttl")
+        if ttl is None:
+            continue
+        if ttl not in CACHE_TTLS_S:
+            raise BadRequest(
+                f"cache_control.ttl: is {ttl!r}; use '5m' or '1h' (or leave it out)",
+                "cache_control.ttl",
+            )
+        ttl_s = max(ttl_s, CACHE_TTLS_S[ttl])
+    return ttl_s
 
 
 def _conversation_id(body: Mapping[str, Any]) -> str:
@@ -393,7 +433,10 @@ def parse_messages(body: object, ext: extensions.Extensions, request_id: str) ->
         _chat_body(body, max_tokens), _session(body, ext), request_id, max_tokens
     )
     chat.generate.sampling.stop.extend(stops)  # the router checks them (at most 16)
-    return MessagesRequest(chat, stops)
+    # max_tokens is an upper bound (Claude Code sends 32000 whatever the context): a prompt
+    # that leaves less room lowers it, and the answer says model_context_window_exceeded.
+    chat.generate.fit_max_tokens = True
+    return MessagesRequest(chat, stops, max_tokens)
 
 
 def parse_count_tokens(
@@ -432,12 +475,15 @@ def stop_reason(
     matched: str | None,
     calls_complete: bool,
     stop_sequences: tuple[str, ...],
+    cut_short_of: int = 0,
 ) -> tuple[str, str | None]:
-    """(stop_reason, stop_sequence) of an answer: ``max_tokens`` when cut short, ``tool_use``
-    when it holds whole tool calls, ``stop_sequence`` when one of ``stop_sequences`` ended it
-    (``matched``: the router's stop reason), else ``end_turn``."""
+    """(stop_reason, stop_sequence) of an answer: ``max_tokens`` when cut short, or
+    ``model_context_window_exceeded`` when cut by the context before ``max_tokens``
+    (``cut_short_of``: how many tokens short of it), ``tool_use`` when it holds whole tool
+    calls, ``stop_sequence`` when one of ``stop_sequences`` ended it (``matched``: the router's
+    stop reason), else ``end_turn``."""
     if finish_reason == "length":
-        return "max_tokens", None
+        return ("model_context_window_exceeded" if cut_short_of > 0 else "max_tokens"), None
     if calls_complete:
         return "tool_use", None
     if matched is not None and matched in stop_sequences:
@@ -489,7 +535,11 @@ def message_json(
         else:
             content.append({"type": "text", "text": fn["arguments"]})
     reason, sequence = stop_reason(
-        choice["finish_reason"], matched, calls > 0, request.stop_sequences
+        choice["finish_reason"],
+        matched,
+        calls > 0,
+        request.stop_sequences,
+        request.max_tokens - usage.completion_tokens,
     )
     return {
         "id": request.id,

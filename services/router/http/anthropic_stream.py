@@ -174,6 +174,7 @@ class EventStream:
             self._out.stop_reason,
             self._calls_complete(),
             self.request.stop_sequences,
+            self.request.max_tokens - usage.completion_tokens,
         )
         delta = {
             "type": "message_delta",

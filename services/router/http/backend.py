@@ -42,10 +42,18 @@ async def served_model(
     """``chat`` for the model served when it names none and one is served, and that model's
     block size (0: not served; the router then answers not found): the Anthropic and Responses
     front doors report cached tokens in whole blocks."""
+    chat, model = await served_model_info(backend, chat, timeout_s)
+    return chat, model.block_size if model is not None else 0
+
+
+async def served_model_info(
+    backend: RouterBackend, chat: parsing.ParsedRequest, timeout_s: float
+) -> tuple[parsing.ParsedRequest, router_pb2.ModelInfo | None]:
+    """``served_model``, with the model's whole description (None: not served)."""
     models = (await backend.list_models(timeout_s)).models
     if not chat.model and len(models) == 1:
         chat = parsing.with_model(chat, models[0].name)
-    return chat, next((m.block_size for m in models if m.name == chat.model), 0)
+    return chat, next((m for m in models if m.name == chat.model), None)
 
 
 class RouterBackend(Protocol):

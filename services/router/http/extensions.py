@@ -27,6 +27,9 @@ class Extensions:
     # is ignored); None: an open router, where the body's (vLLM's field) is used.
     cache_salt: str | None = None
     session_end: bool = False  # release the session's retention after this turn
+    # How long to retain the session after this turn, seconds (Anthropic's cache_control ttl);
+    # 0: the router's default.
+    retention_ttl_s: float = 0.0
 
 
 def api_key_of(headers: Mapping[str, str]) -> str:

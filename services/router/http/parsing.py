@@ -121,6 +121,7 @@ def _request(
         priority=ext.priority,
         cache_salt=cache_salt_of(body, ext),
         end_session=ext.session_end,
+        retention_ttl_s=ext.retention_ttl_s,
     )
 
 

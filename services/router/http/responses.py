@@ -70,6 +70,7 @@ class ResponsesInput:
     messages: tuple[dict[str, Any], ...]  # ``input`` as chat messages
     instructions: str
     chat_tools: tuple[dict[str, Any], ...]  # ``tools`` as chat tools
+    namespaces: Mapping[str, str]  # function name -> its namespace tool's name
     tool_choice: object  # chat's, or None
     previous_response_id: str | None
     store: bool
@@ -227,27 +228,45 @@ def input_messages(value: object) -> list[dict[str, Any]]:
 
 
 # ---- tools -----------------------------------------------------------------------------------
-def _tools(value: object) -> list[dict[str, Any]]:
+def _function(tool: dict[str, Any]) -> dict[str, Any]:
+    fn: dict[str, Any] = {"name": tool.get("name")}
+    for key in ("description", "parameters", "strict"):
+        if tool.get(key) is not None:
+            fn[key] = tool[key]
+    return {"type": "function", "function": fn}
+
+
+def _tools(value: object) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    """``tools`` as chat tools, and the namespace of each function offered inside a
+    ``namespace`` tool (its calls name it). Function tools are offered to the model, those of a
+    namespace too (under their own names); tools OpenAI runs or that take free-form input
+    (``web_search``, ``file_search``, ``mcp``, ``custom``, ...) are not offered: kvmesh runs
+    none and the models here call functions only (Codex sends ``web_search`` by default)."""
     if value is None:
-        return []
+        return [], {}
     if not isinstance(value, list):
-        raise BadRequest("tools: must be a list of function tools", "tools")
-    out = []
+        raise BadRequest("tools: must be a list of tools", "tools")
+    out: list[dict[str, Any]] = []
+    namespaces: dict[str, str] = {}
     for j, raw in enumerate(value):
         p = f"tools[{j}]"
         tool = _object(raw, p)
-        if tool.get("type") != "function":
-            raise BadRequest(
-                f"{p}.type: is {tool.get('type')!r}; only function tools are supported "
-                "(kvmesh runs no built-in tools)",
-                f"{p}.type",
-            )
-        fn: dict[str, Any] = {"name": tool.get("name")}
-        for key in ("description", "parameters", "strict"):
-            if tool.get(key) is not None:
-                fn[key] = tool[key]
-        out.append({"type": "function", "function": fn})
-    return out
+        kind = tool.get("type")
+        if kind == "function":
+            out.append(_function(tool))
+        elif kind == "namespace":
+            namespace = _string(tool.get("name"), f"{p}.name")
+            inner = tool.get("tools")
+            if not isinstance(inner, list):
+                raise BadRequest(f"{p}.tools: must be a list of function tools", f"{p}.tools")
+            for k, fn in enumerate(inner):
+                fn = _object(fn, f"{p}.tools[{k}]")
+                if fn.get("type") == "function":
+                    out.append(_function(fn))
+                    namespaces[str(fn.get("name"))] = namespace
+        elif not isinstance(kind, str) or not kind:
+            raise BadRequest(f"{p}.type: must name the tool's type (function)", f"{p}.type")
+    return out, namespaces
 
 
 def _tool_choice(value: object) -> object:
@@ -320,11 +339,13 @@ def parse_input(body: object) -> ResponsesInput:
         _object(metadata, "metadata")
     for name in ("parallel_tool_calls",):
         _flag(body, name, True)
+    chat_tools, namespaces = _tools(body.get("tools"))
     return ResponsesInput(
         body=body,
         messages=tuple(input_messages(body["input"])),
         instructions=instructions or "",
-        chat_tools=tuple(_tools(body.get("tools"))),
+        chat_tools=tuple(chat_tools),
+        namespaces=namespaces,
         tool_choice=_tool_choice(body.get("tool_choice")),
         previous_response_id=previous,
         store=_flag(body, "store", True),
@@ -402,6 +423,13 @@ def build(
     )
 
 
+def output_room(max_model_len: int, prompt_tokens: int) -> int:
+    """The tokens an answer may have when the request sets no ``max_output_tokens``: what the
+    context leaves after the prompt (0: unknown, or no room: the router's default then, and its
+    own error for a prompt too long)."""
+    return max(0, max_model_len - prompt_tokens)
+
+
 def _param(param: str) -> str:
     """A chat request's parameter as the Responses request names it."""
     if param.startswith("messages"):
@@ -441,9 +469,16 @@ def message_item(text: str, item_id: str, status: str = "completed") -> dict[str
 
 
 def call_item(
-    call_id: str, name: str, arguments: str, item_id: str, status: str = "completed"
+    call_id: str,
+    name: str,
+    arguments: str,
+    item_id: str,
+    status: str = "completed",
+    namespaces: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
-    return {
+    """A function_call item; ``namespaces``: the request's (a namespaced function's call names
+    its namespace)."""
+    item = {
         "id": item_id,
         "type": "function_call",
         "status": status,
@@ -451,9 +486,15 @@ def call_item(
         "name": name,
         "arguments": arguments,
     }
+    namespace = (namespaces or {}).get(name)
+    if namespace is not None:
+        item["namespace"] = namespace
+    return item
 
 
-def output_items(answer: Mapping[str, Any]) -> list[dict[str, Any]]:
+def output_items(
+    answer: Mapping[str, Any], namespaces: Mapping[str, str] | None = None
+) -> list[dict[str, Any]]:
     """The chat answer (``ResponseTranslator.response()``) as output items: its text as a
     message, each tool call as a function_call."""
     message = answer["choices"][0]["message"]
@@ -462,7 +503,11 @@ def output_items(answer: Mapping[str, Any]) -> list[dict[str, Any]]:
         items.append(message_item(message["content"], new_item_id("msg")))
     for call in message.get("tool_calls") or ():
         fn = call["function"]
-        items.append(call_item(call["id"], fn["name"], fn["arguments"], new_item_id("fc")))
+        items.append(
+            call_item(
+                call["id"], fn["name"], fn["arguments"], new_item_id("fc"), namespaces=namespaces
+            )
+        )
     return items
 
 
@@ -505,7 +550,10 @@ def usage_json(usage: common_pb2.Usage, block_size: int) -> dict[str, Any]:
 
 def _echo_tools(body: Mapping[str, Any]) -> list[Any]:
     tools = body.get("tools") or []
-    return [{"parameters": None, "strict": None, **t} for t in tools]
+    return [
+        {"parameters": None, "strict": None, **t} if t.get("type") == "function" else t
+        for t in tools
+    ]
 
 
 def response_json(

@@ -30,7 +30,7 @@ from ..state import ResponseStore
 from . import extensions, parsing, rendering, responses
 from .anthropic_stream import sse_event
 from .auth import identity_of
-from .backend import PromptRenderer, RouterBackend, first_message, served_model
+from .backend import PromptRenderer, RouterBackend, first_message, served_model_info
 from .errors import error_body, retry_after_headers
 from .responses import ResponsesRequest
 from .responses_stream import ResponseCollector, ResponseEvents
@@ -121,8 +121,10 @@ class ResponsesEndpoints:
         )
 
     # ---- POST --------------------------------------------------------------------------------
-    async def _model(self, chat: parsing.ParsedRequest) -> tuple[parsing.ParsedRequest, int]:
-        return await served_model(self._backend(), chat, self._models_timeout_s)
+    async def _model(
+        self, chat: parsing.ParsedRequest
+    ) -> tuple[parsing.ParsedRequest, router_pb2.ModelInfo | None]:
+        return await served_model_info(self._backend(), chat, self._models_timeout_s)
 
     async def _turn(
         self, request: web.Request, rid: str
@@ -137,7 +139,8 @@ class ResponsesEndpoints:
             if previous is None:
                 raise responses.previous_not_found(turn.previous_response_id)
         parsed = responses.build(turn, previous, ext, rid, self._default_max_tokens)
-        chat, block_size = await self._model(parsed.chat)
+        chat, model = await self._model(parsed.chat)
+        block_size = model.block_size if model is not None else 0
         parsed = replace(parsed, chat=chat)
         backend = self._backend()
         if not isinstance(backend, PromptRenderer):
@@ -154,6 +157,12 @@ class ResponsesEndpoints:
             )
         except errors.KvmeshError as exc:
             raise responses.bad_request(exc, parsed) from None
+        if model is not None and turn.body.get("max_output_tokens") is None:
+            # As OpenAI's: no max_output_tokens, the answer may run to the context's end (an
+            # agent's code edit is often longer than the router's chat default).
+            room = responses.output_room(model.max_model_len, len(ids))
+            if room:
+                parsed.chat.generate.sampling.max_tokens = room
         return parsed, ids, extended, block_size
 
     async def create(self, request: web.Request) -> web.StreamResponse:

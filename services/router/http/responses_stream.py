@@ -84,7 +84,7 @@ class ResponseCollector(_Answer):
     def response(self) -> dict[str, Any]:
         if self._out.finish_reason == "abort":
             status_of("abort")
-        return self._finish(output_items(self._out.response()))
+        return self._finish(output_items(self._out.response(), self.request.input.namespaces))
 
 
 @dataclass(slots=True)
@@ -175,7 +175,14 @@ class ResponseEvents(_Answer):
     def _call(self, out: list[Event], call: dict[str, Any]) -> None:
         fn = call.get("function") or {}
         if "id" in call:  # a new call: its first (or only) delta names it
-            item = call_item(call["id"], fn["name"], "", new_item_id("fc"), "in_progress")
+            item = call_item(
+                call["id"],
+                fn["name"],
+                "",
+                new_item_id("fc"),
+                "in_progress",
+                self.request.input.namespaces,
+            )
             self._begin(out, item)
         arguments = fn.get("arguments") or ""
         if arguments and self._open and self.items[-1]["type"] == "function_call":
