@@ -21,8 +21,10 @@ FetchFromPeer, this process for GetBlocks) per GB moved. Prints a markdown table
 
 ``--tls``: a second pair of daemons runs with mutual TLS on every plane (gRPC and the data
 plane; certificates made by this script in a temporary directory, ``kvmesh/tlsgen.py``), this
-process calling them over TLS too, and a third pair with ``--no-data-plane-tls`` (mutual TLS on
-gRPC, the blocks in plaintext: FetchFromPeer only). Every repeat times every (path, transport)
+process calling them over TLS too, a third pair with ``--data-plane-security auth`` (mutual TLS
+on gRPC and for the data plane's handshake and ticket, then the blocks in plaintext on the same
+connection) and a fourth with ``--data-plane-security plain`` (mutual TLS on gRPC, no TLS on the
+data plane); the last two FetchFromPeer only. Every repeat times every (path, transport)
 cell of a block size back to back, so the transports see the same machine; a second table puts
 them side by side (mTLS / plaintext).
 
@@ -91,7 +93,7 @@ async def start_daemon(
     name: str,
     cpu_bytes: int,
     tls: TlsConfig | None = None,
-    data_plane_tls: bool = True,
+    data_plane_security: str = "tls",
     node: Node | None = None,
 ) -> Daemon:
     tls_args = []
@@ -99,7 +101,7 @@ async def start_daemon(
         tls_args = [
             "--tls-cert-file", str(tls.cert_file), "--tls-key-file", str(tls.key_file),
             "--tls-ca-file", str(tls.ca_file),
-            "--data-plane-tls" if data_plane_tls else "--no-data-plane-tls",
+            "--data-plane-security", data_plane_security,
         ]  # fmt: skip
     netns = ["ip", "netns", "exec", node.name] if node else []
     host = ["--host", node.address] if node else []
@@ -205,7 +207,9 @@ async def raw_tcp_s(a: Node, b: Node, nbytes: int) -> float:
 
 
 MTLS = "mTLS"
+MTLS_AUTH = "mTLS control plane, data plane authenticated by mTLS then plaintext (auth)"
 MTLS_CONTROL = "mTLS control plane, plaintext data plane"
+SECURITY = {MTLS: "tls", MTLS_AUTH: "auth", MTLS_CONTROL: "plain"}  # --data-plane-security
 
 
 async def _main(args: argparse.Namespace) -> None:
@@ -213,7 +217,7 @@ async def _main(args: argparse.Namespace) -> None:
     runs = args.repeats + 1  # + a warm-up per size
     a_bytes = len(SIZES) * runs * total + 64 * MiB
     b_bytes = 2 * total + 64 * MiB
-    modes = ["plaintext", *([MTLS, MTLS_CONTROL] if args.tls else [])]
+    modes = ["plaintext", *([MTLS, MTLS_AUTH, MTLS_CONTROL] if args.tls else [])]
     tls_cfg: TlsConfig | None = None
     certs = tempfile.TemporaryDirectory(prefix="kvmesh-bench-tls-")
     if args.tls:
@@ -228,10 +232,10 @@ async def _main(args: argparse.Namespace) -> None:
     pairs: dict[str, tuple[Daemon, Daemon]] = {}
     for i, mode in enumerate(modes):
         cfg = tls_cfg if mode != "plaintext" else None
-        dp_tls = mode != MTLS_CONTROL
+        security = SECURITY.get(mode, "tls")
         a, b = await asyncio.gather(
-            start_daemon(f"bench-a-{i}", a_bytes, cfg, dp_tls, na),
-            start_daemon(f"bench-b-{i}", b_bytes, cfg, dp_tls, nb),
+            start_daemon(f"bench-a-{i}", a_bytes, cfg, security, na),
+            start_daemon(f"bench-b-{i}", b_bytes, cfg, security, nb),
         )
         pairs[mode] = (a, b)
     raw = Cell(RAW, 0)
@@ -249,7 +253,7 @@ async def _main(args: argparse.Namespace) -> None:
             for size in SIZES
             for path in PATHS
             for mode in modes
-            if mode != MTLS_CONTROL or path == PATHS[0]  # GetBlocks: as with mTLS
+            if mode in ("plaintext", MTLS) or path == PATHS[0]  # GetBlocks: as with mTLS
         }
         for r in range(runs):
             for size in SIZES:
@@ -335,7 +339,8 @@ async def _main(args: argparse.Namespace) -> None:
         " | per-repeat ratios | serving CPU s/GB plain / mTLS | receiving CPU s/GB plain / mTLS |"
     )
     print("|---|---|---|---|---|---|---|---|")
-    for path, mode in ((PATHS[0], MTLS), (PATHS[0], MTLS_CONTROL), (PATHS[1], MTLS)):
+    rows = ((PATHS[0], MTLS), (PATHS[0], MTLS_AUTH), (PATHS[0], MTLS_CONTROL), (PATHS[1], MTLS))
+    for path, mode in rows:
         for size in SIZES:
             p, t = cells[path, "plaintext", size], cells[path, mode, size]
             ratios = [tt / pp for pp, tt in zip(p.gbps, t.gbps, strict=True)]

@@ -86,7 +86,24 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--burst-s", type=float, default=10.0, help="length of the burst")
     p.add_argument("--interactive-rate", type=float, default=2.0, help="requests per second")
     p.add_argument("--request-timeout-s", type=float, default=20.0)
-    p.add_argument("--modes", default="admission,off", help="router modes to run: admission, off")
+    p.add_argument(
+        "--modes",
+        default="admission,off",
+        help="router modes to run: admission, off, reserve (admission with --reserve-workers "
+        "workers kept for the interactive band: the scheduler's reserve filter)",
+    )
+    p.add_argument(
+        "--reserve-workers",
+        type=int,
+        default=1,
+        help="in mode reserve: workers reserved for the interactive band (priority 10)",
+    )
+    p.add_argument(
+        "--reserve-lend-after-idle-s",
+        type=float,
+        default=10.0,
+        help="in mode reserve: the reserve filter's lend_after_idle_s",
+    )
     p.add_argument(
         "--router-args",
         default="--admission-max-waiting 2 --admission-max-prefill-backlog-s 0.2 "
@@ -170,7 +187,7 @@ async def mesh(a: argparse.Namespace, tmp: Path) -> AsyncIterator[tuple[LocalEtc
                             f"--sim-max-running={a.sim_max_running}",
                             f"--sim-speedup={a.sim_speedup}",
                             "--scheduling-policy=priority",
-                            f"--worker-id=sim-{i}",
+                            f"--worker-id=sim-{i:02d}",
                             f"--cluster={CLUSTER}",
                             f"--etcd={etcd.endpoint}",
                             "--metrics-port=-1",
@@ -199,6 +216,28 @@ def key_file(tmp: Path) -> Path:
     return path
 
 
+def reserve_profile(tmp: Path, workers: int, lend_after_idle_s: float) -> Path:
+    """The router's default profile with the reserve filter: ``workers`` kept for the
+    interactive band (docs/tenants.md, reserved workers)."""
+    from services.router.core.scheduler import BUILTIN_PROFILES
+
+    tree = yaml.safe_load(BUILTIN_PROFILES["precise-sticky"])
+    tree["name"] = "precise-sticky-reserved"
+    tree["filters"] = [
+        *tree["filters"],
+        {
+            "type": "reserve",
+            "params": {
+                "bands": [{"priority": PRIORITY["interactive"], "workers": workers}],
+                "lend_after_idle_s": lend_after_idle_s,
+            },
+        },
+    ]
+    path = tmp / "reserved.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    return path
+
+
 async def start_router(etcd: LocalEtcd, tmp: Path, mode: str, extra: str, n: int) -> Proc:
     args = [
         f"--cluster={CLUSTER}",
@@ -209,10 +248,10 @@ async def start_router(etcd: LocalEtcd, tmp: Path, mode: str, extra: str, n: int
         f"--api-keys-file={key_file(tmp)}",
         "--log-level=WARNING",
     ]
-    if mode == "admission":
+    if mode in ("admission", "reserve"):
         args += ["--admission", *extra.split()]
     elif mode not in ("off", "calibrate"):
-        raise ValueError(f"unknown router mode {mode!r}; use admission or off")
+        raise ValueError(f"unknown router mode {mode!r}; use admission, reserve or off")
     router = await spawn("services.router.main", args, tmp / f"router-{mode}.log", "KVMESH_")
     async with grpc.aio.insecure_channel(router.address) as ch:
         stub = router_pb2_grpc.RouterStub(ch)
@@ -325,11 +364,12 @@ async def settle(workers: Sequence[Proc], timeout_s: float = 60.0) -> None:
             await c.close()
 
 
-async def busy_share(workers: Sequence[Proc], seconds: float, every_s: float = 0.1) -> float:
-    """Share of (worker, sample) pairs with a running request over ``seconds``."""
+async def busy_share(workers: Sequence[Proc], seconds: float, every_s: float = 0.1) -> list[float]:
+    """Per worker, the share of samples with a running request over ``seconds``."""
     channels = [grpc.aio.insecure_channel(w.address) for w in workers]
     stubs = [worker_pb2_grpc.WorkerStub(c) for c in channels]
-    busy = total = 0
+    busy = [0] * len(workers)
+    total = [0] * len(workers)
     end = time.monotonic() + seconds
     try:
         while time.monotonic() < end:
@@ -337,15 +377,15 @@ async def busy_share(workers: Sequence[Proc], seconds: float, every_s: float = 0
                 *(s.GetLoad(worker_pb2.GetLoadRequest(), timeout=2) for s in stubs),
                 return_exceptions=True,
             )
-            for ld in loads:
+            for i, ld in enumerate(loads):
                 if isinstance(ld, worker_pb2.WorkerLoad):
-                    total += 1
-                    busy += 1 if ld.running_requests > 0 else 0
+                    total[i] += 1
+                    busy[i] += 1 if ld.running_requests > 0 else 0
             await asyncio.sleep(every_s)
     finally:
         for c in channels:
             await c.close()
-    return busy / total if total else math.nan
+    return [b / t if t else math.nan for b, t in zip(busy, total, strict=True)]
 
 
 # ---- the run ----------------------------------------------------------------------------------
@@ -378,7 +418,11 @@ async def run_mode(
     mode: str,
     capacity: float,
 ) -> dict[str, Any]:
-    router = await start_router(etcd, tmp, mode, a.router_args, a.workers)
+    extra = a.router_args
+    if mode == "reserve":
+        profile = reserve_profile(tmp, a.reserve_workers, a.reserve_lend_after_idle_s)
+        extra += f" --policy {profile}"
+    router = await start_router(etcd, tmp, mode, extra, a.workers)
     plan = tenants(a, capacity)
     lead = plan["batch"].start_s
     try:
@@ -406,7 +450,7 @@ async def run_mode(
                 r for r in burst if r.tenant != "interactive" or lead <= r.sent_s < lead + a.burst_s
             ]
             rows += summarize("burst", in_burst, a.burst_s)
-            fleet_busy = await busy
+            per_worker_busy = await busy
             client_lag = await lag
             if a.results_jsonl is not None:
                 with a.results_jsonl.open("a") as f:
@@ -418,6 +462,7 @@ async def run_mode(
         await stop(router)
         await settle(workers)
     p99 = {row.phase: row.ttft_p99_s for row in rows if row.tenant == "interactive"}
+    reserved = a.reserve_workers if mode == "reserve" else 0
     shares = [served_between(burst, t, lead, lead + a.burst_s) for t in ("batch", "flood")]
     rejected = [r for r in burst if r.status == REJECTED]
     failed: dict[str, int] = {}
@@ -433,7 +478,10 @@ async def run_mode(
         "interactive_p99_ratio": p99.get("burst", math.nan) / p99.get("alone", math.nan),
         "jain_batch_flood_uncached": jain(shares),
         "uncached_batch_flood": shares,
-        "fleet_busy": fleet_busy,
+        "fleet_busy": sum(per_worker_busy) / len(per_worker_busy),
+        # The workers the reserve filter keeps (sim-00 ...: the first by worker id), the rest.
+        "reserved_busy": _mean(per_worker_busy[:reserved]),
+        "shared_busy": _mean(per_worker_busy[reserved:]),
         "client_loop_lag_p99_s": percentile(client_lag, 99),
         "reject_p99_s": percentile(
             [r.end_s - r.sent_s for r in rejected if r.detail == ARRIVAL], 99
@@ -498,13 +546,24 @@ def run(a: argparse.Namespace) -> int:
             f"\ninteractive TTFT p99 burst / alone: {rep['interactive_p99_ratio']:.2f}x; "
             f"Jain (batch, flood) uncached tokens during the burst: "
             f"{rep['jain_batch_flood_uncached']:.3f} ({rep['uncached_batch_flood'][0]:,} vs "
-            f"{rep['uncached_batch_flood'][1]:,}); fleet busy {rep['fleet_busy']:.0%}; "
+            f"{rep['uncached_batch_flood'][1]:,}); fleet busy {rep['fleet_busy']:.0%}"
+            + (
+                f" (reserved workers {rep['reserved_busy']:.0%}, the others "
+                f"{rep['shared_busy']:.0%})"
+                if not math.isnan(rep["reserved_busy"])
+                else ""
+            )
+            + "; "
             f"429 at arrival p99 {_ms(rep['reject_p99_s'])}, Retry-After p50 "
             f"{_ms(rep['retry_after_p50_s'])} (the load generator's own loop lag p99 "
             f"{_ms(rep['client_loop_lag_p99_s'])})"
             + (f"; failed: {rep['failed']}" if rep["failed"] else "")
         )
     return 0
+
+
+def _mean(xs: Sequence[float]) -> float:
+    return sum(xs) / len(xs) if xs else math.nan
 
 
 def _ms(x: float) -> str:

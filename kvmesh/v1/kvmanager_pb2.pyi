@@ -258,7 +258,7 @@ class OpenFetchRequest(_message.Message):
     def __init__(self, layout: _Optional[_Union[KvLayout, _Mapping]] = ..., layout_key: _Optional[str] = ..., block_hashes: _Optional[_Iterable[int]] = ..., ttl_s: _Optional[float] = ...) -> None: ...
 
 class OpenFetchResponse(_message.Message):
-    __slots__ = ("data_plane_address", "token", "block_hashes", "parent_hash", "layout_key", "ttl_s", "data_plane_tls")
+    __slots__ = ("data_plane_address", "token", "block_hashes", "parent_hash", "layout_key", "ttl_s", "data_plane_tls", "data_plane_auth_only")
     DATA_PLANE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
@@ -266,6 +266,7 @@ class OpenFetchResponse(_message.Message):
     LAYOUT_KEY_FIELD_NUMBER: _ClassVar[int]
     TTL_S_FIELD_NUMBER: _ClassVar[int]
     DATA_PLANE_TLS_FIELD_NUMBER: _ClassVar[int]
+    DATA_PLANE_AUTH_ONLY_FIELD_NUMBER: _ClassVar[int]
     data_plane_address: str
     token: bytes
     block_hashes: _containers.RepeatedScalarFieldContainer[int]
@@ -273,7 +274,8 @@ class OpenFetchResponse(_message.Message):
     layout_key: str
     ttl_s: float
     data_plane_tls: bool
-    def __init__(self, data_plane_address: _Optional[str] = ..., token: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[int]] = ..., parent_hash: _Optional[int] = ..., layout_key: _Optional[str] = ..., ttl_s: _Optional[float] = ..., data_plane_tls: bool = ...) -> None: ...
+    data_plane_auth_only: bool
+    def __init__(self, data_plane_address: _Optional[str] = ..., token: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[int]] = ..., parent_hash: _Optional[int] = ..., layout_key: _Optional[str] = ..., ttl_s: _Optional[float] = ..., data_plane_tls: bool = ..., data_plane_auth_only: bool = ...) -> None: ...
 
 class FetchFromPeerRequest(_message.Message):
     __slots__ = ("layout", "block_hashes", "peer_kvmanager_id", "peer_address")

@@ -34,6 +34,7 @@ from kvmesh.tls import Tls
 from kvmesh.v1 import kvmanager_pb2, kvmanager_pb2_grpc
 
 from .config import KvManagerConfig, PeerConfig
+from .core.config import DataPlaneSecurity
 from .core.rates import moved
 from .metrics import KvManagerMetrics
 from .peer import (
@@ -88,12 +89,14 @@ class RunningKvManager:
 
 
 def _data_plane_config(peer: PeerConfig, host: str, tls: Tls | None) -> DataPlaneConfig:
+    with_tls = peer.data_plane_security is not DataPlaneSecurity.PLAIN
     return DataPlaneConfig(
         host=peer.data_plane_host or host,
         port=peer.data_plane_port,
         max_streams=peer.max_streams,
         stall_timeout_s=peer.stall_timeout_s,
-        ssl_context=tls.server_ssl_context() if tls is not None and peer.data_plane_tls else None,
+        ssl_context=tls.server_ssl_context() if tls is not None and with_tls else None,
+        tls_auth_only=peer.data_plane_security is DataPlaneSecurity.AUTH,
     )
 
 

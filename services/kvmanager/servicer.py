@@ -353,6 +353,7 @@ class KvManagerServicer(kvmanager_pb2_grpc.KvManagerServicer):
             layout_key=grant.layout_key,
             ttl_s=grant.ttl_s,
             data_plane_tls=grant.data_plane_tls,
+            data_plane_auth_only=grant.data_plane_auth_only,
         )
         if grant.parent_hash is not None:
             resp.parent_hash = grant.parent_hash

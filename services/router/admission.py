@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from kvmesh import errors
 
@@ -24,11 +24,11 @@ from .core.admission import AdmissionConfig, FlowControl, FreeSlots, Reason, Sta
 from .core.auth import KeyTable
 from .core.ratelimit import Limits, RateLimiter
 from .core.routing import RoutingPolicy
-from .core.saturation import Capacity, capacity
+from .core.saturation import SERVING_ROLES, Capacity, capacity
 from .core.scheduler import Scheduler
 from .core.scheduler.rates import PrefillRates
 from .core.types import RouteRequest
-from .core.workers import WorkerSet
+from .core.workers import WorkerSet, WorkerView
 from .metrics import AdmissionMetrics
 from .shared_limits import SharedRateLimiter
 
@@ -212,16 +212,21 @@ class AdmissionGate:
 
     # ---- the workers' state ----------------------------------------------------------------
     def capacity(self, model: str, share: float = 1.0, band: int | None = None) -> Capacity:
-        """``band``: count only the prefill backlog of that band and higher (engines that
-        schedule by priority); None: all of it."""
-        views = self._workers.candidates(model)
+        """``band``: the workers that band may use (the profile's ``reserve`` filter) and, with
+        ``engines_by_priority``, only the prefill backlog of that band and higher (engines that
+        schedule by priority); None: every worker, all of the backlog."""
+        views: Sequence[WorkerView] = self._workers.candidates(model)
         sched = self._scheduler
+        if band is not None and sched is not None and sched.reserves_workers:
+            views = sched.band_views(
+                [v for v in views if v.serving and v.record.role in SERVING_ROLES], band
+            )
         if self.config.max_prefill_backlog_s <= 0.0 or sched is None:
             return capacity(views, self.config, share=share)
         rates, ledger = self._rates, sched.ledger
         for v in views:
             rates.observe(v.record.worker_id, v.load)
-        if band is None:
+        if band is None or not self.config.engines_by_priority:
             return capacity(
                 views,
                 self.config,
@@ -242,14 +247,15 @@ class AdmissionGate:
     def free_slots(self, model: str) -> tuple[Capacity, FreeSlots]:
         """The fleet's capacity, and its free slots per band (the reserve only for bands at or
         above ``reserve_priority``; with ``engines_by_priority``, each band's backlog counted
-        from that band up)."""
+        from that band up; with a ``reserve`` filter in the profile, each band's workers)."""
         full = self.capacity(model)
         cfg = self.config
         by_band = cfg.engines_by_priority and cfg.max_prefill_backlog_s > 0.0
-        if (cfg.reserve <= 0.0 and not by_band) or full.workers == 0:
+        reserving = self._scheduler is not None and self._scheduler.reserves_workers
+        if (cfg.reserve <= 0.0 and not by_band and not reserving) or full.workers == 0:
             return full, full.free_slots
         at = cfg.reserve_priority
-        if not by_band:
+        if not by_band and not reserving:
             low = self.capacity(model, 1.0 - cfg.reserve).free_slots
             top = full.free_slots
             return full, lambda band: top if band >= at else low

@@ -3,11 +3,15 @@
 buffers and as ``bytes``); a pause, the window, a cancel and a server closing behave as in
 plaintext; a client without a certificate, with another CA's, trusting another CA, or in
 plaintext is refused quickly as a ``PeerFetchError`` and the server goes on; and two kvmanager
-daemons fetch from each other (``FetchFromPeer``) over TLS on both planes."""
+daemons fetch from each other (``FetchFromPeer``) over TLS on both planes. The ``auth`` mode
+(``--data-plane-security auth``: mutual TLS for the handshake and the ticket, then the blocks in
+plaintext) passes the same checks: strangers refused before a ticket is redeemed, a wrong ticket
+refused, the blocks byte-exact."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import ssl
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -20,10 +24,16 @@ from kvmesh.tls import Tls, TlsConfig, open_channel
 from kvmesh.tlsgen import Pki
 from kvmesh.v1 import kvmanager_pb2, kvmanager_pb2_grpc
 from services.kvmanager.config import KvManagerConfig, PeerConfig
-from services.kvmanager.core.config import StoreConfig
+from services.kvmanager.core.config import DataPlaneSecurity, StoreConfig
 from services.kvmanager.main import start_kvmanager
-from services.kvmanager.peer.client import PeerFetchError, StreamBroken, fetch_blocks
+from services.kvmanager.peer.client import (
+    PeerFetchError,
+    StreamBroken,
+    TicketRefused,
+    fetch_blocks,
+)
 from services.kvmanager.peer.server import DataPlaneConfig, DataPlaneServer, PinnedBlock
+from services.kvmanager.peer.wire import Status
 from tests.support import eventually
 
 from .test_kvmanager_dataplane import SIZES, MemorySource, Sink, fetch, payload
@@ -41,8 +51,13 @@ def tls_of(pki: Pki, *, cert: bool = True, ca: Pki | None = None) -> Tls:
     return tls
 
 
-def client_ctx(tls: Tls | None) -> dict[str, object]:
-    return {"ssl_context": tls.client_ssl_context()} if tls is not None else {}
+def client_ctx(tls: Tls | None, auth_only: bool = False) -> dict[str, object]:
+    if tls is None:
+        return {}
+    return {"ssl_context": tls.client_ssl_context(), "tls_auth_only": auth_only}
+
+
+AUTH_ONLY = pytest.mark.parametrize("auth_only", [False, True], ids=["tls", "auth"])
 
 
 @pytest.fixture
@@ -61,12 +76,16 @@ async def start(pki: Pki) -> AsyncIterator[Callable[..., Awaitable[DataPlaneServ
         await server.close()
 
 
-async def test_blocks_of_every_size_arrive_byte_exact_over_mutual_tls(start, pki: Pki) -> None:  # type: ignore[no-untyped-def]
+@AUTH_ONLY
+async def test_blocks_of_every_size_arrive_byte_exact_over_mutual_tls(  # type: ignore[no-untyped-def]
+    start, pki: Pki, auth_only: bool
+) -> None:
     blocks = {1000 + i: payload(1000 + i, size) for i, size in enumerate(SIZES)}
     blocks |= {2000 + i: payload(2000 + i, 32 << 10) for i in range(40)}  # small: coalesced
     source = MemorySource(blocks)
-    server = await start(source)
-    tls = client_ctx(tls_of(pki))
+    server = await start(source, tls_auth_only=auth_only)
+    assert server.tls_auth_only is auth_only
+    tls = client_ctx(tls_of(pki), auth_only)
     ticket = server.issue_ticket("layout-a", [*blocks, 7, 8], ttl_s=10)
     sink = Sink()
     result = await fetch(server, ticket, sink, **tls)
@@ -142,6 +161,7 @@ async def test_server_close_breaks_a_tls_stream_in_flight(start, pki: Pki) -> No
     assert source.pins == source.releases
 
 
+@AUTH_ONLY
 @pytest.mark.parametrize(
     ("who", "message"),
     [
@@ -154,10 +174,10 @@ async def test_server_close_breaks_a_tls_stream_in_flight(start, pki: Pki) -> No
     ],
 )
 async def test_strangers_are_refused_and_the_server_goes_on(  # type: ignore[no-untyped-def]
-    start, pki: Pki, other_pki: Pki, who: str, message: str
+    start, pki: Pki, other_pki: Pki, who: str, message: str, auth_only: bool
 ) -> None:
     blocks = {1: payload(1, 100_000)}
-    server = await start(MemorySource(blocks), request_timeout_s=2.0)
+    server = await start(MemorySource(blocks), request_timeout_s=2.0, tls_auth_only=auth_only)
     tls = {
         "no-certificate": tls_of(pki, cert=False),
         "other-ca-certificate": TlsConfig(
@@ -172,14 +192,37 @@ async def test_strangers_are_refused_and_the_server_goes_on(  # type: ignore[no-
     sink = Sink()
     began = time.monotonic()
     with pytest.raises(PeerFetchError, match=message) as info:
-        await fetch(server, ticket, sink, **client_ctx(tls))
+        await fetch(server, ticket, sink, **client_ctx(tls, auth_only))
     assert time.monotonic() - began < 1.5, "refused, not timed out"
     assert info.value.delivered == 0 and sink.got == []
     await eventually(lambda: server.stats.tls_failed == 1)
     assert server.stats.streams == 0  # the ticket was never redeemed: still good for the mesh
     sink = Sink()
-    await fetch(server, ticket, sink, **client_ctx(tls_of(pki)))
+    await fetch(server, ticket, sink, **client_ctx(tls_of(pki), auth_only))
     sink.check(blocks)
+
+
+@AUTH_ONLY
+async def test_a_wrong_or_spent_ticket_is_refused_over_tls(  # type: ignore[no-untyped-def]
+    start, pki: Pki, auth_only: bool
+) -> None:
+    """A peer of the mesh (a valid certificate) with a ticket this server did not issue, or
+    one already redeemed, gets the refusal in the stream header and not a byte of a block."""
+    blocks = {1: payload(1, 100_000), 2: payload(2, 100_000)}
+    server = await start(MemorySource(blocks), tls_auth_only=auth_only)
+    tls = client_ctx(tls_of(pki), auth_only)
+    good = server.issue_ticket("layout-a", [1, 2], ttl_s=10)
+    forged = dataclasses.replace(good, token=bytes(a ^ 0xFF for a in good.token))
+    sink = Sink()
+    with pytest.raises(TicketRefused) as info:
+        await fetch(server, forged, sink, **tls)
+    assert info.value.status is Status.UNKNOWN_TICKET and sink.got == []
+    await fetch(server, good, sink, **tls)
+    sink.check(blocks)
+    with pytest.raises(TicketRefused):  # single use
+        await fetch(server, good, Sink(), **tls)
+    assert server.stats.streams == 1 and server.stats.refused == 2
+    assert server.stats.tls_failed == 0
 
 
 async def test_a_tls_client_to_a_plaintext_data_plane_fails_cleanly(start, pki: Pki) -> None:  # type: ignore[no-untyped-def]
@@ -190,15 +233,14 @@ async def test_a_tls_client_to_a_plaintext_data_plane_fails_cleanly(start, pki: 
     assert time.monotonic() - began < 1.5
 
 
-@pytest.mark.parametrize(
-    "data_plane_tls", [True, False], ids=["tls-data-plane", "plain-data-plane"]
-)
+@pytest.mark.parametrize("security", list(DataPlaneSecurity))
 async def test_two_kvmanagers_fetch_from_each_other_over_tls(
-    pki: Pki, data_plane_tls: bool
+    pki: Pki, security: DataPlaneSecurity
 ) -> None:
     """FetchFromPeer end to end: OpenFetch over mutual-TLS gRPC, the blocks over the TLS data
-    plane (or, the holder with --no-data-plane-tls, in plaintext: the fetcher follows what the
-    holder's OpenFetch answer says), into the fetcher's CPU tier, byte-exact."""
+    plane (the holder with --data-plane-security auth: TLS for the ticket, then plaintext;
+    plain: no TLS on it; the fetcher follows what the holder's OpenFetch answer says), into the
+    fetcher's CPU tier, byte-exact."""
     tls_cfg = TlsConfig(
         cert_file=pki.node.cert_file, key_file=pki.node.key_file, ca_file=pki.ca_file
     )
@@ -209,7 +251,7 @@ async def test_two_kvmanagers_fetch_from_each_other_over_tls(
             node=name,
             etcd_endpoints=(),
             store=StoreConfig(cpu_bytes=64 << 20),
-            peer=PeerConfig(data_plane_port=0, data_plane_tls=data_plane_tls),
+            peer=PeerConfig(data_plane_port=0, data_plane_security=security),
             metrics_port=-1,
             drain_grace_s=0.5,
             tls=tls_cfg,
@@ -223,7 +265,9 @@ async def test_two_kvmanagers_fetch_from_each_other_over_tls(
     a, b = await start_kvmanager(config("kvm-a")), await start_kvmanager(config("kvm-b"))
     tls = tls_cfg.load()
     try:
-        assert a.data_plane is not None and a.data_plane.tls is data_plane_tls
+        assert a.data_plane is not None
+        assert a.data_plane.tls is (security is not DataPlaneSecurity.PLAIN)
+        assert a.data_plane.tls_auth_only is (security is DataPlaneSecurity.AUTH)
         async with open_channel(a.address, tls) as ca, open_channel(b.address, tls) as cb:
             sa, sb = kvmanager_pb2_grpc.KvManagerStub(ca), kvmanager_pb2_grpc.KvManagerStub(cb)
             put = kvmanager_pb2.PutBlocksRequest(

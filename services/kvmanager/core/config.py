@@ -22,6 +22,15 @@ class Populate(StrEnum):
     OFF = "off"  # page by page as blocks first land (RSS grows with use; reused slots fault-free)
 
 
+class DataPlaneSecurity(StrEnum):
+    """What the peer data plane does with the mesh's certificates (with ``--tls-*``; without
+    them it is plaintext whatever this says). docs/deploy.md#tls."""
+
+    TLS = "tls"  # mutual TLS for the whole stream: both ends authenticated, bytes encrypted
+    AUTH = "auth"  # mutual TLS for the handshake and the ticket, then the blocks in plaintext
+    PLAIN = "plain"  # no TLS: the ticket and the blocks in plaintext
+
+
 @dataclass(frozen=True, slots=True)
 class StoreConfig:
     cpu_bytes: int = setting(4 * GIB, "CPU tier budget, bytes of block payloads (e.g. 4GiB)")
@@ -105,11 +114,12 @@ class PeerConfig:
         "peer fetches served at once; more are refused (the peer recomputes)",
         flag="data-plane-max-streams",
     )
-    data_plane_tls: bool = setting(
-        True,
-        "with --tls-*, the data plane speaks mutual TLS too; off: block bytes in plaintext, "
-        "guarded by the single-use tickets of the mutual-TLS control plane (about twice the "
-        "throughput on 2 cores: BENCHMARKS.md; for a trusted or already encrypted network)",
+    data_plane_security: DataPlaneSecurity = setting(
+        DataPlaneSecurity.TLS,
+        "with --tls-*: tls, the data plane speaks mutual TLS too (encrypted); auth, mutual TLS "
+        "authenticates the peer and carries the ticket, then the blocks follow in plaintext "
+        "checked by their checksums (about the plaintext's throughput, not private: "
+        "docs/deploy.md#tls); plain, no TLS on it at all",
     )
     ticket_ttl_s: float = setting(
         30.0,

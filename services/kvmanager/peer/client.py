@@ -10,7 +10,10 @@ stops reading the socket while ``window_bytes`` of verified blocks wait for ``on
 Over TLS (``ssl_context``: the mesh's CA, and this kvmanager's certificate for mutual TLS)
 the same thread does the handshake and reads with plain ``recv_into`` (TLS decrypts every byte
 into the buffer anyway; an ``SSLSocket`` takes no ``MSG_*`` flags); a failed handshake or a
-certificate the CA did not sign is a ``StreamBroken`` saying so.
+certificate the CA did not sign is a ``StreamBroken`` saying so. With ``tls_auth_only`` (the
+grant says so: ``--data-plane-security auth``) TLS carries only the handshake and the request:
+both ends then close it and the blocks come in plaintext on the plaintext path
+(``sockets.end_tls``), each checked by its checksum as always.
 
 Failure semantics: ``on_block`` sees only whole blocks whose checksum matched, in order. Any
 failure (peer gone, stall, deadline, bad checksum, protocol violation) raises a
@@ -36,7 +39,7 @@ from kvmesh.kv.events import BlockHash
 
 from . import wire
 from .core import RecvWindow, Ticket
-from .sockets import Buffer, byte_view, conn_shutdown, readable_now, set_sock_timeout
+from .sockets import Buffer, byte_view, conn_shutdown, end_tls, readable_now, set_sock_timeout
 from .wire import Checksum, ChecksumAlgo, ChecksumSet, FrameKind, Status
 
 # ---------------------------------------------------------------------------------------------
@@ -125,6 +128,7 @@ async def fetch_blocks(
     accept: ChecksumSet | None = None,
     ssl_context: ssl.SSLContext | None = None,
     server_hostname: str | None = None,
+    tls_auth_only: bool = False,
 ) -> FetchResult:
     """Fetches the ticket's blocks from the data plane at ``host:port``.
 
@@ -139,7 +143,8 @@ async def fetch_blocks(
     ``deadline_s`` bounds the whole fetch; ``stall_timeout_s`` each wait for the peer.
     ``accept`` lists the checksums this side verifies (default: all it can compute).
     ``ssl_context``: over TLS (``kvmesh.tls.Tls.client_ssl_context``), the server's certificate
-    checked for ``server_hostname`` (default ``host``); None: plaintext.
+    checked for ``server_hostname`` (default ``host``); None: plaintext. ``tls_auth_only``:
+    TLS for the handshake and the request only, the blocks in plaintext (the server's mode).
 
     Returns a ``FetchResult``. Raises a ``PeerFetchError`` on any failure of the peer or the
     stream, after having delivered only whole verified blocks (``exc.delivered`` of them). An
@@ -163,6 +168,7 @@ async def fetch_blocks(
         accept=wire.available_algos() if accept is None else accept,
         ssl_context=ssl_context,
         server_hostname=server_hostname or host,
+        tls_auth_only=tls_auth_only,
     )
     delivered = nbytes = 0
     missing: list[BlockHash] = []
@@ -225,9 +231,11 @@ class _Receiver:
         accept: ChecksumSet,
         ssl_context: ssl.SSLContext | None = None,
         server_hostname: str = "",
+        tls_auth_only: bool = False,
     ) -> None:
         self._loop = loop
         self._ssl = ssl_context
+        self._auth_only = tls_auth_only
         self._server_hostname = server_hostname
         self._tls = False  # the stream's socket is an SSLSocket (timeouts by settimeout)
         self._peer = f"{host}:{port}"
@@ -416,6 +424,16 @@ class _Receiver:
                 self._sock = sock
             self._tls = True
         sock.sendall(wire.pack_request(wire.Request(self._ticket.token, self._accept)))
+        if self._tls and self._auth_only:  # TLS closed both ways; the blocks in plaintext
+            assert isinstance(sock, ssl.SSLSocket)
+            sock.settimeout(self._timeout())
+            sock = end_tls(sock)
+            with self._sock_lock:
+                if self._stopped:
+                    sock.close()
+                    return
+                self._sock = sock
+            self._tls = False
         if self._tls:
             self._rcvtimeo = sock.gettimeout() or 0.0
         else:

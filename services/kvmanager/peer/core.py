@@ -187,6 +187,7 @@ class FetchGrant:
     layout_key: str
     ttl_s: float
     data_plane_tls: bool = False  # redeem the ticket over TLS
+    data_plane_auth_only: bool = False  # over TLS, then the blocks in plaintext
 
 
 def grant_matches(asked: Sequence[BlockHash], granted: Sequence[BlockHash], token: bytes) -> bool:

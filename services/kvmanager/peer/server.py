@@ -10,7 +10,9 @@ docs/kvmanager-dataplane.md.
 
 With ``DataPlaneConfig.ssl_context`` the data plane runs over TLS (mutual TLS when the
 context requires client certificates: only holders of a certificate from the mesh's CA connect
-at all, and a ticket still names what they may read). The TLS handshake and the request are
+at all, and a ticket still names what they may read). With ``tls_auth_only`` as well, TLS
+authenticates both ends and carries the request (the ticket), then both close it and the stream
+goes on in plaintext on the same connection, on the plaintext path below (``sockets.end_tls``). The TLS handshake and the request are
 read on a thread of a small pool (a blocking ``SSLSocket``; the loop cannot drive one without
 asyncio's streams, which would put every byte through the loop), and the stream's thread
 writes with ``sendall`` (TLS copies and encrypts every byte anyway; ``sockets.send_buffers``).
@@ -50,6 +52,7 @@ from .sockets import (
     Buffer,
     byte_view,
     conn_shutdown,
+    end_tls,
     recv_exact_blocking,
     send_buffers,
     set_send_timeout,
@@ -111,6 +114,8 @@ class DataPlaneConfig:
     # TLS (kvmesh.tls.Tls.server_ssl_context: mutual when it requires client certificates);
     # None: plaintext.
     ssl_context: ssl.SSLContext | None = None
+    # With ssl_context: TLS for the handshake and the request only, the blocks in plaintext.
+    tls_auth_only: bool = False
 
 
 @dataclass(slots=True)
@@ -153,6 +158,11 @@ class DataPlaneServer:
     def tls(self) -> bool:
         """Clients redeem tickets here over TLS."""
         return self.config.ssl_context is not None
+
+    @property
+    def tls_auth_only(self) -> bool:
+        """Over TLS, only the handshake and the ticket: the blocks follow in plaintext."""
+        return self.tls and self.config.tls_auth_only
 
     async def start(self) -> None:
         lsock = socket.create_server((self.config.host, self.config.port), backlog=128)
@@ -231,6 +241,8 @@ class DataPlaneServer:
                     return  # refused by TLS (no or a foreign certificate), or silent
                 conn, raw = accepted
                 owned_by_thread = False
+                if not isinstance(conn, ssl.SSLSocket):  # auth only: TLS closed, plaintext on
+                    conn.setblocking(False)
             else:
                 try:
                     async with asyncio.timeout(self.config.request_timeout_s):
@@ -285,18 +297,18 @@ class DataPlaneServer:
     ) -> None:
         """A small message from the loop (a stream header): on a TLS socket by a pool thread
         (bounded by the socket's timeout, ``request_timeout_s``)."""
-        if self._tls_pool is not None:
+        if self._tls_pool is not None and isinstance(conn, ssl.SSLSocket):
             await loop.run_in_executor(self._tls_pool, conn.sendall, data)
         else:
             await loop.sock_sendall(conn, data)
 
-    async def _tls_accept(self, conn: socket.socket) -> tuple[ssl.SSLSocket, bytes] | None:
+    async def _tls_accept(self, conn: socket.socket) -> tuple[socket.socket, bytes] | None:
         """The TLS handshake and the request, on a pool thread that owns ``conn`` until it
-        returns; None (the socket closed) when either fails or takes past
-        ``request_timeout_s``."""
+        returns (auth only: and TLS closed again, a plain socket back); None (the socket
+        closed) when any of it fails or takes past ``request_timeout_s``."""
         assert self._tls_pool is not None and self.config.ssl_context is not None
         ctx, timeout_s = self.config.ssl_context, self.config.request_timeout_s
-        fut = self._tls_pool.submit(_tls_handshake, ctx, conn, timeout_s)
+        fut = self._tls_pool.submit(_tls_handshake, ctx, conn, timeout_s, self.config.tls_auth_only)
         try:
             got = await asyncio.wrap_future(fut)
         except asyncio.CancelledError:  # the server closes: the thread's socket with it
@@ -491,10 +503,11 @@ class _SendThread:
 
 
 def _tls_handshake(
-    ctx: ssl.SSLContext, conn: socket.socket, timeout_s: float
-) -> tuple[ssl.SSLSocket, bytes] | BaseException:
-    """On a pool thread: the server's TLS handshake, then the request under it, within
-    ``timeout_s``; the error (the socket closed) when either fails."""
+    ctx: ssl.SSLContext, conn: socket.socket, timeout_s: float, auth_only: bool = False
+) -> tuple[socket.socket, bytes] | BaseException:
+    """On a pool thread: the server's TLS handshake, then the request under it (``auth_only``:
+    then TLS closed both ways, the plain socket back), within ``timeout_s``; the error (the
+    socket closed) when any of it fails."""
     deadline = time.monotonic() + timeout_s
     try:
         conn.setblocking(True)
@@ -504,13 +517,17 @@ def _tls_handshake(
         conn.close()
         return exc
     try:
-        return tls, recv_exact_blocking(tls, wire.REQUEST_SIZE, deadline)
+        raw = recv_exact_blocking(tls, wire.REQUEST_SIZE, deadline)
+        if not auth_only:
+            return tls, raw
+        tls.settimeout(max(deadline - time.monotonic(), 1e-3))
+        return end_tls(tls), raw
     except (OSError, EOFError, ValueError) as exc:
         tls.close()
         return exc
 
 
-def _close_accepted(fut: Future[tuple[ssl.SSLSocket, bytes] | BaseException]) -> None:
+def _close_accepted(fut: Future[tuple[socket.socket, bytes] | BaseException]) -> None:
     with contextlib.suppress(BaseException):
         got = fut.result()
         if isinstance(got, tuple):

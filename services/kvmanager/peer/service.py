@@ -157,6 +157,7 @@ class PeerService:
             layout_key,
             ttl,
             self._data_plane.tls,
+            self._data_plane.tls_auth_only,
         )
 
     # -- fetching side
@@ -285,6 +286,7 @@ class PeerService:
                 max_block_bytes=block_bytes,
                 ssl_context=self._ssl if grant.data_plane_tls else None,
                 server_hostname=self._tls.server_hostname(host) if self._tls is not None else None,
+                tls_auth_only=grant.data_plane_tls and grant.data_plane_auth_only,
             )
         except FetchDeadlineExceeded as exc:
             raise progress.timed_out(what, granted, str(exc)) from None
@@ -325,4 +327,5 @@ class PeerService:
             resp.layout_key,
             resp.ttl_s,
             resp.data_plane_tls,
+            resp.data_plane_auth_only,
         )

@@ -91,6 +91,16 @@ def send_buffers(sock: socket.socket, bufs: list[bytes | memoryview]) -> None:
         sock.sendall(pending)
 
 
+def end_tls(tls: ssl.SSLSocket) -> socket.socket:
+    """Closes TLS on a connection both ends agreed to go on with in plaintext (the data plane's
+    ``auth`` mode): sends close_notify and waits for the peer's (``unwrap``, bounded by the
+    socket's timeout), then the same TCP connection as a plain socket, so ``sendmsg`` and
+    ``MSG_WAITALL`` work again. OpenSSL reads the peer's records one by one (no read-ahead):
+    no byte sent after its close_notify is left in TLS's buffer."""
+    tls.unwrap()
+    return socket.socket(tls.family, tls.type, tls.proto, fileno=tls.detach())
+
+
 def readable_now(sock: socket.socket) -> bool:
     """Whether a read would not wait: bytes TLS already decrypted, or bytes in the kernel."""
     if isinstance(sock, ssl.SSLSocket) and sock.pending():

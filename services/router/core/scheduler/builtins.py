@@ -12,6 +12,7 @@ from .params import NoParams
 from .plugins import PluginEnv
 from .prefix import ApproxParams, ApproxPrefixScorer, PreciseParams, PrecisePrefixScorer
 from .registry import Kind, PluginType, Registry
+from .reserve import ReserveFilter, ReserveParams
 from .ttft import TtftCostScorer, TtftParams
 
 
@@ -44,6 +45,13 @@ BUILTIN_TYPES: tuple[PluginType, ...] = (
         filters.RoleParams,
         _simple(filters.RoleFilter),
         "workers whose role runs the request's stage",
+    ),
+    PluginType(
+        "reserve",
+        Kind.FILTER,
+        ReserveParams,
+        _simple(ReserveFilter),
+        "workers reserved per priority band: no lower band on them while the band is active",
     ),
     # scorers
     PluginType(

@@ -20,7 +20,7 @@ from kvmesh.errors import InvalidArgument, Unavailable
 from ..types import Explanation, RouteDecision, RouteRequest
 from ..workers import WorkerView
 from .ledger import InFlightLedger
-from .plugins import Choice, CycleContext, Filter, Picker, PrefixSource, Scorer
+from .plugins import BandFilter, Choice, CycleContext, Filter, Picker, PrefixSource, Scorer
 
 _now = time.perf_counter_ns
 
@@ -90,6 +90,11 @@ class Scheduler:
             p.on_first_token for p in plugins if hasattr(p, "on_first_token")
         )
         self._on_finished = tuple(p.on_finished for p in plugins if hasattr(p, "on_finished"))
+        # Filters that narrow the candidates by the request's priority alone (``reserve``):
+        # flow control asks them which workers a band may use (``band_views``).
+        self._by_band = tuple(
+            cast(BandFilter, f) for f in self._filters if callable(getattr(f, "views_for", None))
+        )
         self.ledger = InFlightLedger()
         self._timing = [StageTiming() for _ in self.stages]
 
@@ -242,6 +247,18 @@ class Scheduler:
             if m is not None and m.blocks > 0:
                 best = max(best, m.blocks * (v.record.block_size or fallback))
         return min(best, request.prompt_tokens)
+
+    @property
+    def reserves_workers(self) -> bool:
+        """The profile keeps some workers for some bands (a ``reserve`` filter)."""
+        return bool(self._by_band)
+
+    def band_views(self, candidates: Sequence[WorkerView], priority: int) -> Sequence[WorkerView]:
+        """The candidates a request of ``priority`` may be placed on, per the profile's
+        band filters (all of them when it has none); flow control's view of a band's room."""
+        for f in self._by_band:
+            candidates = f.views_for(candidates, priority)
+        return candidates
 
     def timings(self) -> dict[str, StageTiming]:
         """Cumulative time per stage (filters, scorers, picker), for metrics."""

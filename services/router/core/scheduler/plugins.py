@@ -120,6 +120,15 @@ class Filter(Protocol):
         """The candidates that may serve the request, in their given order."""
 
 
+class BandFilter(Filter, Protocol):
+    """A filter whose answer depends on the request's priority alone (``reserve``): flow
+    control asks it which workers a band may use before any request is placed."""
+
+    def views_for(
+        self, candidates: Sequence[WorkerView], priority: int, note: bool = True
+    ) -> Sequence[WorkerView]: ...
+
+
 class Scorer(Protocol):
     name: str
 
