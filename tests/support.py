@@ -8,7 +8,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from services.worker.config import EngineConfig, SpeculativeConfig
 
 
 async def eventually(
@@ -47,3 +51,30 @@ def span_exporter(service_name: str) -> InMemorySpanExporter:
     else:
         setup_tracing(service_name, extra_processor=SimpleSpanProcessor(exporter))
     return exporter
+
+
+def tiny_engine_config(
+    model: Path,
+    *,
+    spec: SpeculativeConfig | None = None,
+    kvmanager: str = "",
+    ranks: int = 1,
+    block_size: int = 32,
+) -> EngineConfig:
+    """The tiny model's engine as the real-vLLM connector tests run it: float32 (outputs are
+    compared token for token), 1,024 positions, 16 MiB of KV cache; ``kvmanager``: the
+    address of the node kvmanager its KV connector saves to and loads from (empty: none)."""
+    from services.worker.config import EngineConfig, SpeculativeConfig
+    from services.worker.connector import kv_transfer_config
+
+    return EngineConfig(
+        model=str(model),
+        served_model_name="tiny",
+        dtype="float32",
+        max_model_len=1024,
+        block_size=block_size,
+        kv_cache_bytes=16 << 20,
+        speculative=spec or SpeculativeConfig(),
+        data_parallel_size=ranks,
+        kv_transfer_config=kv_transfer_config(kvmanager, store="kvmanager") if kvmanager else None,
+    )

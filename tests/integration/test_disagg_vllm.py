@@ -36,9 +36,8 @@ from services.router.config import RouterConfig
 from services.router.core.disagg import DisaggConfig
 from services.router.main import start_router
 from services.worker.config import EngineConfig, SpeculativeConfig, WorkerConfig
-from services.worker.connector import kv_transfer_config
 from services.worker.main import VLLM_ENVIRONMENT
-from tests.support import eventually
+from tests.support import eventually, tiny_engine_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -74,22 +73,6 @@ def full_blocks(prompt: Sequence[int]) -> int:
     return (len(prompt) - 1) // BLOCK * BLOCK
 
 
-def engine_config(
-    model: Path, kvmanager: str = "", spec: SpeculativeConfig | None = None, ranks: int = 1
-) -> EngineConfig:
-    return EngineConfig(
-        model=str(model),
-        served_model_name="tiny",
-        dtype="float32",
-        max_model_len=1024,
-        block_size=BLOCK,
-        kv_cache_bytes=16 << 20,
-        speculative=spec or SpeculativeConfig(),
-        data_parallel_size=ranks,
-        kv_transfer_config=kv_transfer_config(kvmanager, store="kvmanager") if kvmanager else None,
-    )
-
-
 @pytest.fixture(scope="module")
 def vllm_env() -> object:
     with pytest.MonkeyPatch.context() as mp:
@@ -104,7 +87,7 @@ async def reference(tiny_model: Path, vllm_env: object) -> dict[tuple[int, ...],
     from services.worker.core import GenerateRequest, Sampling
     from services.worker.engine import VllmEngine
 
-    engine = await VllmEngine.start(engine_config(tiny_model))
+    engine = await VllmEngine.start(tiny_engine_config(tiny_model))
     out = {}
     try:
         for i, p in enumerate([*DP_PROMPTS, *(q for ps in SPEC_PROMPTS.values() for q in ps)]):
@@ -144,7 +127,7 @@ async def prefill_engine(tiny_model: Path, kvm):  # type: ignore[no-untyped-def]
     """A plain prefill engine with the connector, one rank."""
     from services.worker.engine import VllmEngine
 
-    engine = await VllmEngine.start(engine_config(tiny_model, kvm.address))
+    engine = await VllmEngine.start(tiny_engine_config(tiny_model, kvmanager=kvm.address))
     try:
         yield engine
     finally:
@@ -205,7 +188,7 @@ async def test_a_prefill_worker_hands_off_to_the_decode_rank_the_router_picked(
 ) -> None:
     from services.worker.engine import VllmEngine
 
-    decode = await VllmEngine.start(engine_config(tiny_model, kvm.address, ranks=2))
+    decode = await VllmEngine.start(tiny_engine_config(tiny_model, kvmanager=kvm.address, ranks=2))
     try:
         assert decode.info.data_parallel_size == 2
         assert decode.info.connector_layout == prefill_engine.info.connector_layout
@@ -282,7 +265,9 @@ async def test_a_speculating_decode_worker_decodes_the_handed_off_prompt(
     # share the target's blocks: the prefill worker runs the same drafter (so its blocks carry
     # the drafter's KV too), and the plain one, registered beside it, must not be paired.
     own_prefill = method != "ngram"
-    configs = [engine_config(tiny_model, kvm.address, drafter_spec)] * (2 if own_prefill else 1)
+    configs = [tiny_engine_config(tiny_model, kvmanager=kvm.address, spec=drafter_spec)] * (
+        2 if own_prefill else 1
+    )
     async with engines(configs) as started:
         decode = started[0]
         workers = [("d0", Role.DECODE, decode), ("p-plain", Role.PREFILL, prefill_engine)]

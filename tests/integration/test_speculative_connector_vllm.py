@@ -30,11 +30,11 @@ from services.kvmanager.main import start_kvmanager
 from services.router.core.index import KvIndex
 from services.router.core.workers import Change
 from services.router.kvsync import KvEventSync
-from services.worker.config import EngineConfig, SpeculativeConfig, WorkerConfig
-from services.worker.connector import kv_transfer_config, parse_layout_key
+from services.worker.config import SpeculativeConfig, WorkerConfig
+from services.worker.connector import parse_layout_key
 from services.worker.connector.kvmanager_client import kv_layout
 from services.worker.main import VLLM_ENVIRONMENT
-from tests.support import eventually
+from tests.support import eventually, tiny_engine_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -55,21 +55,6 @@ PROMPTS = [prompt_of(200, 1, 12), prompt_of(150, 2, 9), prompt_of(100, 3, 7)]
 NGRAM = SpeculativeConfig(
     method="ngram", num_speculative_tokens=NUM_SPEC, prompt_lookup_min=2, prompt_lookup_max=4
 )
-
-
-def engine_config(
-    model: Path, spec: SpeculativeConfig | None = None, kvmanager: str = ""
-) -> EngineConfig:
-    return EngineConfig(
-        model=str(model),
-        served_model_name="tiny",
-        dtype="float32",
-        max_model_len=1024,
-        block_size=BLOCK,
-        kv_cache_bytes=16 << 20,
-        speculative=spec or SpeculativeConfig(),
-        kv_transfer_config=kv_transfer_config(kvmanager, store="kvmanager") if kvmanager else None,
-    )
 
 
 @dataclass(frozen=True)
@@ -135,7 +120,10 @@ def references(vllm_env: object) -> Callable[[Path], Awaitable[list[list[int]]]]
     async def reference(model: Path) -> list[list[int]]:
         if model not in done:
             config = WorkerConfig(
-                engine=engine_config(model), worker_id="plain", etcd_endpoints=(), drain_grace_s=2.0
+                engine=tiny_engine_config(model),
+                worker_id="plain",
+                etcd_endpoints=(),
+                drain_grace_s=2.0,
             )
             worker = await start_worker(config, await VllmEngine.start(config.engine))
             try:
@@ -178,7 +166,7 @@ async def test_speculating_worker_offloads_publishes_and_loads_through_the_kvman
     try:
         # 1. A speculating worker with the connector: computes, saves, publishes.
         config = WorkerConfig(
-            engine=engine_config(model, spec, kvm.address),
+            engine=tiny_engine_config(model, spec=spec, kvmanager=kvm.address),
             worker_id="spec-a",
             etcd_endpoints=(),
             drain_grace_s=2.0,
@@ -232,7 +220,7 @@ async def test_speculating_worker_offloads_publishes_and_loads_through_the_kvman
         # 2. A fresh engine with the same speculation (empty GPU cache) loads them.
         hits_before = kvm.store.stats.hits_cpu
         config2 = WorkerConfig(
-            engine=engine_config(model, spec, kvm.address),
+            engine=tiny_engine_config(model, spec=spec, kvmanager=kvm.address),
             worker_id="spec-b",
             etcd_endpoints=(),
             drain_grace_s=2.0,
