@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
 import aetcd
@@ -133,3 +134,15 @@ async def tcp_proxy(
     yield make
     for proxy in proxies:
         await proxy.close()
+
+
+@pytest.fixture(scope="module")
+def vllm_env() -> Iterator[None]:
+    """The environment the worker gives vLLM (``VLLM_ENVIRONMENT``), for a module's engines
+    started in this process; a variable already set wins."""
+    from services.worker.main import VLLM_ENVIRONMENT
+
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in VLLM_ENVIRONMENT.items():
+            mp.setenv(key, os.environ.get(key, value))
+        yield None

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import random
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
@@ -36,7 +35,6 @@ from services.router.config import RouterConfig
 from services.router.core.disagg import DisaggConfig
 from services.router.main import start_router
 from services.worker.config import EngineConfig, SpeculativeConfig, WorkerConfig
-from services.worker.main import VLLM_ENVIRONMENT
 from tests.support import eventually, tiny_engine_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
@@ -71,14 +69,6 @@ SPEC_PROMPTS = {
 def full_blocks(prompt: Sequence[int]) -> int:
     """Prompt tokens a hand-off can supply: every full block but the last token's."""
     return (len(prompt) - 1) // BLOCK * BLOCK
-
-
-@pytest.fixture(scope="module")
-def vllm_env() -> object:
-    with pytest.MonkeyPatch.context() as mp:
-        for key, value in VLLM_ENVIRONMENT.items():
-            mp.setenv(key, os.environ.get(key, value))
-        yield None
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ same on both ranks. One engine for the module (starting two ranks takes a minute
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 from pathlib import Path
 
@@ -22,7 +21,6 @@ from kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.router.config import RouterConfig
 from services.router.main import start_router
 from services.worker.config import EngineConfig, WorkerConfig
-from services.worker.main import VLLM_ENVIRONMENT
 from services.worker.server import start_worker
 from tests.support import eventually
 
@@ -30,14 +28,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 RANKS = 2
 VOCAB = 1024
-
-
-@pytest.fixture(scope="module")
-def vllm_env() -> object:
-    with pytest.MonkeyPatch.context() as mp:
-        for key, value in VLLM_ENVIRONMENT.items():
-            mp.setenv(key, os.environ.get(key, value))
-        yield None
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ one drafted: the drafter's KV arrived too."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +32,6 @@ from services.router.kvsync import KvEventSync
 from services.worker.config import SpeculativeConfig, WorkerConfig
 from services.worker.connector import parse_layout_key
 from services.worker.connector.kvmanager_client import kv_layout
-from services.worker.main import VLLM_ENVIRONMENT
 from tests.support import eventually, tiny_engine_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
@@ -81,14 +79,6 @@ def setting_of(method: str, tiny: Path, root: Path) -> Setting:
 
         path, layers = ensure_tiny_eagle(root), 1
     return Setting(tiny, SpeculativeConfig(method, NUM_SPEC, draft_model=str(path)), layers)
-
-
-@pytest.fixture(scope="module")
-def vllm_env() -> object:
-    with pytest.MonkeyPatch.context() as mp:
-        for key, value in VLLM_ENVIRONMENT.items():
-            mp.setenv(key, os.environ.get(key, value))
-        yield None
 
 
 async def run_all(stub: worker_pb2_grpc.WorkerStub, tag: str) -> list[tuple[list[int], object]]:

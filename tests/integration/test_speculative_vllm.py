@@ -9,7 +9,6 @@ and is closed before the others start."""
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +21,6 @@ from kvmesh.kv.events import BlockStored, KvEventBatch
 from kvmesh.kv_wire import kv_batch_from_pb
 from kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.worker.config import EngineConfig, SpeculativeConfig, WorkerConfig
-from services.worker.main import VLLM_ENVIRONMENT
 from tests.support import eventually
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -55,14 +53,6 @@ def engine_config(model: Path, spec: SpeculativeConfig | None = None) -> EngineC
         speculative=spec or SpeculativeConfig(),
         vllm_prometheus=True,  # vLLM's own counters, to compare the worker's with
     )
-
-
-@pytest.fixture(scope="module")
-def vllm_env() -> object:
-    with pytest.MonkeyPatch.context() as mp:
-        for key, value in VLLM_ENVIRONMENT.items():
-            mp.setenv(key, os.environ.get(key, value))
-        yield None
 
 
 @pytest.fixture(scope="module")
