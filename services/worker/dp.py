@@ -21,24 +21,45 @@ from kvmesh import errors
 
 from .core import EngineLoad, SpecDecodeCounts
 
-_PORT_LOW, _PORT_HIGH = 20000, 60000
+_PORT_FLOOR = 10000  # below: well-known and registered services' ports
 
 
-def free_port_run(count: int, attempts: int = 200, host: str = "127.0.0.1") -> int:
-    """A port P with P .. P + count - 1 all free on ``host`` now (a race with other processes
-    is possible; vLLM then fails to bind and says so)."""
+def free_port_run(count: int, attempts: int = 200) -> int:
+    """A port P with P .. P + count - 1 all free now on every address (vLLM binds ``tcp://*``),
+    drawn below the kernel's ephemeral range: a port in that range may be taken meanwhile as
+    the local end of any outgoing connection, between this check and vLLM's bind seconds later
+    (a rank >= 1 then failed to start, seen once in CI). A race with a process binding the same
+    port on purpose stays possible; vLLM then fails to bind and says so."""
+    low, high = _unraced_range(count)
     rng = random.Random()
     for _ in range(attempts):
-        base = rng.randrange(_PORT_LOW, _PORT_HIGH - count)
-        if all(_free(host, base + i) for i in range(count)):
+        base = rng.randrange(low, high - count)
+        if all(_free(base + i) for i in range(count)):
             return base
     raise errors.Unavailable(f"found no run of {count} free TCP ports for the KV event sockets")
 
 
-def _free(host: str, port: int) -> bool:
+def _unraced_range(
+    count: int, path: str = "/proc/sys/net/ipv4/ip_local_port_range"
+) -> tuple[int, int]:
+    """[low, high) of ports the kernel does not hand out to outgoing connections: below the
+    ephemeral range (above it where that leaves no room)."""
+    try:
+        with open(path) as f:
+            first, last = (int(x) for x in f.read().split())
+    except (OSError, ValueError):
+        first, last = 32768, 60999  # Linux's default
+    if first - _PORT_FLOOR > 16 * count:
+        return _PORT_FLOOR, first
+    return last + 1, 65536
+
+
+def _free(port: int) -> bool:
+    """Whether ``port`` can be bound on every address: a wildcard bind conflicts with a socket
+    on any address (a check on 127.0.0.1 misses one bound to the host's own address)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         try:
-            s.bind((host, port))
+            s.bind(("", port))
         except OSError:
             return False
     return True
