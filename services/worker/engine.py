@@ -54,7 +54,7 @@ from vllm.v1.engine.exceptions import EngineDeadError
 from vllm.v1.metrics.loggers import StatLoggerBase
 
 from kvmesh import errors
-from kvmesh.cpus import format_cpu_list, omp_environment, pin_threads
+from kvmesh.cpus import engine_environment, format_cpu_list, pin_threads
 from kvmesh.sampling import STRUCTURED_FIELD, OutputKind, StructuredOutput
 
 from . import detokenizer
@@ -296,7 +296,8 @@ class VllmEngine:
 
         try:
             # The engine core process starts here; its OpenMP threads bind as it starts.
-            with _environment(omp_environment(config.compute_cpus) if config.compute_cpus else {}):
+            env = engine_environment(config.compute_cpus, config.model_process and ranks == 1)
+            with _environment(env):
                 loggers = stat_loggers(stats_factory, config.vllm_prometheus)
                 llm = AsyncLLM.from_engine_args(args, stat_loggers=loggers)
         except BaseException:
@@ -306,12 +307,14 @@ class VllmEngine:
             for reader in readers:
                 await reader.start()
             amx = await llm.collective_rpc("kvmesh_init_amx")
-            parent = os.getpid() if ranks == 1 else 0  # ranks: the model runs in their children
+            # With ranks or a model process the model runs in a child of the engine core.
+            parent = os.getpid() if ranks == 1 and not config.model_process else 0
             await llm.collective_rpc("kvmesh_die_with_parent", args=(parent, os.getpid()))
             layouts = await llm.collective_rpc("kvmesh_kv_layout")
             if config.compute_cpus and config.service_cpus:
                 moved = await llm.collective_rpc(
-                    "kvmesh_pin_helper_threads", args=(config.compute_cpus, config.service_cpus)
+                    "kvmesh_pin_helper_threads",
+                    args=(config.compute_cpus, config.service_cpus, config.model_process),
                 )
                 log.info(
                     "engine compute threads on cores %s; its %s other threads and this "
