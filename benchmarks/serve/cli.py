@@ -12,11 +12,14 @@ goes on to the next; ``--rounds R`` repeats the whole alternation and reports me
 
 - ``vllm``: ``vllm serve`` on one engine (the baseline every ratio is taken against);
 - ``kvmesh-1``: ``kvmesh up --workers 1`` as it starts by default (node kvmanager on; the
-  worker in the router's process, ``--colocate auto``);
-- ``kvmesh-1-split``: the same with the router and the worker in processes of their own
-  (``--colocate off``);
-- ``kvmesh-1-unbound``: ``kvmesh-1`` with ``--no-cpu-binding`` (the engine's threads on every
-  core, as ``vllm serve`` runs them, instead of a core of its own);
+  router and the worker in processes of their own);
+- ``kvmesh-1-node``: the same with the worker in the router's process (``kvmesh node``,
+  ``--colocate on``);
+- ``kvmesh-1-unbound``: ``kvmesh-1`` with ``--no-cpu-binding`` (no core of its own for the
+  engine: vLLM's own binding);
+- ``kvmesh-1-mp``: ``kvmesh-1`` with the model in a process of its own beside the engine
+  core's scheduler (``kvmesh worker --model-process``: vLLM's multiprocessing executor, the
+  process layout of ``vllm serve``);
 - ``kvmesh-n``: ``--workers N`` with the router's default profile;
 - ``kvmesh-n-rr``: the same with ``--policy round-robin`` (a Kubernetes Service).
 
@@ -41,26 +44,38 @@ from kvmesh.units import parse_bytes
 from .run import Load, run_load
 from .targets import EngineSettings, TargetSpec, start_kvmesh, start_vllm
 
-TARGETS = ("vllm", "kvmesh-1", "kvmesh-1-split", "kvmesh-1-unbound", "kvmesh-n", "kvmesh-n-rr")
+TARGETS = (
+    "vllm",
+    "kvmesh-1",
+    "kvmesh-1-node",
+    "kvmesh-1-unbound",
+    "kvmesh-1-mp",
+    "kvmesh-n",
+    "kvmesh-n-rr",
+)
 ROLES = ("router", "worker", "engine", "kvmanager", "vllm-api", "node")
 
 
 def target_specs(names: list[str], workers: int, kvmanager_cpu_bytes: int) -> list[TargetSpec]:
     specs = {
         "vllm": TargetSpec("vllm", "vllm"),
-        "kvmesh-1": TargetSpec(
-            "kvmesh-1", "kvmesh", 1, kvmanager_cpu_bytes=kvmanager_cpu_bytes, colocate=True
-        ),
-        "kvmesh-1-split": TargetSpec(
-            "kvmesh-1-split", "kvmesh", 1, kvmanager_cpu_bytes=kvmanager_cpu_bytes
+        "kvmesh-1": TargetSpec("kvmesh-1", "kvmesh", 1, kvmanager_cpu_bytes=kvmanager_cpu_bytes),
+        "kvmesh-1-node": TargetSpec(
+            "kvmesh-1-node", "kvmesh", 1, kvmanager_cpu_bytes=kvmanager_cpu_bytes, colocate=True
         ),
         "kvmesh-1-unbound": TargetSpec(
             "kvmesh-1-unbound",
             "kvmesh",
             1,
             kvmanager_cpu_bytes=kvmanager_cpu_bytes,
-            colocate=True,
             bind_cpus=False,
+        ),
+        "kvmesh-1-mp": TargetSpec(
+            "kvmesh-1-mp",
+            "kvmesh",
+            1,
+            kvmanager_cpu_bytes=kvmanager_cpu_bytes,
+            worker_flags=("--model-process",),
         ),
         "kvmesh-n": TargetSpec(
             f"kvmesh-{workers}", "kvmesh", workers, kvmanager_cpu_bytes=kvmanager_cpu_bytes

@@ -102,14 +102,15 @@ def test_a_model_that_is_neither_built_in_nor_a_directory_is_a_clear_exit(tmp_pa
 @pytest.mark.parametrize(
     ("argv", "colocated"),
     [
-        pytest.param(["--workers", "1"], True, id="one-worker"),
+        pytest.param(["--workers", "1"], False, id="one-worker"),
         pytest.param([], False, id="default-two"),
-        pytest.param(["--workers", "1", "--colocate", "off"], False, id="off"),
+        pytest.param(["--workers", "1", "--colocate", "auto"], True, id="auto-one-worker"),
+        pytest.param(["--workers", "2", "--colocate", "auto"], False, id="auto-two"),
         pytest.param(["--workers", "2", "--colocate", "on"], True, id="on-with-two"),
         pytest.param(["--workers", "1", "--router-processes", "2"], False, id="processes"),
     ],
 )
-def test_one_worker_runs_in_the_routers_process_by_default(tmp_path, argv, colocated):
+def test_the_worker_runs_in_the_routers_process_when_asked(tmp_path, argv, colocated):
     a = parse_args(["up", "--model", model_dir(tmp_path), "--etcd", "127.0.0.1:2379", *argv])
     assert _mesh_spec(a).colocate is colocated
 
