@@ -90,17 +90,14 @@ def omp_environment(cpus: Sequence[int]) -> dict[str, str]:
     }
 
 
-def engine_environment(compute_cpus: Sequence[int], model_process: bool) -> dict[str, str]:
-    """The environment a vLLM engine core process starts with. The model in the engine core
-    (vLLM's single-process executor): its OpenMP threads bound to ``compute_cpus``. The model
-    in a process of its own (``model_process``: vLLM's multiprocessing executor, as ``vllm
-    serve`` runs it): vLLM binds that process's OpenMP threads itself, from
-    ``VLLM_CPU_OMP_THREADS_BIND``; the engine core, then only the scheduler, is left to be
-    moved to the service cores once it runs. No ``compute_cpus``: no binding either way."""
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if model_process else "0"}
-    if compute_cpus and model_process:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = format_cpu_list(compute_cpus)
-    elif compute_cpus:
+def engine_environment(compute_cpus: Sequence[int]) -> dict[str, str]:
+    """The environment a vLLM engine core process starts with: the model in that process
+    (vLLM's single-process executor, whatever the caller's environment says: the engine's
+    die-with-parent guard expects it there), its OpenMP threads bound to ``compute_cpus`` (none:
+    no binding). vLLM's multiprocessing layout (the model in a process of its own, as ``vllm
+    serve`` runs it) was measured on this machine and dropped (docs/serving-cost.md)."""
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    if compute_cpus:
         env.update(omp_environment(compute_cpus))
     return env
 
@@ -113,17 +110,8 @@ def available_cpus() -> tuple[int, ...]:
 def pin_threads(cpus: Sequence[int], keep: Sequence[int] = ()) -> int:
     """Moves every thread of this process to ``cpus`` (threads started later inherit it from
     their creator), except the thread ids in ``keep``. Returns how many threads moved."""
-    return _pin_tasks("/proc/self/task", cpus, keep)
-
-
-def pin_process(pid: int, cpus: Sequence[int]) -> int:
-    """Moves every thread of process ``pid`` to ``cpus``. Returns how many threads moved."""
-    return _pin_tasks(f"/proc/{pid}/task", cpus, ())
-
-
-def _pin_tasks(task_dir: str, cpus: Sequence[int], keep: Sequence[int]) -> int:
     moved = 0
-    for entry in os.listdir(task_dir):
+    for entry in os.listdir("/proc/self/task"):
         tid = int(entry)
         if tid in keep:
             continue

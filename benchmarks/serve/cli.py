@@ -15,11 +15,10 @@ goes on to the next; ``--rounds R`` repeats the whole alternation and reports me
   router and the worker in processes of their own);
 - ``kvmesh-1-node``: the same with the worker in the router's process (``kvmesh node``,
   ``--colocate on``);
+- ``kvmesh-1-no-kvmanager``: ``kvmesh-1`` without the node kvmanager (no KV connector in the
+  engine: what the KV tiers cost the engine's step);
 - ``kvmesh-1-unbound``: ``kvmesh-1`` with ``--no-cpu-binding`` (no core of its own for the
   engine: vLLM's own binding);
-- ``kvmesh-1-mp``: ``kvmesh-1`` with the model in a process of its own beside the engine
-  core's scheduler (``kvmesh worker --model-process``: vLLM's multiprocessing executor, the
-  process layout of ``vllm serve``);
 - ``kvmesh-n``: ``--workers N`` with the router's default profile;
 - ``kvmesh-n-rr``: the same with ``--policy round-robin`` (a Kubernetes Service).
 
@@ -48,8 +47,8 @@ TARGETS = (
     "vllm",
     "kvmesh-1",
     "kvmesh-1-node",
+    "kvmesh-1-no-kvmanager",
     "kvmesh-1-unbound",
-    "kvmesh-1-mp",
     "kvmesh-n",
     "kvmesh-n-rr",
 )
@@ -63,19 +62,15 @@ def target_specs(names: list[str], workers: int, kvmanager_cpu_bytes: int) -> li
         "kvmesh-1-node": TargetSpec(
             "kvmesh-1-node", "kvmesh", 1, kvmanager_cpu_bytes=kvmanager_cpu_bytes, colocate=True
         ),
+        "kvmesh-1-no-kvmanager": TargetSpec(
+            "kvmesh-1-no-kvmanager", "kvmesh", 1, kvmanager_cpu_bytes=0
+        ),
         "kvmesh-1-unbound": TargetSpec(
             "kvmesh-1-unbound",
             "kvmesh",
             1,
             kvmanager_cpu_bytes=kvmanager_cpu_bytes,
             bind_cpus=False,
-        ),
-        "kvmesh-1-mp": TargetSpec(
-            "kvmesh-1-mp",
-            "kvmesh",
-            1,
-            kvmanager_cpu_bytes=kvmanager_cpu_bytes,
-            worker_flags=("--model-process",),
         ),
         "kvmesh-n": TargetSpec(
             f"kvmesh-{workers}", "kvmesh", workers, kvmanager_cpu_bytes=kvmanager_cpu_bytes

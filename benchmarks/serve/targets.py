@@ -43,7 +43,6 @@ class TargetSpec:
     kvmanager_cpu_bytes: int = 1 << 30  # kvmesh: the node kvmanager (0: none), as kvmesh up
     colocate: bool = False  # kvmesh: the first worker in the router's process (kvmesh node)
     bind_cpus: bool = True  # kvmesh: engines on cores of their own (kvmesh up --no-cpu-binding)
-    worker_flags: tuple[str, ...] = ()  # kvmesh: extra flags for every worker
 
 
 @dataclass
@@ -176,7 +175,6 @@ def start_kvmesh(
                 str(engine.seed),
                 "--dtype",
                 engine.dtype,
-                *spec.worker_flags,
             ),
             log_dir=Path(tempfile.mkdtemp(prefix=f"{spec.label}-", dir=log_dir)),
         )

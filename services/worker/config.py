@@ -243,13 +243,6 @@ class EngineConfig:
         parse=_cpus,
         metavar="LIST",
     )
-    model_process: bool = setting(
-        False,
-        "run the model in a process of its own beside the engine core's scheduler, as vllm "
-        "serve does (vLLM's multiprocessing executor): scheduling and output handling then "
-        "overlap the model's step on the service cores; off: the engine core runs the model "
-        "itself (one process fewer, ~5 s faster start)",
-    )
 
     @property
     def model_name(self) -> str:

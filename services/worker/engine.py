@@ -296,8 +296,7 @@ class VllmEngine:
 
         try:
             # The engine core process starts here; its OpenMP threads bind as it starts.
-            env = engine_environment(config.compute_cpus, config.model_process and ranks == 1)
-            with _environment(env):
+            with _environment(engine_environment(config.compute_cpus)):
                 loggers = stat_loggers(stats_factory, config.vllm_prometheus)
                 llm = AsyncLLM.from_engine_args(args, stat_loggers=loggers)
         except BaseException:
@@ -307,14 +306,12 @@ class VllmEngine:
             for reader in readers:
                 await reader.start()
             amx = await llm.collective_rpc("kvmesh_init_amx")
-            # With ranks or a model process the model runs in a child of the engine core.
-            parent = os.getpid() if ranks == 1 and not config.model_process else 0
+            parent = os.getpid() if ranks == 1 else 0  # ranks: the model runs in their children
             await llm.collective_rpc("kvmesh_die_with_parent", args=(parent, os.getpid()))
             layouts = await llm.collective_rpc("kvmesh_kv_layout")
             if config.compute_cpus and config.service_cpus:
                 moved = await llm.collective_rpc(
-                    "kvmesh_pin_helper_threads",
-                    args=(config.compute_cpus, config.service_cpus, config.model_process),
+                    "kvmesh_pin_helper_threads", args=(config.compute_cpus, config.service_cpus)
                 )
                 log.info(
                     "engine compute threads on cores %s; its %s other threads and this "

@@ -56,10 +56,7 @@ class KvmeshWorkerExtension:
         return True
 
     def kvmesh_pin_helper_threads(
-        self,
-        compute_cpus: tuple[int, ...],
-        service_cpus: tuple[int, ...],
-        scheduler_in_parent: bool = False,
+        self, compute_cpus: tuple[int, ...], service_cpus: tuple[int, ...]
     ) -> int:
         """Moves this process's threads other than its compute threads to ``service_cpus``.
 
@@ -67,11 +64,8 @@ class KvmeshWorkerExtension:
         compute core when OpenMP starts, and every thread started after it inherits that core:
         vLLM's output and KV event threads and the KV connector's would compete with the model.
         The compute threads are the main thread and the OpenMP threads, each bound to a compute
-        core of its own. ``scheduler_in_parent``: this is the model's own process (vLLM's
-        multiprocessing executor), and its parent, the engine core (the scheduler, its output
-        and KV event threads), moves to ``service_cpus`` whole. Returns how many threads
-        moved."""
-        from kvmesh.cpus import pin_process, pin_threads
+        core of its own. Returns how many threads moved."""
+        from kvmesh.cpus import pin_threads
 
         pid = os.getpid()
         main = os.sched_getaffinity(pid)
@@ -85,10 +79,7 @@ class KvmeshWorkerExtension:
                 continue
             if len(mask) == 1 and mask <= compute and mask != main:
                 keep.append(tid)  # an OpenMP thread on a core of its own
-        moved = pin_threads(service_cpus, keep)
-        if scheduler_in_parent:
-            moved += pin_process(os.getppid(), service_cpus)
-        return moved
+        return pin_threads(service_cpus, keep)
 
     def kvmesh_kv_layout(self) -> str:
         """The layout key of the KV connector in this process (``KvmeshConnector.layout_key``),

@@ -36,7 +36,7 @@ SIM = SimEngineConfig(
 
 @dataclass
 class Subject:
-    name: str  # "vllm", "vllm-model-process", "sim" or "sim-ranks"
+    name: str  # "vllm", "sim" or "sim-ranks"
     engine: Engine
     events: list[KvEvent] = field(default_factory=list)  # everything its sink was given
     load_changes: list[int] = field(default_factory=lambda: [0])  # [calls of its listener]
@@ -85,16 +85,14 @@ async def start(name: str, tiny_model: Path) -> Engine:
         max_model_len=1024,
         block_size=BLOCK_SIZE,
         kv_cache_bytes=8 << 20,
-        # the model in a process of its own, as vllm serve runs it (vLLM's multiproc executor)
-        model_process=name == "vllm-model-process",
     )
     return await VllmEngine.start(config)
 
 
-@pytest.fixture(scope="module", params=["sim", "sim-ranks", "vllm", "vllm-model-process"])
+@pytest.fixture(scope="module", params=["sim", "sim-ranks", "vllm"])
 async def subject(request: pytest.FixtureRequest, tiny_model: Path) -> AsyncIterator[Subject]:
     name: str = request.param
-    with vllm_environment() if name.startswith("vllm") else contextlib.nullcontext():
+    with vllm_environment() if name == "vllm" else contextlib.nullcontext():
         engine = await start(name, tiny_model)
         s = Subject(name, engine)
         engine.set_kv_event_sink(s.events.extend)
@@ -130,7 +128,7 @@ def test_info_describes_what_it_serves(subject: Subject) -> None:
     assert info.block_size == BLOCK_SIZE
     assert info.max_model_len > PROMPT_TOKENS and info.vocab_size > 0
     assert info.max_running_requests >= 0 and info.max_logprobs >= 0
-    assert bool(info.vllm_version) is subject.name.startswith("vllm")  # "" for an engine not vLLM
+    assert bool(info.vllm_version) is (subject.name == "vllm")  # "" for an engine not vLLM
 
 
 async def test_generate_streams_deltas_ending_with_one_finish(subject: Subject) -> None:

@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import threading
-import time
 
 import pytest
 
@@ -16,7 +13,6 @@ from kvmesh.cpus import (
     format_cpu_list,
     omp_environment,
     parse_cpu_list,
-    pin_process,
     pin_threads,
     plan_cpus,
 )
@@ -102,39 +98,11 @@ def test_pin_threads_moves_every_thread_but_the_kept_ones():
         pin_threads(mine)
 
 
-def test_engine_environment_binds_the_model_where_it_runs():
-    # The model in the engine core: that process's OpenMP threads are bound by us.
-    assert engine_environment((0, 1), model_process=False) == {
+def test_engine_environment_keeps_the_model_in_the_engine_core():
+    assert engine_environment((0, 1)) == {
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "OMP_NUM_THREADS": "2",
         "OMP_PLACES": "{0},{1}",
         "OMP_PROC_BIND": "true",
     }
-    # In a process of its own: vLLM binds it, from its own variable; the engine core (the
-    # scheduler) gets no OpenMP binding, so it can move to the service cores.
-    assert engine_environment((0, 1), model_process=True) == {
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
-        "VLLM_CPU_OMP_THREADS_BIND": "0-1",
-    }
-    assert engine_environment((), model_process=True) == {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
-    assert engine_environment((), model_process=False) == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-
-
-def test_pin_process_moves_every_thread_of_another_process():
-    mine = sorted(os.sched_getaffinity(0))
-    if len(mine) < 2:
-        pytest.skip("needs 2 cores")
-    code = "import threading, time; threading.Thread(target=time.sleep, args=(30,)).start(); time.sleep(30)"
-    child = subprocess.Popen([sys.executable, "-c", code])
-    try:
-        tasks = f"/proc/{child.pid}/task"
-        deadline = time.monotonic() + 10
-        while len(os.listdir(tasks)) < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert len(os.listdir(tasks)) == 2
-        assert pin_process(child.pid, [mine[-1]]) == 2
-        for tid in os.listdir(tasks):
-            assert os.sched_getaffinity(int(tid)) == {mine[-1]}
-    finally:
-        child.kill()
-        child.wait()
+    assert engine_environment(()) == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
