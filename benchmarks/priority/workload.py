@@ -38,6 +38,7 @@ class TenantLoad:
     rate_per_s: float  # requests per second, evenly spaced
     start_s: float = 0.0  # from the phase's start
     duration_s: float = 0.0
+    vocab: int = VOCAB  # token ids drawn below this (a real model's vocabulary size)
 
     def arrivals(self) -> list[float]:
         """Send times from the phase's start: steady, ``rate_per_s`` over ``duration_s``."""
@@ -50,8 +51,8 @@ class TenantLoad:
         """Request ``i``'s token ids: the tenant's shared prefix, then its own tokens."""
         shared = random.Random(f"{seed}:{self.name}:shared")
         own = random.Random(f"{seed}:{self.name}:{i}")
-        return [shared.randrange(1, VOCAB) for _ in range(self.shared_tokens)] + [
-            own.randrange(1, VOCAB) for _ in range(self.new_tokens)
+        return [shared.randrange(1, self.vocab) for _ in range(self.shared_tokens)] + [
+            own.randrange(1, self.vocab) for _ in range(self.new_tokens)
         ]
 
 
