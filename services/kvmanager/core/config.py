@@ -167,9 +167,7 @@ class PeerConfig:
         if self.window_bytes < 1:
             raise InvalidArgument(f"window_bytes must be >= 1, got {self.window_bytes}")
         if self.pool_idle_per_peer < 0:
-            raise InvalidArgument(
-                f"pool_idle_per_peer must be >= 0, got {self.pool_idle_per_peer}"
-            )
+            raise InvalidArgument(f"pool_idle_per_peer must be >= 0, got {self.pool_idle_per_peer}")
         for name in (
             "ticket_ttl_s",
             "open_timeout_s",
