@@ -506,6 +506,12 @@ async def run_mode(
     capacity: float,
 ) -> dict[str, Any]:
     extra = a.router_args
+    if a.engine == "simulated" and "--admission-prefill-s-per-token" not in extra:
+        # The simulated engine's real prefill speed, until the workers' reports teach the router
+        # theirs (as an operator configures it): at the default (an H100-class 5e-5 s/token)
+        # the router would price the burst's first second 1/speedup too cheap and let it all in.
+        speed = SimWorkerConfig().prefill_s_per_token / a.sim_speedup
+        extra += f" --admission-prefill-s-per-token {speed:g}"
     if mode == "reserve":
         profile = reserve_profile(tmp, a.reserve_workers, a.reserve_lend_after_idle_s)
         extra += f" --policy {profile}"
@@ -550,7 +556,10 @@ async def run_mode(
         await settle(workers)
     p99 = {row.phase: row.ttft_p99_s for row in rows if row.tenant == "interactive"}
     reserved = a.reserve_workers if mode == "reserve" else 0
-    shares = [served_between(burst, t, lead, lead + a.burst_s) for t in ("batch", "flood")]
+    low = ("batch", "flood")
+    shares = [served_between(burst, t, lead, lead + a.burst_s) for t in low]
+    handed = [served_between(burst, t, lead, lead + a.burst_s, handed_off=True) for t in low]
+    phase_shares = [served_between(burst, t, 0.0, math.inf) for t in low]
     rejected = [r for r in burst if r.status == REJECTED]
     failed: dict[str, int] = {}
     for r in [*alone, *burst]:
@@ -565,6 +574,10 @@ async def run_mode(
         "interactive_p99_ratio": p99.get("burst", math.nan) / p99.get("alone", math.nan),
         "jain_batch_flood_uncached": jain(shares),
         "uncached_batch_flood": shares,
+        # The same over what the router handed to engines in the burst's window (the admission's
+        # own fairness, without the engines' prefill times), and over the whole phase.
+        "jain_batch_flood_handed_off": jain(handed),
+        "jain_batch_flood_phase": jain(phase_shares),
         "fleet_busy": sum(per_worker_busy) / len(per_worker_busy),
         # The workers the reserve filter keeps (sim-00 ...: the first by worker id), the rest.
         "reserved_busy": _mean(per_worker_busy[:reserved]),
@@ -648,7 +661,9 @@ def run(a: argparse.Namespace) -> int:
             f"\ninteractive TTFT p99 burst / alone: {rep['interactive_p99_ratio']:.2f}x; "
             f"Jain (batch, flood) uncached tokens during the burst: "
             f"{rep['jain_batch_flood_uncached']:.3f} ({rep['uncached_batch_flood'][0]:,} vs "
-            f"{rep['uncached_batch_flood'][1]:,}); fleet busy {rep['fleet_busy']:.0%}"
+            f"{rep['uncached_batch_flood'][1]:,}; handed to engines in the burst "
+            f"{rep['jain_batch_flood_handed_off']:.3f}, over the phase "
+            f"{rep['jain_batch_flood_phase']:.3f}); fleet busy {rep['fleet_busy']:.0%}"
             + (
                 f" (reserved workers {rep['reserved_busy']:.0%}, the others "
                 f"{rep['shared_busy']:.0%})"

@@ -95,5 +95,10 @@ def test_summary_per_tenant() -> None:
     assert a.ttft_p99_s == pytest.approx(0.3)
     assert (b.failed, b.ok) == (1, 0) and math.isnan(b.ttft_p50_s)
     assert served_between(results, "a", 0.0, 0.5) == 40  # the first answered by 0.1 s
+    # Handed to the engine: the second one's first token came at 0.8 s after 0.4 s there.
+    slow = Result("a", 0.2, 1.0, OK, 0.6, prompt_tokens=100, engine_queue_s=0.1,
+                  engine_prefill_s=0.3)  # fmt: skip
+    assert served_between([slow], "a", 0.0, 0.5) == 0
+    assert served_between([slow], "a", 0.0, 0.5, handed_off=True) == 100
     table = format_rows([a, b])
     assert "| burst | a | 4 | 2 | 2 (1) | 0 | 100 ms | 300 ms |" in table
