@@ -14,7 +14,8 @@ the blocks, B fetches them. This process fills A over gRPC PutBlocks, then per b
 * gRPC GetBlocks: this process reads the same blocks from A with ``GetBlocks`` (one message per
   block) and drops them: the gRPC baseline, with no store at the receiving end.
 
-Every repeat uses a fresh layout (so B never holds the blocks yet); A and B are warmed up first.
+Each repeat starts a block size's cells one further along the list than the last (rotated),
+so that no transport always runs first or last. Every repeat uses a fresh layout (so B never holds the blocks yet); A and B are warmed up first.
 GB/s is payload bytes / wall time (1 GB = 1e9 bytes), median over the repeats; "CPU s/GB" is
 the CPU time (all threads) of the serving daemon A and of the receiving side (B for
 FetchFromPeer, this process for GetBlocks) per GB moved. Prints a markdown table.
@@ -23,8 +24,10 @@ FetchFromPeer, this process for GetBlocks) per GB moved. Prints a markdown table
 plane; certificates made by this script in a temporary directory, ``kvmesh/tlsgen.py``), this
 process calling them over TLS too, a third pair with ``--data-plane-security auth`` (mutual TLS
 on gRPC and for the data plane's handshake and ticket, then the blocks in plaintext on the same
-connection) and a fourth with ``--data-plane-security plain`` (mutual TLS on gRPC, no TLS on the
-data plane); the last two FetchFromPeer only. Every repeat times every (path, transport)
+connection; the fetcher keeps that authenticated connection for the next fetch), a fourth in
+``auth`` with the fetcher keeping no connection (``--peer-pool-idle-per-peer 0``: a TLS
+handshake every fetch, as before kept connections) and a fifth with ``--data-plane-security
+plain`` (mutual TLS on gRPC, no TLS on the data plane); the last three FetchFromPeer only. Every repeat times every (path, transport)
 cell of a block size back to back, so the transports see the same machine; a second table puts
 them side by side (mTLS / plaintext).
 
@@ -95,6 +98,7 @@ async def start_daemon(
     tls: TlsConfig | None = None,
     data_plane_security: str = "tls",
     node: Node | None = None,
+    extra: list[str] | None = None,
 ) -> Daemon:
     tls_args = []
     if tls is not None:
@@ -108,7 +112,7 @@ async def start_daemon(
     proc = await asyncio.create_subprocess_exec(
         *netns, sys.executable, "-m", "services.kvmanager.main", "--kvmanager-id", name, "--node", name, *host,
         "--etcd", "", "--metrics-port", "-1", "--cpu-bytes", str(cpu_bytes), "--cpu-populate", "start",
-        "--log-level", "WARNING", *tls_args, cwd=ROOT, stdout=asyncio.subprocess.PIPE,
+        "--log-level", "WARNING", *tls_args, *(extra or []), cwd=ROOT, stdout=asyncio.subprocess.PIPE,
     )  # fmt: skip
     assert proc.stdout is not None
     line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
@@ -209,7 +213,9 @@ async def raw_tcp_s(a: Node, b: Node, nbytes: int) -> float:
 MTLS = "mTLS"
 MTLS_AUTH = "mTLS control plane, data plane authenticated by mTLS then plaintext (auth)"
 MTLS_CONTROL = "mTLS control plane, plaintext data plane"
-SECURITY = {MTLS: "tls", MTLS_AUTH: "auth", MTLS_CONTROL: "plain"}  # --data-plane-security
+MTLS_AUTH_EACH = "auth, a TLS handshake every fetch (no kept connections)"
+SECURITY = {MTLS: "tls", MTLS_AUTH: "auth", MTLS_CONTROL: "plain", MTLS_AUTH_EACH: "auth"}
+EXTRA = {MTLS_AUTH_EACH: ["--peer-pool-idle-per-peer", "0"]}  # more daemon flags, per mode
 
 
 async def _main(args: argparse.Namespace) -> None:
@@ -217,7 +223,7 @@ async def _main(args: argparse.Namespace) -> None:
     runs = args.repeats + 1  # + a warm-up per size
     a_bytes = len(SIZES) * runs * total + 64 * MiB
     b_bytes = 2 * total + 64 * MiB
-    modes = ["plaintext", *([MTLS, MTLS_AUTH, MTLS_CONTROL] if args.tls else [])]
+    modes = ["plaintext", *([MTLS, MTLS_AUTH, MTLS_AUTH_EACH, MTLS_CONTROL] if args.tls else [])]
     tls_cfg: TlsConfig | None = None
     certs = tempfile.TemporaryDirectory(prefix="kvmesh-bench-tls-")
     if args.tls:
@@ -235,7 +241,7 @@ async def _main(args: argparse.Namespace) -> None:
         security = SECURITY.get(mode, "tls")
         a, b = await asyncio.gather(
             start_daemon(f"bench-a-{i}", a_bytes, cfg, security, na),
-            start_daemon(f"bench-b-{i}", b_bytes, cfg, security, nb),
+            start_daemon(f"bench-b-{i}", b_bytes, cfg, security, nb, EXTRA.get(mode, [])),
         )
         pairs[mode] = (a, b)
     raw = Cell(RAW, 0)
@@ -257,9 +263,11 @@ async def _main(args: argparse.Namespace) -> None:
         }
         for r in range(runs):
             for size in SIZES:
-                for (path, mode, sz), cell in cells.items():
-                    if sz != size:
-                        continue
+                # Each repeat starts the size's cells one further along, so no transport always
+                # runs first (right after the previous size's cells) or last.
+                group = [(key, cell) for key, cell in cells.items() if key[2] == size]
+                shift = r % len(group)
+                for (path, mode, _sz), cell in group[shift:] + group[:shift]:
                     a, b = pairs[mode]
                     lay, hashes = layouts[mode, size, r]
                     me = time.process_time()
@@ -339,7 +347,13 @@ async def _main(args: argparse.Namespace) -> None:
         " | per-repeat ratios | serving CPU s/GB plain / mTLS | receiving CPU s/GB plain / mTLS |"
     )
     print("|---|---|---|---|---|---|---|---|")
-    rows = ((PATHS[0], MTLS), (PATHS[0], MTLS_AUTH), (PATHS[0], MTLS_CONTROL), (PATHS[1], MTLS))
+    rows = (
+        (PATHS[0], MTLS),
+        (PATHS[0], MTLS_AUTH),
+        (PATHS[0], MTLS_AUTH_EACH),
+        (PATHS[0], MTLS_CONTROL),
+        (PATHS[1], MTLS),
+    )
     for path, mode in rows:
         for size in SIZES:
             p, t = cells[path, "plaintext", size], cells[path, mode, size]
@@ -352,6 +366,22 @@ async def _main(args: argparse.Namespace) -> None:
                 f" | {', '.join(f'{x:.2f}' for x in ratios)}"
                 f" | {statistics.median(p.serve_cpu):.2f} / {statistics.median(t.serve_cpu):.2f}"
                 f" | {statistics.median(p.recv_cpu):.2f} / {statistics.median(t.recv_cpu):.2f} |"
+            )
+    # The data plane's own cost in auth mode: against the pair whose control plane is the same
+    # (mutual TLS) and whose data plane has no TLS at all.
+    print(
+        "\n| data plane | block | GB/s | plain data plane GB/s | / plain (median) | per-repeat ratios |"
+    )
+    print("|---|---|---|---|---|---|")
+    for mode in (MTLS_AUTH, MTLS_AUTH_EACH, MTLS):
+        for size in SIZES:
+            p, t = cells[PATHS[0], MTLS_CONTROL, size], cells[PATHS[0], mode, size]
+            ratios = [tt / pp for pp, tt in zip(p.gbps, t.gbps, strict=True)]
+            print(
+                f"| {mode} | {_size(size)} | {statistics.median(t.gbps):.2f}"
+                f" | {statistics.median(p.gbps):.2f}"
+                f" | {statistics.median(t.gbps) / statistics.median(p.gbps):.2f}"
+                f" | {', '.join(f'{x:.2f}' for x in ratios)} |"
             )
 
 

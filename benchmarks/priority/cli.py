@@ -1,7 +1,9 @@
-"""``kvmesh bench priority``: the priority mix on simulated workers, with flow control on and
-off (docs/tenants.md; after llm-d-benchmark's priority-mix harness).
+"""``kvmesh bench priority``: the priority mix on simulated workers (or real vLLM engines on a
+built-in model, ``--engine vllm``), with flow control on and off (docs/tenants.md; after
+llm-d-benchmark's priority-mix harness).
 
     kvmesh bench priority --workers 2 --burst-x 5
+    kvmesh bench priority --engine vllm --model tiny --modes admission,reserve
 
 Starts an etcd, ``--workers`` simulated workers (``kvmesh worker --engine simulated``, one
 process each, vLLM's priority scheduling on) and a router with API keys for three tenants
@@ -17,7 +19,11 @@ during the burst, and how busy the fleet was (share of samples with a running re
 ``--results-jsonl`` also writes every request's result (TTFT, the engine's queue and prefill
 time); ``--worker-args`` passes flags to the workers (``--long-prefill-token-threshold``);
 ``--floor`` prints instead the interactive TTFT floor on one simulated engine in virtual time
-(``floor.py``).
+(``floor.py``). With ``--engine vllm`` the workers run real vLLM engines (``--model``, a
+built-in name or a model directory; ``--sim-max-running`` is their ``max_num_seqs``), the
+prompts' token ids are drawn from the model's vocabulary, and the fleet's capacity is measured
+first (``--calibrate-s`` of batch-shaped requests, ``--calibrate-concurrency`` at once per
+worker, through a router without flow control) instead of taken from the simulator's model.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import asyncio
 import contextlib
 import json
 import math
+import os
 import sys
 import tempfile
 import time
@@ -50,6 +57,7 @@ from .workload import (
     FAILED,
     OK,
     REJECTED,
+    VOCAB,
     Result,
     TenantLoad,
     TenantRow,
@@ -74,6 +82,31 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--workers", type=int, default=2)
+    p.add_argument(
+        "--engine",
+        choices=("simulated", "vllm"),
+        default="simulated",
+        help="the workers' engine: the simulator, or real vLLM on --model",
+    )
+    p.add_argument("--model", default="tiny", help="with --engine vllm: a built-in model or a dir")
+    p.add_argument(
+        "--pin-cpus",
+        action="store_true",
+        help="with --engine vllm: worker i's engine computes on core i mod the cores (one "
+        "thread, --compute-cpus), as kvmesh up plans them; default: no binding",
+    )
+    p.add_argument(
+        "--calibrate-s",
+        type=float,
+        default=6.0,
+        help="with --engine vllm: seconds of batch-shaped load that measure the capacity",
+    )
+    p.add_argument(
+        "--calibrate-concurrency",
+        type=int,
+        default=8,
+        help="with --engine vllm: batch requests at once per worker while calibrating",
+    )
     p.add_argument("--sim-max-running", type=int, default=64, help="per simulated engine")
     p.add_argument(
         "--sim-speedup",
@@ -183,11 +216,9 @@ async def mesh(a: argparse.Namespace, tmp: Path) -> AsyncIterator[tuple[LocalEtc
                     await spawn(
                         "services.worker.main",
                         [
-                            "--engine=simulated",
-                            f"--sim-max-running={a.sim_max_running}",
-                            f"--sim-speedup={a.sim_speedup}",
+                            *engine_args(a, i),
                             "--scheduling-policy=priority",
-                            f"--worker-id=sim-{i:02d}",
+                            f"--worker-id={'vllm' if a.engine == 'vllm' else 'sim'}-{i:02d}",
                             f"--cluster={CLUSTER}",
                             f"--etcd={etcd.endpoint}",
                             "--metrics-port=-1",
@@ -202,6 +233,24 @@ async def mesh(a: argparse.Namespace, tmp: Path) -> AsyncIterator[tuple[LocalEtc
         finally:
             for w in workers:
                 await stop(w)
+
+
+def engine_args(a: argparse.Namespace, i: int) -> list[str]:
+    """The flags that pick worker ``i``'s engine."""
+    if a.engine == "vllm":
+        pin = [f"--compute-cpus={i % (os.cpu_count() or 1)}"] if a.pin_cpus else []
+        return [
+            "--engine=vllm",
+            f"--model={a.model_path}",
+            "--max-model-len=2048",
+            f"--max-num-seqs={a.sim_max_running}",
+            *pin,
+        ]
+    return [
+        "--engine=simulated",
+        f"--sim-max-running={a.sim_max_running}",
+        f"--sim-speedup={a.sim_speedup}",
+    ]
 
 
 def key_file(tmp: Path) -> Path:
@@ -392,11 +441,49 @@ async def busy_share(workers: Sequence[Proc], seconds: float, every_s: float = 0
 def tenants(a: argparse.Namespace, capacity_per_s: float) -> dict[str, TenantLoad]:
     lead = 1.0  # the burst starts this long into the phase
     phase = a.burst_s + 2 * lead
+    v = getattr(a, "vocab", VOCAB)
     return {
-        "interactive": TenantLoad("interactive", 10, 512, 64, 16, a.interactive_rate, 0, phase),
-        "batch": TenantLoad("batch", 0, 1024, 512, 16, a.burst_x * capacity_per_s, lead, a.burst_s),
-        "flood": TenantLoad("flood", 0, 0, 1024, 16, a.flood_x * capacity_per_s, lead, a.burst_s),
+        "interactive": TenantLoad(
+            "interactive", 10, 512, 64, 16, a.interactive_rate, 0, phase, vocab=v
+        ),
+        "batch": TenantLoad(
+            "batch", 0, 1024, 512, 16, a.burst_x * capacity_per_s, lead, a.burst_s, vocab=v
+        ),
+        "flood": TenantLoad(
+            "flood", 0, 0, 1024, 16, a.flood_x * capacity_per_s, lead, a.burst_s, vocab=v
+        ),
     }
+
+
+async def measure_capacity(
+    a: argparse.Namespace, etcd: LocalEtcd, workers: list[Proc], tmp: Path
+) -> float:
+    """Batch requests per second the fleet answers, measured: ``--calibrate-concurrency``
+    batch-shaped requests per worker kept in flight for ``--calibrate-s`` through a router
+    without flow control (the shared prefix cached first, a fresh tail per request)."""
+    router = await start_router(etcd, tmp, "calibrate", "", a.workers)
+    batch = tenants(a, 1.0)["batch"]
+    try:
+        async with grpc.aio.insecure_channel(router.address) as ch:
+            load = Load(router_pb2_grpc.RouterStub(ch), a.request_timeout_s, a.seed + 1)
+            await asyncio.gather(*(load.one(batch) for _ in workers))  # the prefix, cached
+            load.results.clear()
+            end = load.now() + a.calibrate_s
+
+            async def loop() -> None:
+                while load.now() < end:
+                    await load.one(batch)
+
+            t0 = load.now()
+            await asyncio.gather(*(loop() for _ in range(a.calibrate_concurrency * a.workers)))
+            done = [r for r in load.results if r.status == OK]
+            elapsed = load.now() - t0
+    finally:
+        await stop(router)
+        await settle(workers)
+    if not done:
+        raise RuntimeError(f"no batch request answered while calibrating; see {tmp}")
+    return len(done) / elapsed
 
 
 def capacity_per_s(a: argparse.Namespace) -> float:
@@ -419,6 +506,12 @@ async def run_mode(
     capacity: float,
 ) -> dict[str, Any]:
     extra = a.router_args
+    if a.engine == "simulated" and "--admission-prefill-s-per-token" not in extra:
+        # The simulated engine's real prefill speed, until the workers' reports teach the router
+        # theirs (as an operator configures it): at the default (an H100-class 5e-5 s/token)
+        # the router would price the burst's first second 1/speedup too cheap and let it all in.
+        speed = SimWorkerConfig().prefill_s_per_token / a.sim_speedup
+        extra += f" --admission-prefill-s-per-token {speed:g}"
     if mode == "reserve":
         profile = reserve_profile(tmp, a.reserve_workers, a.reserve_lend_after_idle_s)
         extra += f" --policy {profile}"
@@ -463,7 +556,10 @@ async def run_mode(
         await settle(workers)
     p99 = {row.phase: row.ttft_p99_s for row in rows if row.tenant == "interactive"}
     reserved = a.reserve_workers if mode == "reserve" else 0
-    shares = [served_between(burst, t, lead, lead + a.burst_s) for t in ("batch", "flood")]
+    low = ("batch", "flood")
+    shares = [served_between(burst, t, lead, lead + a.burst_s) for t in low]
+    handed = [served_between(burst, t, lead, lead + a.burst_s, handed_off=True) for t in low]
+    phase_shares = [served_between(burst, t, 0.0, math.inf) for t in low]
     rejected = [r for r in burst if r.status == REJECTED]
     failed: dict[str, int] = {}
     for r in [*alone, *burst]:
@@ -478,6 +574,10 @@ async def run_mode(
         "interactive_p99_ratio": p99.get("burst", math.nan) / p99.get("alone", math.nan),
         "jain_batch_flood_uncached": jain(shares),
         "uncached_batch_flood": shares,
+        # The same over what the router handed to engines in the burst's window (the admission's
+        # own fairness, without the engines' prefill times), and over the whole phase.
+        "jain_batch_flood_handed_off": jain(handed),
+        "jain_batch_flood_phase": jain(phase_shares),
         "fleet_busy": sum(per_worker_busy) / len(per_worker_busy),
         # The workers the reserve filter keeps (sim-00 ...: the first by worker id), the rest.
         "reserved_busy": _mean(per_worker_busy[:reserved]),
@@ -513,8 +613,17 @@ async def _main(a: argparse.Namespace) -> list[dict[str, Any]]:
     out = []
     with tempfile.TemporaryDirectory(prefix="kvmesh-bench-priority-") as d:
         tmp = Path(d)
+        if a.engine == "vllm":
+            from kvmesh.models import resolve_model
+
+            a.model_path = resolve_model(a.model)
+            a.vocab = json.loads((a.model_path / "config.json").read_text())["vocab_size"]
         async with mesh(a, tmp) as (etcd, workers):
-            capacity = capacity_per_s(a)
+            if a.engine == "vllm":
+                print("measuring the fleet's capacity ...", file=sys.stderr, flush=True)
+                capacity = await measure_capacity(a, etcd, workers, tmp)
+            else:
+                capacity = capacity_per_s(a)
             for mode in [m.strip() for m in a.modes.split(",") if m.strip()]:
                 print(f"running mode {mode} ...", file=sys.stderr, flush=True)
                 out.append(await run_mode(a, etcd, workers, tmp, mode, capacity))
@@ -533,9 +642,15 @@ def run(a: argparse.Namespace) -> int:
             print(json.dumps({**rep, "rows": [asdict(r) for r in rep["rows"]]}))
         return 0
     first = reports[0]
+    fleet = (
+        f"{a.workers} vLLM workers ({a.model}) x {a.sim_max_running} running; capacity "
+        f"{first['capacity_per_s']:.1f} batch requests/s (measured)"
+        if a.engine == "vllm"
+        else f"{a.workers} simulated workers x {a.sim_max_running} running, speedup "
+        f"{a.sim_speedup}; capacity ~{first['capacity_per_s']:.1f} batch requests/s"
+    )
     print(
-        f"fleet: {a.workers} simulated workers x {a.sim_max_running} running, speedup "
-        f"{a.sim_speedup}; capacity ~{first['capacity_per_s']:.1f} batch requests/s; batch at "
+        f"fleet: {fleet}; batch at "
         f"{a.burst_x:g}x, flood at {a.flood_x:g}x for {a.burst_s:g} s; interactive "
         f"{a.interactive_rate:g}/s"
     )
@@ -546,7 +661,9 @@ def run(a: argparse.Namespace) -> int:
             f"\ninteractive TTFT p99 burst / alone: {rep['interactive_p99_ratio']:.2f}x; "
             f"Jain (batch, flood) uncached tokens during the burst: "
             f"{rep['jain_batch_flood_uncached']:.3f} ({rep['uncached_batch_flood'][0]:,} vs "
-            f"{rep['uncached_batch_flood'][1]:,}); fleet busy {rep['fleet_busy']:.0%}"
+            f"{rep['uncached_batch_flood'][1]:,}; handed to engines in the burst "
+            f"{rep['jain_batch_flood_handed_off']:.3f}, over the phase "
+            f"{rep['jain_batch_flood_phase']:.3f}); fleet busy {rep['fleet_busy']:.0%}"
             + (
                 f" (reserved workers {rep['reserved_busy']:.0%}, the others "
                 f"{rep['shared_busy']:.0%})"

@@ -38,6 +38,7 @@ class TenantLoad:
     rate_per_s: float  # requests per second, evenly spaced
     start_s: float = 0.0  # from the phase's start
     duration_s: float = 0.0
+    vocab: int = VOCAB  # token ids drawn below this (a real model's vocabulary size)
 
     def arrivals(self) -> list[float]:
         """Send times from the phase's start: steady, ``rate_per_s`` over ``duration_s``."""
@@ -50,8 +51,8 @@ class TenantLoad:
         """Request ``i``'s token ids: the tenant's shared prefix, then its own tokens."""
         shared = random.Random(f"{seed}:{self.name}:shared")
         own = random.Random(f"{seed}:{self.name}:{i}")
-        return [shared.randrange(1, VOCAB) for _ in range(self.shared_tokens)] + [
-            own.randrange(1, VOCAB) for _ in range(self.new_tokens)
+        return [shared.randrange(1, self.vocab) for _ in range(self.shared_tokens)] + [
+            own.randrange(1, self.vocab) for _ in range(self.new_tokens)
         ]
 
 
@@ -137,16 +138,23 @@ def summarize(phase: str, results: Iterable[Result], window_s: float) -> list[Te
     return rows
 
 
-def served_between(results: Iterable[Result], tenant: str, t0: float, t1: float) -> int:
-    """Uncached prompt tokens of ``tenant``'s requests answered (first token) in [t0, t1)."""
-    return sum(
-        r.uncached_tokens
-        for r in results
-        if r.tenant == tenant
-        and r.status == OK
-        and r.first_token_s is not None
-        and t0 <= r.sent_s + r.first_token_s < t1
-    )
+def served_between(
+    results: Iterable[Result], tenant: str, t0: float, t1: float, handed_off: bool = False
+) -> int:
+    """Uncached prompt tokens of ``tenant``'s requests answered (first token) in [t0, t1);
+    ``handed_off``: instead those the router handed to an engine in [t0, t1) (first token less
+    the engine's queue and prefill: when the admission let them go, whatever their prefill
+    then took)."""
+    total = 0
+    for r in results:
+        if r.tenant != tenant or r.status != OK or r.first_token_s is None:
+            continue
+        at = r.sent_s + r.first_token_s
+        if handed_off:
+            at -= r.engine_queue_s + r.engine_prefill_s
+        if t0 <= at < t1:
+            total += r.uncached_tokens
+    return total
 
 
 def format_rows(rows: Sequence[TenantRow]) -> str:

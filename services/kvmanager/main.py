@@ -155,6 +155,7 @@ async def start_kvmanager(
         peers = PeerService(
             kvmanager_id, host.address, store, data_plane, directory, config.peer, tls
         )
+        host.callback(peers.close)
         shm = ShmRegistry(config.shm)
         host.callback(shm.close)  # again after the grace: attaches that arrived meanwhile
         servicer = KvManagerServicer(

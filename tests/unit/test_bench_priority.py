@@ -39,6 +39,39 @@ def test_prompts_share_the_tenants_prefix_and_differ_after_it() -> None:
     assert other[:64] != a[:64]
 
 
+def test_a_real_models_prompts_stay_inside_its_vocabulary() -> None:
+    tiny = TenantLoad("batch", 0, 512, 512, 8, 1.0, vocab=1024)
+    ids = tiny.prompt(3)
+    assert len(ids) == 1024 and max(ids) < 1024 and min(ids) >= 1
+    assert max(LOAD.prompt(3)) >= 1024  # the simulator's default draws from a larger one
+
+
+def test_worker_flags_per_engine() -> None:
+    import argparse
+    from pathlib import Path
+
+    from benchmarks.priority.cli import engine_args
+
+    sim = argparse.Namespace(engine="simulated", sim_max_running=64, sim_speedup=0.25)
+    assert engine_args(sim, 1) == [
+        "--engine=simulated",
+        "--sim-max-running=64",
+        "--sim-speedup=0.25",
+    ]
+    real = argparse.Namespace(
+        engine="vllm", model_path=Path("/m/tiny"), sim_max_running=64, pin_cpus=True
+    )
+    flags = engine_args(real, 3)
+    assert flags[:4] == [
+        "--engine=vllm",
+        "--model=/m/tiny",
+        "--max-model-len=2048",
+        "--max-num-seqs=64",
+    ]
+    assert flags[4].startswith("--compute-cpus=")
+    assert engine_args(argparse.Namespace(**{**vars(real), "pin_cpus": False}), 0)[4:] == []
+
+
 def test_jain_and_percentile() -> None:
     assert jain([5.0, 5.0]) == 1.0
     assert jain([1.0, 0.0]) == 0.5
@@ -62,5 +95,10 @@ def test_summary_per_tenant() -> None:
     assert a.ttft_p99_s == pytest.approx(0.3)
     assert (b.failed, b.ok) == (1, 0) and math.isnan(b.ttft_p50_s)
     assert served_between(results, "a", 0.0, 0.5) == 40  # the first answered by 0.1 s
+    # Handed to the engine: the second one's first token came at 0.8 s after 0.4 s there.
+    slow = Result("a", 0.2, 1.0, OK, 0.6, prompt_tokens=100, engine_queue_s=0.1,
+                  engine_prefill_s=0.3)  # fmt: skip
+    assert served_between([slow], "a", 0.0, 0.5) == 0
+    assert served_between([slow], "a", 0.0, 0.5, handed_off=True) == 100
     table = format_rows([a, b])
     assert "| burst | a | 4 | 2 | 2 (1) | 0 | 100 ms | 300 ms |" in table

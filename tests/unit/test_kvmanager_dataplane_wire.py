@@ -43,6 +43,24 @@ def test_request_drops_checksum_bits_of_a_newer_peer() -> None:
     assert w.unpack_request(raw).accepted == ChecksumSet.CRC32
 
 
+def test_keep_alive_and_kept_round_trip_and_an_older_peer_sends_neither() -> None:
+    keep = Request(TOKEN, ChecksumSet.XXH3_64, keep_alive=True)
+    assert w.unpack_request(w.pack_request(keep)) == keep
+    assert w.pack_request(keep)[5] == w.REQUEST_KEEP_ALIVE  # the byte version 1 sent as 0
+    assert not w.unpack_request(w.pack_request(Request(TOKEN))).keep_alive
+    raw = bytearray(w.pack_request(keep))
+    raw[5] |= 0x80  # a flag of a newer peer: ignored
+    assert w.unpack_request(raw).keep_alive
+    kept = StreamHeader(Status.OK, 3, kept=True)
+    assert w.unpack_stream_header(w.pack_stream_header(kept)) == kept
+    # A refusal never keeps the connection, whatever the flag says.
+    refused = w.pack_stream_header(StreamHeader(Status.BUSY, kept=True))
+    assert w.unpack_stream_header(refused) == StreamHeader(Status.BUSY)
+    forged = bytearray(w.pack_stream_header(StreamHeader(Status.BUSY)))
+    forged[6] = w.STREAM_KEPT
+    assert not w.unpack_stream_header(forged).kept
+
+
 def test_request_token_must_be_16_bytes() -> None:
     with pytest.raises(WireError, match="16"):
         w.pack_request(Request(b"short"))

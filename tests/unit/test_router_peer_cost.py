@@ -111,9 +111,9 @@ def test_the_workers_measured_prefill_speed_decides():
         PeerCostConfig(default_prefill_s_per_token=1e-3, min_sample_tokens=100, latency_s=0.0),
     )
     assert price(c, [("kvm-a", 20)]).chosen is not None  # 5e-4 < the default 1e-3
-    loads["w"] = LoadSnapshot(prefill_computed_tokens=1000, prefill_s=0.1)
-    price(c, [("kvm-a", 20)])  # the first report: counters to start from
-    loads["w"] = LoadSnapshot(prefill_computed_tokens=11000, prefill_s=0.2)  # 1e-5 s/token
+    loads["w"] = LoadSnapshot(prefill_computed_tokens=50, prefill_s=0.1)
+    price(c, [("kvm-a", 20)])  # the first report (under min_sample_tokens): counters to start from
+    loads["w"] = LoadSnapshot(prefill_computed_tokens=10050, prefill_s=0.2)  # 1e-5 s/token
     p = price(c, [("kvm-a", 20)])
     assert p.chosen is None and p.skipped is not None
     assert p.recompute_s == pytest.approx(20 * BS * 1e-5)

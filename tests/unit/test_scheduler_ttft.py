@@ -148,6 +148,9 @@ def test_the_scorer_uses_each_workers_measured_prefill_rate():
         ([(0, 0.0), (50, 1.0), (100, 2.0)], 0.02),  # ... and is taken once it is large enough
         ([(0, 0.0), (100, 1.0), (200, 4.0)], 0.01 + 0.5 * (0.03 - 0.01)),  # moving average
         ([(0, 0.0), (100, 1.0), (10, 0.1)], 0.01),  # counters went back: a restart, forgotten
+        ([(400, 8.0)], 0.02),  # first seen having served enough: its average since it started
+        ([(400, 8.0), (500, 9.0)], 0.02 + 0.5 * (0.01 - 0.02)),  # ... then samples move it
+        ([(50, 8.0)], 0.01),  # first seen having served too little: the default
     ],
 )
 def test_prefill_rates(reports, want):

@@ -144,6 +144,18 @@ class PeerConfig:
         "deadline of a FetchFromPeer call that sets none, seconds",
         flag="peer-fetch-timeout-s",
     )
+    pool_idle_per_peer: int = setting(
+        4,
+        "auth mode: authenticated data plane connections kept idle per peer between fetches "
+        "(no TLS handshake per fetch); 0: a handshake every fetch",
+        flag="peer-pool-idle-per-peer",
+    )
+    pool_idle_timeout_s: float = setting(
+        30.0,
+        "auth mode: a kept connection idle longer than this is closed, seconds (under the "
+        "serving side's 60 s keep-alive)",
+        flag="peer-pool-idle-timeout-s",
+    )
 
     def __post_init__(self) -> None:
         if not -1 <= self.data_plane_port <= 65535:
@@ -154,6 +166,14 @@ class PeerConfig:
             raise InvalidArgument(f"max_streams must be >= 1, got {self.max_streams}")
         if self.window_bytes < 1:
             raise InvalidArgument(f"window_bytes must be >= 1, got {self.window_bytes}")
-        for name in ("ticket_ttl_s", "open_timeout_s", "stall_timeout_s", "fetch_timeout_s"):
+        if self.pool_idle_per_peer < 0:
+            raise InvalidArgument(f"pool_idle_per_peer must be >= 0, got {self.pool_idle_per_peer}")
+        for name in (
+            "ticket_ttl_s",
+            "open_timeout_s",
+            "stall_timeout_s",
+            "fetch_timeout_s",
+            "pool_idle_timeout_s",
+        ):
             if not getattr(self, name) > 0:
                 raise InvalidArgument(f"{name} must be > 0, got {getattr(self, name)}")

@@ -13,7 +13,10 @@ into the buffer anyway; an ``SSLSocket`` takes no ``MSG_*`` flags); a failed han
 certificate the CA did not sign is a ``StreamBroken`` saying so. With ``tls_auth_only`` (the
 grant says so: ``--data-plane-security auth``) TLS carries only the handshake and the request:
 both ends then close it and the blocks come in plaintext on the plaintext path
-(``sockets.end_tls``), each checked by its checksum as always.
+(``sockets.end_tls``), each checked by its checksum as always. With a ``pool`` as well, the
+connection outlives the fetch: the next fetch from that peer sends its request on it instead of
+connecting and shaking hands again (``pool.ConnectionPool``; one that broke while idle is
+replaced by a fresh one, once, before any block).
 
 Failure semantics: ``on_block`` sees only whole blocks whose checksum matched, in order. Any
 failure (peer gone, stall, deadline, bad checksum, protocol violation) raises a
@@ -39,6 +42,7 @@ from kvmesh.kv.events import BlockHash
 
 from . import wire
 from .core import RecvWindow, Ticket
+from .pool import ConnectionPool
 from .sockets import Buffer, byte_view, conn_shutdown, end_tls, readable_now, set_sock_timeout
 from .wire import Checksum, ChecksumAlgo, ChecksumSet, FrameKind, Status
 
@@ -129,6 +133,7 @@ async def fetch_blocks(
     ssl_context: ssl.SSLContext | None = None,
     server_hostname: str | None = None,
     tls_auth_only: bool = False,
+    pool: ConnectionPool | None = None,
 ) -> FetchResult:
     """Fetches the ticket's blocks from the data plane at ``host:port``.
 
@@ -145,6 +150,9 @@ async def fetch_blocks(
     ``ssl_context``: over TLS (``kvmesh.tls.Tls.client_ssl_context``), the server's certificate
     checked for ``server_hostname`` (default ``host``); None: plaintext. ``tls_auth_only``:
     TLS for the handshake and the request only, the blocks in plaintext (the server's mode).
+    ``pool`` (with ``tls_auth_only``): take an authenticated connection to this peer from it
+    when one is idle, and give the connection back after a whole stream when the server keeps
+    it (``wire.StreamHeader.kept``); ignored otherwise.
 
     Returns a ``FetchResult``. Raises a ``PeerFetchError`` on any failure of the peer or the
     stream, after having delivered only whole verified blocks (``exc.delivered`` of them). An
@@ -169,6 +177,7 @@ async def fetch_blocks(
         ssl_context=ssl_context,
         server_hostname=server_hostname or host,
         tls_auth_only=tls_auth_only,
+        pool=pool if ssl_context is not None and tls_auth_only else None,
     )
     delivered = nbytes = 0
     missing: list[BlockHash] = []
@@ -232,8 +241,11 @@ class _Receiver:
         ssl_context: ssl.SSLContext | None = None,
         server_hostname: str = "",
         tls_auth_only: bool = False,
+        pool: ConnectionPool | None = None,
     ) -> None:
         self._loop = loop
+        self._pool = pool
+        self._key = (host, port, server_hostname)
         self._ssl = ssl_context
         self._auth_only = tls_auth_only
         self._server_hostname = server_hostname
@@ -407,41 +419,80 @@ class _Receiver:
                 raise EOFError("fetch stopped")
             self._held.reserve(nbytes)
 
-    def _fetch(self) -> None:
-        sock = socket.create_connection(self._addr, timeout=self._timeout())
+    def _own(self, sock: socket.socket) -> None:
+        """Makes ``sock`` the one ``close`` shuts down (and ``_run`` closes at the end)."""
         with self._sock_lock:
             if self._stopped:
                 sock.close()
-                return
+                raise EOFError("fetch stopped")
             self._sock = sock
+
+    def _request(self) -> bytes:
+        keep = self._pool is not None
+        return wire.pack_request(wire.Request(self._ticket.token, self._accept, keep_alive=keep))
+
+    def _open(self) -> tuple[socket.socket, wire.StreamHeader]:
+        """The connection, the request sent on it and the answer's stream header: on a kept
+        connection from the pool when one is idle (one that breaks before the answer is closed
+        and a fresh one opened instead: the server never read the request, or its answer is
+        lost with it and the ticket refused on the fresh one), else on a fresh connection."""
+        if self._pool is not None and (sock := self._pool.take(self._key)) is not None:
+            self._own(sock)
+            self._tls = False
+            try:
+                sock.sendall(self._request())
+                return sock, self._stream_header(sock)
+            except (EOFError, ConnectionError):
+                self._pool.count("broken")
+                with self._sock_lock:
+                    self._sock = None
+                sock.close()
+                if self._stopped:
+                    raise
+        sock = self._connect()
+        return sock, self._stream_header(sock)
+
+    def _stream_header(self, sock: socket.socket) -> wire.StreamHeader:
+        head = memoryview(bytearray(wire.STREAM_HEADER_SIZE))
+        self._recv_exact(sock, head)
+        return wire.unpack_stream_header(head)
+
+    def _connect(self) -> socket.socket:
+        """A fresh connection (TLS: after its handshake), the request sent on it."""
+        sock = socket.create_connection(self._addr, timeout=self._timeout())
+        self._own(sock)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if self._ssl is not None:  # the handshake, bounded by the connect's timeout
             sock = self._ssl.wrap_socket(sock, server_hostname=self._server_hostname)
-            with self._sock_lock:
-                if self._stopped:
-                    sock.close()
-                    return
-                self._sock = sock
+            self._own(sock)
             self._tls = True
-        sock.sendall(wire.pack_request(wire.Request(self._ticket.token, self._accept)))
+            if self._pool is not None:
+                self._pool.count("handshakes")
+        sock.sendall(self._request())
         if self._tls and self._auth_only:  # TLS closed both ways; the blocks in plaintext
             assert isinstance(sock, ssl.SSLSocket)
             sock.settimeout(self._timeout())
             sock = end_tls(sock)
-            with self._sock_lock:
-                if self._stopped:
-                    sock.close()
-                    return
-                self._sock = sock
+            self._own(sock)
             self._tls = False
         if self._tls:
             self._rcvtimeo = sock.gettimeout() or 0.0
         else:
             sock.settimeout(None)  # blocking; SO_RCVTIMEO bounds each wait
+            self._rcvtimeo = 0.0
+        return sock
 
-        head = memoryview(bytearray(wire.STREAM_HEADER_SIZE))
-        self._recv_exact(sock, head)
-        stream = wire.unpack_stream_header(head)
+    def _give_back(self, sock: socket.socket) -> None:
+        """After a whole stream the server keeps: the connection goes to the pool."""
+        assert self._pool is not None
+        with self._sock_lock:
+            if self._stopped:
+                return  # close() shut it down; _run closes it
+            self._sock = None
+        self._pool.give(self._key, sock)
+
+    def _fetch(self) -> None:
+        sock, stream = self._open()
         if stream.status is not Status.OK:
             raise TicketRefused(
                 stream.status, f"{self._peer} refused the fetch: {stream.status.name}"
@@ -488,6 +539,8 @@ class _Receiver:
                         self._call_soon(self._discard, view)
                     raise
             self._push(FetchedBlock(index, want, view, Checksum(algo, hdr.checksum)), hdr.length)
+        if stream.kept and self._pool is not None:
+            self._give_back(sock)
 
     def _verify(
         self, index: int, block_hash: int, algo: ChecksumAlgo, expected: int, view: memoryview

@@ -16,6 +16,11 @@ goes on in plaintext on the same connection, on the plaintext path below (``sock
 read on a thread of a small pool (a blocking ``SSLSocket``; the loop cannot drive one without
 asyncio's streams, which would put every byte through the loop), and the stream's thread
 writes with ``sendall`` (TLS copies and encrypts every byte anyway; ``sockets.send_buffers``).
+In the ``auth`` mode a client may ask to keep its authenticated connection
+(``wire.Request.keep_alive``): the server says so in the stream header and, after the last
+frame, waits up to ``keepalive_idle_s`` for the next request on it (in plaintext, on the
+connection the handshake authenticated), so a pair of kvmanagers shakes hands once, not once
+per fetch (``pool.ConnectionPool`` on the fetching side).
 
 Bulk bytes never cross the event loop. Each stream has its own thread doing blocking
 ``sendmsg`` (which releases the GIL): it hands the kernel the store's own buffers (the headers
@@ -116,6 +121,18 @@ class DataPlaneConfig:
     ssl_context: ssl.SSLContext | None = None
     # With ssl_context: TLS for the handshake and the request only, the blocks in plaintext.
     tls_auth_only: bool = False
+    # tls_auth_only: a connection whose client asks for it waits this long for its next request
+    # after a whole stream (the handshake is not redone); 0: one fetch per connection.
+    keepalive_idle_s: float = 60.0
+    max_idle_connections: int = 64  # kept connections waiting at once; past it, not kept
+
+    def __post_init__(self) -> None:
+        if self.keepalive_idle_s < 0:
+            raise InvalidArgument(f"keepalive_idle_s must be >= 0, got {self.keepalive_idle_s}")
+        if self.max_idle_connections < 0:
+            raise InvalidArgument(
+                f"max_idle_connections must be >= 0, got {self.max_idle_connections}"
+            )
 
 
 @dataclass(slots=True)
@@ -127,6 +144,8 @@ class DataPlaneStats:
     bytes_sent: int = 0
     aborted: int = 0  # streams that ended early (client gone, stall, source error, shutdown)
     tls_failed: int = 0  # connections whose TLS handshake (or request under it) failed
+    tls_handshakes: int = 0  # connections authenticated by a TLS handshake
+    kept_requests: int = 0  # requests read on a kept connection (no handshake)
 
 
 class DataPlaneServer:
@@ -144,6 +163,7 @@ class DataPlaneServer:
         self._accept_task: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._active = 0
+        self._idle = 0  # kept connections waiting for their next request
         self._closing = False
         self.host = self.config.host
         self.port = self.config.port
@@ -241,6 +261,7 @@ class DataPlaneServer:
                     return  # refused by TLS (no or a foreign certificate), or silent
                 conn, raw = accepted
                 owned_by_thread = False
+                self.stats.tls_handshakes += 1
                 if not isinstance(conn, ssl.SSLSocket):  # auth only: TLS closed, plaintext on
                     conn.setblocking(False)
             else:
@@ -249,48 +270,93 @@ class DataPlaneServer:
                         raw = await sock_recv_exact(loop, conn, wire.REQUEST_SIZE)
                 except (TimeoutError, OSError, EOFError):
                     return  # a stranger or a dead client; nothing to answer
-            try:
-                req = wire.unpack_request(raw)
-            except wire.WireError as exc:
-                log.info("data plane: bad request: %s", exc)
-                await self._refuse(loop, conn, Status.BAD_REQUEST)
-                return
-            if self._closing:
-                await self._refuse(loop, conn, Status.SHUTTING_DOWN)
-                return
-            if self._active >= self.config.max_streams:
-                await self._refuse(loop, conn, Status.BUSY)  # the ticket stays valid
-                return
-            algo = wire.choose_algo(req.accepted, self._checksum)
-            if algo is None:
-                await self._refuse(loop, conn, Status.BAD_REQUEST)
-                return
-            status, ticket = self._tickets.redeem(req.token, time.monotonic())
-            if ticket is None:
-                await self._refuse(loop, conn, status)
-                return
-            self.stats.streams += 1
-            self._active += 1
-            try:
-                header = wire.pack_stream_header(wire.StreamHeader(Status.OK, len(ticket.hashes)))
-                await self._send(loop, conn, header)
-                owned_by_thread = True
-                await self._stream(loop, conn, ticket, req.accepted, algo)
-            finally:
-                self._active -= 1
+            while True:
+                owned_by_thread = True  # unless kept: the stream's thread closes it
+                if not await self._serve(loop, conn, raw):
+                    return
+                owned_by_thread = False  # kept: the loop's again, waiting for the next request
+                conn.setblocking(False)
+                next_raw = await self._next_request(loop, conn)
+                if next_raw is None:
+                    return
+                raw = next_raw
+                self.stats.kept_requests += 1
         except OSError as exc:
             log.debug("data plane connection failed: %s", exc)
         finally:
             if not owned_by_thread:
                 conn.close()
 
+    async def _serve(
+        self, loop: asyncio.AbstractEventLoop, conn: socket.socket, raw: bytes
+    ) -> bool:
+        """Answers one request on ``conn`` (the loop's until the stream starts; then the
+        stream's thread closes it). True when the stream ended whole and the connection is
+        kept for the next request (the loop's again)."""
+        try:
+            req = wire.unpack_request(raw)
+        except wire.WireError as exc:
+            log.info("data plane: bad request: %s", exc)
+            return await self._refuse(loop, conn, Status.BAD_REQUEST)
+        if self._closing:
+            return await self._refuse(loop, conn, Status.SHUTTING_DOWN)
+        if self._active >= self.config.max_streams:
+            return await self._refuse(loop, conn, Status.BUSY)  # the ticket stays valid
+        algo = wire.choose_algo(req.accepted, self._checksum)
+        if algo is None:
+            return await self._refuse(loop, conn, Status.BAD_REQUEST)
+        status, ticket = self._tickets.redeem(req.token, time.monotonic())
+        if ticket is None:
+            return await self._refuse(loop, conn, status)
+        keep = (
+            req.keep_alive
+            and self.tls_auth_only
+            and not isinstance(conn, ssl.SSLSocket)
+            and self.config.keepalive_idle_s > 0
+            and self._idle < self.config.max_idle_connections
+        )
+        self.stats.streams += 1
+        self._active += 1
+        try:
+            header = wire.StreamHeader(Status.OK, len(ticket.hashes), kept=keep)
+            try:
+                await self._send(loop, conn, wire.pack_stream_header(header))
+            except BaseException:
+                conn.close()
+                raise
+            return await self._stream(loop, conn, ticket, req.accepted, algo, keep)
+        finally:
+            self._active -= 1
+
+    async def _next_request(
+        self, loop: asyncio.AbstractEventLoop, conn: socket.socket
+    ) -> bytes | None:
+        """The next request on a kept connection, within ``keepalive_idle_s``; None when the
+        client closes it, the time runs out or the server closes."""
+        if self._closing:
+            return None
+        self._idle += 1
+        try:
+            async with asyncio.timeout(self.config.keepalive_idle_s):
+                return await sock_recv_exact(loop, conn, wire.REQUEST_SIZE)
+        except (TimeoutError, OSError, EOFError):
+            return None  # idle too long, or the client is gone
+        finally:
+            self._idle -= 1
+
     async def _refuse(
         self, loop: asyncio.AbstractEventLoop, conn: socket.socket, status: Status
-    ) -> None:
+    ) -> bool:
+        """Answers ``status`` with no frames and closes ``conn``; False (not kept)."""
         self.stats.refused += 1
-        with contextlib.suppress(OSError):
-            async with asyncio.timeout(self.config.request_timeout_s):
-                await self._send(loop, conn, wire.pack_stream_header(wire.StreamHeader(status)))
+        try:
+            with contextlib.suppress(OSError):
+                async with asyncio.timeout(self.config.request_timeout_s):
+                    header = wire.pack_stream_header(wire.StreamHeader(status))
+                    await self._send(loop, conn, header)
+        finally:
+            conn.close()
+        return False
 
     async def _send(
         self, loop: asyncio.AbstractEventLoop, conn: socket.socket, data: bytes
@@ -331,9 +397,12 @@ class DataPlaneServer:
         ticket: Ticket,
         accepted: ChecksumSet,
         algo: ChecksumAlgo,
-    ) -> None:
+        keep: bool = False,
+    ) -> bool:
         """Pins blocks in order on the loop and feeds them to the stream's send thread in
-        batches of ``batch_bytes``, with at most ``prefetch_bytes`` pinned at once."""
+        batches of ``batch_bytes``, with at most ``prefetch_bytes`` pinned at once. The thread
+        closes ``conn`` at the end, unless ``keep`` and the stream ended whole: then True, and
+        ``conn`` is the loop's again."""
         window = SendWindow.of(self.config.prefetch_bytes, self.config.batch_bytes)
         room = asyncio.Event()
 
@@ -352,6 +421,7 @@ class DataPlaneServer:
             room.set()
 
         sender = _SendThread(conn, loop, accepted, algo, self.config.stall_timeout_s, sent)
+        sender.keep = keep
         sender.start()
         batch: list[_Outgoing] = []
 
@@ -398,12 +468,13 @@ class DataPlaneServer:
             raise
         finally:
             hand_over()
-            sender.finish()
+            sender.finish(completed)
             await sender.done
             if not completed or sender.error is not None:
                 self.stats.aborted += 1
                 if sender.error is not None:
                     log.info("data plane stream ended early: %s", sender.error)
+        return sender.kept
 
 
 @dataclass(slots=True)
@@ -446,6 +517,9 @@ class _SendThread:
         self._sent = sent
         self._queue: queue.SimpleQueue[list[_Outgoing] | None] = queue.SimpleQueue()
         self.error: BaseException | None = None
+        self.keep = False  # set before start(): leave the socket open after a whole stream
+        self.kept = False  # the stream ended whole and the socket is the loop's again
+        self._whole = False
         self.done: asyncio.Future[None] = loop.create_future()
         self._thread = threading.Thread(target=self._run, name="kvdp-send", daemon=True)
 
@@ -455,7 +529,9 @@ class _SendThread:
     def put(self, batch: list[_Outgoing]) -> None:
         self._queue.put(batch)
 
-    def finish(self) -> None:
+    def finish(self, whole: bool = True) -> None:
+        """No more batches; ``whole``: the stream's every frame was queued."""
+        self._whole = whole
         self._queue.put(None)
 
     def _run(self) -> None:
@@ -470,11 +546,15 @@ class _SendThread:
                     except BaseException as exc:
                         self.error = exc
                 self._call(self._sent, batch, self.error is None)
+            if self.error is None and self.keep and self._whole:
+                self.kept = True  # the next request comes on it
+                return
             if self.error is None:
                 with contextlib.suppress(OSError):
                     socket.socket.shutdown(sock, socket.SHUT_WR)  # a clean end (TLS: under it)
         finally:
-            sock.close()
+            if not self.kept:
+                sock.close()
             self._call(_set_result, self.done)
 
     def _send(self, sock: socket.socket, batch: list[_Outgoing]) -> None:

@@ -7,8 +7,10 @@ leading run of the asked blocks held here.
 
 Fetching side: ``PeerService.fetch`` skips the blocks held here (``core.FetchPlan``), finds the
 peer (``directory.PeerDirectory``), asks it for a ticket over gRPC (OpenFetch, with a deadline),
-pulls the blocks over its data plane (``client.fetch_blocks``) and puts each whole verified
-block into the CPU tier with its parent hash, as it arrives (``core.FetchProgress`` counts).
+pulls the blocks over its data plane (``client.fetch_blocks``; in the ``auth`` mode on a
+connection kept from an earlier fetch when one is idle: ``pool.ConnectionPool``) and puts each
+whole verified block into the CPU tier with its parent hash, as it arrives
+(``core.FetchProgress`` counts).
 
 Each fetch is a ``kv.fetch_from_peer`` span (the peer's id, blocks asked, fetched, already held,
 missing on the peer, bytes): the OpenFetch call to the peer is its child.
@@ -48,6 +50,7 @@ from .core import (
     ticket_ttl_s,
 )
 from .directory import PeerDirectory
+from .pool import ConnectionPool, PoolConfig
 from .server import DataPlaneServer, DataPlaneStats, PinnedBlock
 
 if TYPE_CHECKING:  # the store imports the wire format of this package: no import cycle
@@ -129,6 +132,14 @@ class PeerService:
         self._directory = directory
         self._config = config
         self.stats = PeerStats()
+        # Authenticated data plane connections kept between fetches (peers in the auth mode).
+        self.pool = ConnectionPool(
+            PoolConfig(config.pool_idle_per_peer, config.pool_idle_timeout_s)
+        )
+
+    def close(self) -> None:
+        """Closes the kept data plane connections."""
+        self.pool.close()
 
     @property
     def data_plane_stats(self) -> DataPlaneStats | None:
@@ -287,6 +298,7 @@ class PeerService:
                 ssl_context=self._ssl if grant.data_plane_tls else None,
                 server_hostname=self._tls.server_hostname(host) if self._tls is not None else None,
                 tls_auth_only=grant.data_plane_tls and grant.data_plane_auth_only,
+                pool=self.pool,
             )
         except FetchDeadlineExceeded as exc:
             raise progress.timed_out(what, granted, str(exc)) from None

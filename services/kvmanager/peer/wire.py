@@ -11,7 +11,10 @@ One TCP connection carries one fetch:
                        payload       ``length`` bytes (none for a missing block)
 
 All integers are little-endian. A refused request gets a StreamHeader with a non-OK status and
-no frames. The server closes the connection after the last frame.
+no frames. The server closes the connection after the last frame, unless the request asked to
+keep it (``Request.keep_alive``) and the stream header says it is kept (``StreamHeader.kept``):
+then, after the last frame, the connection waits for the client's next request (the pooled
+connections of the ``auth`` mode: ``pool.ConnectionPool``).
 """
 
 from __future__ import annotations
@@ -41,8 +44,12 @@ FRAME_MAGIC: Final = b"KB"
 VERSION: Final = 1
 TOKEN_BYTES: Final = 16
 
-_REQUEST = struct.Struct("<4sBBH16s")  # magic, version, reserved, accepted checksums, token
-_STREAM = struct.Struct("<4sBBHQ")  # magic, version, status, reserved, block count
+_REQUEST = struct.Struct("<4sBBH16s")  # magic, version, flags, accepted checksums, token
+_STREAM = struct.Struct("<4sBBHQ")  # magic, version, status, flags, block count
+# Request flags (the byte an older peer sends as 0 and ignores).
+REQUEST_KEEP_ALIVE: Final = 0x01  # the client would send another request on this connection
+# Stream header flags.
+STREAM_KEPT: Final = 0x01  # after the last frame, the server waits for the next request
 _FRAME = struct.Struct("<2sBBIQQQ")  # magic, kind, checksum algo, index, hash, length, checksum
 
 REQUEST_SIZE: Final = _REQUEST.size
@@ -106,12 +113,14 @@ class FrameKind(IntEnum):
 class Request:
     token: bytes
     accepted: ChecksumSet = ChecksumSet.CRC32
+    keep_alive: bool = False  # the client would reuse the connection after this stream
 
 
 @dataclass(frozen=True, slots=True)
 class StreamHeader:
     status: Status
     block_count: int = 0
+    kept: bool = False  # OK only: the connection takes another request after the last frame
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,31 +183,38 @@ def _need(buf: bytes | bytearray | memoryview, size: int, what: str) -> None:
 def pack_request(req: Request) -> bytes:
     if len(req.token) != TOKEN_BYTES:
         raise WireError(f"ticket token is {len(req.token)} bytes, expected {TOKEN_BYTES}")
-    return _REQUEST.pack(MAGIC, VERSION, 0, int(req.accepted), req.token)
+    flags = REQUEST_KEEP_ALIVE if req.keep_alive else 0
+    return _REQUEST.pack(MAGIC, VERSION, flags, int(req.accepted), req.token)
 
 
 def unpack_request(buf: bytes | bytearray | memoryview) -> Request:
     _need(buf, REQUEST_SIZE, "request")
-    magic, version, _reserved, accepted, token = _REQUEST.unpack(buf)
+    magic, version, flags, accepted, token = _REQUEST.unpack(buf)
     _check_magic(magic, MAGIC, "request")
     _check_version(version)
-    # Bits we do not know are algorithms of a newer peer: keep only ours.
-    return Request(token=token, accepted=ChecksumSet(accepted & _KNOWN_ALGOS))
+    # Bits we do not know are algorithms or flags of a newer peer: keep only ours.
+    return Request(
+        token=token,
+        accepted=ChecksumSet(accepted & _KNOWN_ALGOS),
+        keep_alive=bool(flags & REQUEST_KEEP_ALIVE),
+    )
 
 
 def pack_stream_header(hdr: StreamHeader) -> bytes:
-    return _STREAM.pack(MAGIC, VERSION, hdr.status, 0, hdr.block_count)
+    flags = STREAM_KEPT if hdr.kept and hdr.status is Status.OK else 0
+    return _STREAM.pack(MAGIC, VERSION, hdr.status, flags, hdr.block_count)
 
 
 def unpack_stream_header(buf: bytes | bytearray | memoryview) -> StreamHeader:
     _need(buf, STREAM_HEADER_SIZE, "stream header")
-    magic, version, status, _reserved, count = _STREAM.unpack(buf)
+    magic, version, status, flags, count = _STREAM.unpack(buf)
     _check_magic(magic, MAGIC, "stream header")
     _check_version(version)
     try:
-        return StreamHeader(Status(status), count)
+        code = Status(status)
     except ValueError:
         raise WireError(f"bad stream header: unknown status {status}") from None
+    return StreamHeader(code, count, kept=code is Status.OK and bool(flags & STREAM_KEPT))
 
 
 def pack_frame_header(hdr: FrameHeader) -> bytes:

@@ -5,8 +5,12 @@ Each load report carries two cumulative counters the engine keeps (``LoadSnapsho
 completed, and the seconds those prefills took, scheduling to first token). Between two reports
 of a worker, their deltas give one sample of seconds per computed token; a sample waits until it
 covers ``min_sample_tokens`` (tiny prompts say little), and samples enter an exponential moving
-average with a half-life counted in samples. A worker with no sample yet gets the mean of the
-workers that have one, and the configured default when none has. Counters that go backwards (the
+average with a half-life counted in samples. A worker first seen with counters that already
+cover ``min_sample_tokens`` (it served before this router started) starts from their ratio,
+its average since it started, instead of waiting for a sample: a router restarted in front of
+a busy fleet would otherwise price its first burst at the default and let in far more prefill
+than the workers can run before the samples come. A worker with no sample yet gets the mean
+of the workers that have one, and the configured default when none has. Counters that go backwards (the
 engine restarted) start the worker over. Pure: no clock, no I/O.
 """
 
@@ -40,7 +44,11 @@ class PrefillRates:
         tokens, seconds = load.prefill_computed_tokens, load.prefill_s
         w = self._workers.get(worker_id)
         if w is None:
-            self._workers[worker_id] = _Worker(tokens, seconds)
+            w = self._workers[worker_id] = _Worker(tokens, seconds)
+            if tokens >= self._min and seconds > 0.0:  # its average since it started
+                w.rate = seconds / tokens
+                self._sum += w.rate
+                self._learned += 1
             return
         dt = tokens - w.tokens
         if dt < 0 or seconds < w.seconds:  # restarted: its old rate no longer says much
