@@ -20,6 +20,7 @@ from kvmesh.kv.events import KvEvent, KvEventBatch
 from services.router.core.index import KvIndex
 from services.router.core.index_types import IndexConfig, StoreId, store_id
 from services.router.core.routing import make_policy
+from services.router.core.scheduler.ttft import TtftCostScorer
 from services.router.core.types import LoadSnapshot, RouteRequest
 from services.router.core.workers import WorkerSet
 
@@ -70,6 +71,22 @@ class RouterPolicy:
         self.decision_s: list[float] = []  # wall time of each scheduling decision
         self.reasons: dict[str, int] = {}
 
+    def step_rates(self) -> dict[str, float | int] | None:
+        """The in-flight term's fitted step rates (ttft-cost with ``in_flight: true``), or None
+        when the profile has no such term."""
+        for w in self.scheduler.weighted_scorers():
+            sc = w.scorer
+            if isinstance(sc, TtftCostScorer) and sc.params.in_flight:
+                seq_s, ctx_s = sc.steps.rates()
+                return {
+                    "seq_step_s": seq_s,
+                    "context_step_s_per_token": ctx_s,
+                    "decode_steps": sc.steps.decode_steps(),
+                    "samples": sc.steps.samples,
+                    "timed_samples": sc.steps.timed_samples,
+                }
+        return None
+
     def on_kv_events(self, worker: int, events: Sequence[KvEvent]) -> None:
         self._seq[worker] += 1
         self.index.apply(KvEventBatch(self._ids[worker], EPOCH, self._seq[worker], tuple(events)))
@@ -94,6 +111,8 @@ class RouterPolicy:
                     prefill_computed_tokens=load.prefill_computed_tokens,
                     prefill_s=load.prefill_s,
                     generation_tokens=load.generation_tokens,
+                    decode_tokens=load.decode_tokens,
+                    decode_s=load.decode_s,
                     reported_s=now,
                 ),
             )

@@ -155,6 +155,10 @@ class TtftCostScorer:
             params.seq_step_s, params.context_step_s_per_token, decode_steps=params.decode_steps
         )
 
+    @property
+    def params(self) -> TtftParams:
+        return self._p
+
     @classmethod
     def build(cls, name: str, params: TtftParams, env: PluginEnv) -> TtftCostScorer:
         return cls(name, params, env.index, env.transfer_rates)
