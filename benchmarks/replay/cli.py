@@ -316,6 +316,7 @@ def _print_step_rates(rows: list[dict]) -> None:  # type: ignore[type-arg]
             print(
                 f"{r['policy']}: step rates seq_step_s={st['seq_step_s']:.3g} "
                 f"context_step_s_per_token={st['context_step_s_per_token']:.3g} "
-                f"decode_steps={st['decode_steps']:.0f} ({st['samples']} samples, "
+                f"decode_steps={st['decode_steps']:.0f} (medians over the {st['fitted_decisions']} "
+                f"of {st['decisions']} decisions that used a fit; {st['samples']} samples, "
                 f"{st['timed_samples']} from engine decode timing)"
             )

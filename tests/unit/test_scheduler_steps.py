@@ -273,3 +273,17 @@ def test_engine_timed_samples_take_the_mean_of_the_window_and_start_over_on_rest
     r.observe("w", _timed(400, 1.1, 3), 0)
     assert len(seen) == 2 and seen[1][2] == pytest.approx(1.0 / 200)
     assert r.timed_samples == 2
+
+
+def test_the_first_engine_timed_report_starts_the_fit_over_and_the_sources_are_not_mixed():
+    r = StepRates(1e-4, 4e-8, min_sample_tokens=1, min_samples=1)
+    for i in range(5):  # output over wall time while no engine has finished a request
+        r.add_sample(1 + i, 1000 * i, 0.01 + 0.001 * i)
+    assert r.samples == 5
+    r.observe("w0", _timed(10, 0.1, 2), 0)  # the first decode timing: older samples go
+    assert r.samples == 0 and r.rates() == (1e-4, 4e-8)
+    r.observe("w1", _report(0, 1.0, 2), 0)  # a worker without it: no samples now
+    r.observe("w1", _report(500, 2.0, 2), 0)
+    assert r.samples == 0
+    r.observe("w0", _timed(30, 0.3, 2), 500)
+    assert r.samples == 1 and r.timed_samples == 1

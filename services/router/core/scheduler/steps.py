@@ -31,7 +31,9 @@ time average) of the worker's running requests, the context this router has in f
 and the tokens it still has to prefill there. Where a worker does not report decode timing, a
 sample is its cumulative decode output (``generation_tokens``: one token per decoding request
 per step) between two reports ``dt`` seconds apart, while ``n`` requests ran: ``dt * n /
-tokens``. Either way a least-squares fit over the fleet's samples
+tokens`` (only until some worker reports decode timing: the fit then starts over on that
+source alone). Either way
+a least-squares fit over the fleet's samples
 (``step = base + seq_s * n + context_s_per_token * context + p * prefill``, exponentially
 forgotten) gives the two slopes; the prefill regressor (``step_fit_prefill``) takes the prefill
 chunks that share the steps out of them (the measured prefill rate prices those). Until the
@@ -115,11 +117,12 @@ class StepRates:
         self._seen: dict[str, _Seen] = {}
         self._timed: dict[str, _Timed] = {}  # workers whose engines report decode timing
         self.timed_samples = 0  # samples from engine decode timing (the rest: output / time)
-        # Forgotten sums of the normal equations over x = (1, n, context), y = step seconds.
-        self._xx = [[0.0] * _K for _ in range(_K)]
-        self._xy = [0.0] * _K
+        # Forgotten sums of the normal equations over x = (1, n, context, prefill), y = step s.
+        self._xx: list[list[float]] = []
+        self._xy: list[float] = []
         self._samples = 0
         self._fit: tuple[float, float] | None = None
+        self._reset_fit()
 
     def observe(
         self, worker_id: str, load: LoadSnapshot, context_tokens: int, prefill_tokens: int = 0
@@ -136,8 +139,10 @@ class StepRates:
         if load.decode_tokens > 0:
             self._observe_timed(worker_id, load, context_tokens, prefill_tokens)
             return
-        if at <= 0.0:
-            return  # no report time: nothing to measure with
+        if at <= 0.0 or self._timed:
+            # No report time: nothing to measure with. Or some engine reports decode timing:
+            # its samples only (a worker yet to finish a request reports none either way).
+            return
         s = self._seen.get(worker_id)
         if s is None or tokens < s.tokens or at < s.at_s:  # new, or its engine restarted
             self._seen[worker_id] = _Seen(tokens, at)
@@ -156,6 +161,8 @@ class StepRates:
     ) -> None:
         """The engine-timed source (module doc): one sample per ``min_sample_tokens`` decoded."""
         tokens = load.decode_tokens
+        if not self._timed:  # the first engine to report decode timing: the older source's
+            self._reset_fit()  # samples (taken before it) go
         t = self._timed.get(worker_id)
         if t is None or tokens < t.tokens or load.decode_s < t.decode_s:  # new, or restarted
             self._timed[worker_id] = _Timed(tokens, load.decode_s)
@@ -174,6 +181,12 @@ class StepRates:
             return
         self.timed_samples += 1
         self.add_sample(t.requests / k, t.context / k, ds / dn, t.prefill / k)
+
+    def _reset_fit(self) -> None:
+        self._xx = [[0.0] * _K for _ in range(_K)]
+        self._xy = [0.0] * _K
+        self._samples = 0
+        self._fit = None
 
     def add_sample(
         self, requests: float, context_tokens: float, step_s: float, prefill_tokens: float = 0.0
