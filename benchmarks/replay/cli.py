@@ -246,6 +246,7 @@ def run(a: argparse.Namespace) -> int:
             "capture_rate": report.capture_rate,
             "ceiling": report.ceiling,
             "load_max_over_mean": report.load_balance,
+            "computed_max_over_mean": report.computed_balance,
             "ttft_p50_s": report.ttft_p50_s,
             "ttft_p99_s": report.ttft_p99_s,
             "wall_s": report.wall_s,
