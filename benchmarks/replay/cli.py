@@ -247,6 +247,8 @@ def run(a: argparse.Namespace) -> int:
             "ceiling": report.ceiling,
             "load_max_over_mean": report.load_balance,
             "computed_max_over_mean": report.computed_balance,
+            "worker_input_tokens": list(report.worker_input_tokens),
+            "worker_computed_tokens": list(report.worker_computed_tokens),
             "ttft_p50_s": report.ttft_p50_s,
             "ttft_p99_s": report.ttft_p99_s,
             "wall_s": report.wall_s,
