@@ -246,6 +246,9 @@ def run(a: argparse.Namespace) -> int:
             "capture_rate": report.capture_rate,
             "ceiling": report.ceiling,
             "load_max_over_mean": report.load_balance,
+            "computed_max_over_mean": report.computed_balance,
+            "worker_input_tokens": list(report.worker_input_tokens),
+            "worker_computed_tokens": list(report.worker_computed_tokens),
             "ttft_p50_s": report.ttft_p50_s,
             "ttft_p99_s": report.ttft_p99_s,
             "wall_s": report.wall_s,
@@ -258,6 +261,9 @@ def run(a: argparse.Namespace) -> int:
             row["decision_p50_ms"] = statistics.median(ds) * 1e3
             row["decision_p99_ms"] = ds[int(0.99 * (len(ds) - 1))] * 1e3
             row["index_blocks"] = policy.index.stats().blocks
+            steps = policy.step_rates()
+            if steps is not None:
+                row["step_rates"] = steps
         rows.append(row)
         if a.json:
             print(json.dumps(row), flush=True)
@@ -284,6 +290,7 @@ def run(a: argparse.Namespace) -> int:
                 f"| {split} | {r['load_max_over_mean']:.2f} | {r['ttft_p50_s']:.2f} "
                 f"| {r['ttft_p99_s']:.2f} | {dec} |"
             )
+        _print_step_rates(rows)
     elif not a.json:
         print(
             f"\ntrace={a.trace} workers={a.workers} capacity_blocks={a.capacity_blocks} "
@@ -300,4 +307,19 @@ def run(a: argparse.Namespace) -> int:
                 f"| {r['capture_rate']:.1%} | {r['load_max_over_mean']:.2f} "
                 f"| {r['ttft_p50_s']:.2f} | {r['ttft_p99_s']:.2f} | {dec} |"
             )
+        _print_step_rates(rows)
     return 0
+
+
+def _print_step_rates(rows: list[dict]) -> None:  # type: ignore[type-arg]
+    """The step rates each ttft-cost profile with the in-flight term fitted (steps.py)."""
+    for r in rows:
+        st = r.get("step_rates")
+        if st:
+            print(
+                f"{r['policy']}: step rates seq_step_s={st['seq_step_s']:.3g} "
+                f"context_step_s_per_token={st['context_step_s_per_token']:.3g} "
+                f"decode_steps={st['decode_steps']:.0f} (medians over the {st['fitted_decisions']} "
+                f"of {st['decisions']} decisions that used a fit; {st['samples']} samples, "
+                f"{st['timed_samples']} from engine decode timing)"
+            )

@@ -53,6 +53,8 @@ class _Group:
             prefill_computed_tokens=sum(x.prefill_computed_tokens for x in loads),
             prefill_s=sum(x.prefill_s for x in loads),
             generation_tokens=sum(x.generation_tokens for x in loads),
+            decode_tokens=sum(x.decode_tokens for x in loads),
+            decode_s=sum(x.decode_s for x in loads),
         )
 
     def is_active(self, request_id: str) -> bool:

@@ -81,6 +81,8 @@ class ReplayReport:
     reusable_captured_all_tokens: int = 0
     tier_tokens: tuple[tuple[str, int], ...] = ()  # (gpu|cpu|disk|peer, tokens served)
     nodes: int = 0  # 0: no node tiers
+    # Prompt tokens each worker's engine computed (prefilled, not served from any cache)
+    worker_computed_tokens: tuple[int, ...] = ()
 
     @property
     def hit_rate(self) -> float:
@@ -113,6 +115,14 @@ class ReplayReport:
         """Max over mean input tokens per worker (1.0: perfectly even)."""
         mean = sum(self.worker_input_tokens) / len(self.worker_input_tokens)
         return max(self.worker_input_tokens) / mean if mean else 1.0
+
+    @property
+    def computed_balance(self) -> float:
+        """Max over mean prompt tokens computed per worker: the prefill work, where
+        ``load_balance`` counts cached tokens too (1.0: even)."""
+        w = self.worker_computed_tokens
+        mean = sum(w) / len(w) if w else 0.0
+        return max(w) / mean if mean else 1.0
 
     @property
     def requests_per_wall_s(self) -> float:
@@ -296,7 +306,7 @@ def replay(
     run_until(math.inf)
     if retention is not None:
         retention.finished(results, arrival)
-    return _report(
+    rep = _report(
         policy_name or getattr(route, "name", type(route).__name__),
         workers,
         results,
@@ -311,6 +321,9 @@ def replay(
         plans,
         n_nodes,
         bs,
+    )
+    return replace(
+        rep, worker_computed_tokens=tuple(w.load().prefill_computed_tokens for w in fleet)
     )
 
 

@@ -12,6 +12,7 @@ the request's prefill is done, ``on_finished`` once it is no longer active.
 from __future__ import annotations
 
 import random
+import statistics
 import time
 from collections.abc import Sequence
 
@@ -20,6 +21,8 @@ from kvmesh.kv.events import KvEvent, KvEventBatch
 from services.router.core.index import KvIndex
 from services.router.core.index_types import IndexConfig, StoreId, store_id
 from services.router.core.routing import make_policy
+from services.router.core.scheduler.framework import Scheduler
+from services.router.core.scheduler.ttft import TtftCostScorer
 from services.router.core.types import LoadSnapshot, RouteRequest
 from services.router.core.workers import WorkerSet
 
@@ -69,6 +72,37 @@ class RouterPolicy:
         self._n = 0
         self.decision_s: list[float] = []  # wall time of each scheduling decision
         self.reasons: dict[str, int] = {}
+        self._steps = self._step_scorer()
+        self._rates: list[tuple[float, float, float]] = []  # step rates each decision used
+
+    def _step_scorer(self) -> TtftCostScorer | None:
+        if not isinstance(self.scheduler, Scheduler):
+            return None
+        for w in self.scheduler.weighted_scorers():
+            sc = w.scorer
+            if isinstance(sc, TtftCostScorer) and sc.params.in_flight:
+                return sc
+        return None
+
+    def step_rates(self) -> dict[str, float | int] | None:
+        """The in-flight term's step rates (ttft-cost with ``in_flight: true``) as its
+        decisions used them: the median over the decisions of each rate, and how many of them
+        used the fleet's fit rather than the configured rates; None without such a term."""
+        sc = self._step_scorer()
+        if sc is None or not self._rates:
+            return None
+        default = (sc.params.seq_step_s, sc.params.context_step_s_per_token)
+        fitted = [r for r in self._rates if r[:2] != default]
+        use = fitted or self._rates
+        return {
+            "seq_step_s": statistics.median(r[0] for r in use),
+            "context_step_s_per_token": statistics.median(r[1] for r in use),
+            "decode_steps": statistics.median(r[2] for r in use),
+            "fitted_decisions": len(fitted),
+            "decisions": len(self._rates),
+            "samples": sc.steps.samples,
+            "timed_samples": sc.steps.timed_samples,
+        }
 
     def on_kv_events(self, worker: int, events: Sequence[KvEvent]) -> None:
         self._seq[worker] += 1
@@ -94,6 +128,8 @@ class RouterPolicy:
                     prefill_computed_tokens=load.prefill_computed_tokens,
                     prefill_s=load.prefill_s,
                     generation_tokens=load.generation_tokens,
+                    decode_tokens=load.decode_tokens,
+                    decode_s=load.decode_s,
                     reported_s=now,
                 ),
             )
@@ -109,6 +145,8 @@ class RouterPolicy:
         self.decision_s.append(time.perf_counter() - start)
         self.reasons[decision.reason] = self.reasons.get(decision.reason, 0) + 1
         self.scheduler.on_routed(route, decision)
+        if self._steps is not None:
+            self._rates.append((*self._steps.steps.rates(), self._steps.steps.decode_steps()))
         self._n += 1
         slot = self._slot[decision.worker_id]
         self._active[route.request_id] = (route, slot)

@@ -121,7 +121,7 @@ class WatchLoadRequest(_message.Message):
     def __init__(self, min_interval_s: _Optional[float] = ..., data_parallel_rank: _Optional[int] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("worker_id", "running_requests", "waiting_requests", "kv_cache_usage", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "in_flight_requests", "prefill_computed_tokens", "prefill_seconds", "generation_tokens", "spec_drafts", "spec_draft_tokens", "spec_accepted_tokens", "spec_accepted_tokens_per_position")
+    __slots__ = ("worker_id", "running_requests", "waiting_requests", "kv_cache_usage", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "in_flight_requests", "prefill_computed_tokens", "prefill_seconds", "generation_tokens", "spec_drafts", "spec_draft_tokens", "spec_accepted_tokens", "spec_accepted_tokens_per_position", "decode_tokens", "decode_seconds")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +136,8 @@ class WorkerLoad(_message.Message):
     SPEC_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPEC_ACCEPTED_TOKENS_PER_POSITION_FIELD_NUMBER: _ClassVar[int]
+    DECODE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     running_requests: int
     waiting_requests: int
@@ -150,7 +152,9 @@ class WorkerLoad(_message.Message):
     spec_draft_tokens: int
     spec_accepted_tokens: int
     spec_accepted_tokens_per_position: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, worker_id: _Optional[str] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., in_flight_requests: _Optional[int] = ..., prefill_computed_tokens: _Optional[int] = ..., prefill_seconds: _Optional[float] = ..., generation_tokens: _Optional[int] = ..., spec_drafts: _Optional[int] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_accepted_tokens_per_position: _Optional[_Iterable[int]] = ...) -> None: ...
+    decode_tokens: int
+    decode_seconds: float
+    def __init__(self, worker_id: _Optional[str] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., in_flight_requests: _Optional[int] = ..., prefill_computed_tokens: _Optional[int] = ..., prefill_seconds: _Optional[float] = ..., generation_tokens: _Optional[int] = ..., spec_drafts: _Optional[int] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_accepted_tokens_per_position: _Optional[_Iterable[int]] = ..., decode_tokens: _Optional[int] = ..., decode_seconds: _Optional[float] = ...) -> None: ...
 
 class GetInfoRequest(_message.Message):
     __slots__ = ()

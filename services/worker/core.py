@@ -224,6 +224,11 @@ class EngineLoad:
     prefill_computed_tokens: int = 0
     prefill_s: float = 0.0
     generation_tokens: int = 0  # tokens emitted, cumulative since start
+    # Decode time as the engine measured it, cumulative over finished requests: their tokens
+    # after the first and the seconds from first to last token (vLLM's per-request decode_time).
+    # The router's step-rate fit divides one by the other (scheduler/steps.py).
+    decode_tokens: int = 0
+    decode_s: float = 0.0
     spec: SpecDecodeCounts = SpecDecodeCounts()
 
 

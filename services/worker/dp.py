@@ -120,6 +120,8 @@ def sum_loads(loads: Sequence[EngineLoad]) -> EngineLoad:
         prefill_computed_tokens=sum(x.prefill_computed_tokens for x in loads),
         prefill_s=sum(x.prefill_s for x in loads),
         generation_tokens=sum(x.generation_tokens for x in loads),
+        decode_tokens=sum(x.decode_tokens for x in loads),
+        decode_s=sum(x.decode_s for x in loads),
         spec=SpecDecodeCounts(
             drafts=sum(x.spec.drafts for x in loads),
             draft_tokens=sum(x.spec.draft_tokens for x in loads),

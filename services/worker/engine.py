@@ -408,6 +408,8 @@ class VllmEngine:
             prefill_computed_tokens=stats.prefill_tokens,
             prefill_s=stats.prefill_s,
             generation_tokens=stats.generation_tokens,
+            decode_tokens=stats.decode_tokens,
+            decode_s=stats.decode_s,
             spec=stats.spec,
         )
 

@@ -133,6 +133,8 @@ def load_to_pb(load: EngineLoad, in_flight: int, worker_id: str) -> worker_pb2.W
         prefill_computed_tokens=load.prefill_computed_tokens,
         prefill_seconds=load.prefill_s,
         generation_tokens=load.generation_tokens,
+        decode_tokens=load.decode_tokens,
+        decode_seconds=load.decode_s,
         spec_drafts=load.spec.drafts,
         spec_draft_tokens=load.spec.draft_tokens,
         spec_accepted_tokens=load.spec.accepted_tokens,

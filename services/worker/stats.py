@@ -66,6 +66,8 @@ class StatsSink(StatLoggerBase):
         self.prefill_tokens = 0  # prompt tokens computed by finished requests
         self.prefill_s = 0.0  # their prefill times (scheduled -> first token)
         self.generation_tokens = 0  # tokens emitted (per step: 1 + accepted drafts a request)
+        self.decode_tokens = 0  # finished requests' tokens after their first
+        self.decode_s = 0.0  # their decode times (first token -> last token)
         self.spec = SpecDecodeCounts()  # speculative decoding, summed over steps
         self.updates = 0
         self.listeners: list[Callable[[], None]] = []
@@ -102,6 +104,10 @@ class StatsSink(StatLoggerBase):
                 if computed > 0 and f.prefill_time > 0:
                     self.prefill_tokens += computed
                     self.prefill_s += f.prefill_time
+                decoded = f.num_generation_tokens - 1  # the engine's decode timing
+                if decoded > 0 and f.decode_time > 0:
+                    self.decode_tokens += decoded
+                    self.decode_s += f.decode_time
             self.generation_tokens += iteration_stats.num_generation_tokens
         if scheduler_stats is None:
             return

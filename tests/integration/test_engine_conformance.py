@@ -241,4 +241,7 @@ async def test_load_counts_a_request_and_tells_its_listeners(subject: Subject) -
     assert after.prefix_cache_hit_tokens >= before.prefix_cache_hit_tokens
     assert after.prefill_computed_tokens >= before.prefill_computed_tokens
     assert after.prefill_s >= before.prefill_s >= 0.0
+    # The engine's decode timing: 3 tokens after the first (ignore_eos), and their time.
+    assert after.decode_tokens >= before.decode_tokens + 3
+    assert after.decode_s > before.decode_s >= 0.0
     assert after.preemptions >= 0

@@ -196,6 +196,10 @@ async def test_second_request_hits_the_prefix_cache(h: Harness) -> None:
     after = await wait_idle(h.stub)
     assert after.prefix_cache_queried_tokens - before.prefix_cache_queried_tokens == 200
     assert after.prefix_cache_hit_tokens - before.prefix_cache_hit_tokens == 96
+    # vLLM's decode timing over the wire: each request's tokens after its first, and their time
+    decoded = sum(max(u.completion_tokens - 1, 0) for u in (first, second))
+    assert after.decode_tokens - before.decode_tokens == decoded
+    assert (after.decode_seconds > before.decode_seconds) == (decoded > 0)
 
 
 async def test_stop_string_is_handled_by_the_engine(h: Harness) -> None:

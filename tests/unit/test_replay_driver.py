@@ -49,6 +49,9 @@ def test_metrics_on_a_hand_built_trace_round_robin():
     assert rep.ceiling_tokens == 24
     assert rep.worker_input_tokens == (30, 22)
     assert rep.load_balance == pytest.approx(30 / 26)
+    # computed: worker 0 13 + 5 (the third's 12 cached), worker 1 13 + 9
+    assert rep.worker_computed_tokens == (18, 22)
+    assert rep.computed_balance == pytest.approx(22 / 20)
     assert rep.ttft_p50_s == pytest.approx(0.009)  # of 13, 13, 5 and 9 uncached tokens
     assert rep.ttft_p99_s == pytest.approx(0.013)
     assert rep.ttft_mean_s == pytest.approx(0.010)

@@ -133,3 +133,33 @@ def test_a_prefix_evicted_while_queued_is_loaded_from_the_node_at_admission():
     rep = replay(reqs, RoundRobin(), workers=1, config=cfg, mesh=mesh)
     assert (rep.reusable_all_tokens, rep.cached_all_tokens, rep.cached_tokens) == (12, 12, 0)
     assert dict(rep.tier_tokens) == {"gpu": 0, "cpu": 12, "disk": 0, "peer": 0}
+
+
+def test_the_in_flight_term_fits_its_step_rates_to_the_simulated_engines_decode_timing(tmp_path):
+    """precise-cost with ``in_flight: true`` over simulated workers that report their decode
+    timing: its step-rate samples come from that timing, and the replay reports the rates its
+    decisions used."""
+    from benchmarks.replay.router_policy import RouterPolicy
+    from services.router.core.scheduler.profile import BUILTIN_PROFILES
+
+    text = BUILTIN_PROFILES["precise-cost"]
+    text = text.replace("name: precise-cost", "name: cost-in-flight").replace(
+        "  - type: ttft-cost\n    weight: 1.0\n",
+        "  - type: ttft-cost\n    weight: 1.0\n    params: {in_flight: true}\n",
+    )
+    assert "in_flight: true" in text
+    path = tmp_path / "cost-in-flight.yaml"
+    path.write_text(text)
+    cfg = replace(CFG, capacity_blocks=4096, step_s=1e-3, decode_s_per_seq=1e-4)
+    stream = [
+        ReplayRequest(0.05 * i, f"s{i % 6}", tuple(BlockHash(i % 6 * 100 + b) for b in range(8)),
+                      33, 300)
+        for i in range(80)
+    ]  # fmt: skip
+    policy = RouterPolicy(str(path), 4)
+    rep = replay(stream, policy, workers=4, config=cfg, on_kv_events=policy.on_kv_events)
+    assert rep.requests == 80
+    rates = policy.step_rates()
+    assert rates is not None and rates["decisions"] == 80
+    assert rates["timed_samples"] > 0 and rates["samples"] == rates["timed_samples"]
+    assert RouterPolicy("precise-cost", 2).step_rates() is None  # the term is off there

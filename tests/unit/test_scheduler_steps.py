@@ -210,3 +210,80 @@ def test_ttft_cost_learns_its_step_rates_from_the_reports_it_scores_with():
     seq_s, ctx_s = scorer.steps.rates()
     assert seq_s == pytest.approx(0.001, rel=0.05)
     assert ctx_s == pytest.approx(2e-7, rel=0.05)
+
+
+def _timed(
+    decode_tokens: int, decode_s: float, running: int, tokens: int = 0, at_s: float = 0.0
+) -> LoadSnapshot:
+    return LoadSnapshot(
+        running_requests=running, generation_tokens=tokens, reported_s=at_s,
+        decode_tokens=decode_tokens, decode_s=decode_s,
+    )  # fmt: skip
+
+
+def _fit_windows(timed: bool) -> tuple[float, float] | None:
+    """Windows of a worker's life where ``n`` requests decode and ``m`` more are prefilling
+    (vLLM counts both as running; the prefilling ones emit nothing), with idle gaps between
+    bursts, and a step time of 0.006 + 0.0002 (n + m) + 5e-8 ctx. Reported with the engine's
+    decode timing (``timed``) or with output tokens and report times only."""
+    rng = random.Random(4)
+    r = StepRates(1.0, 1.0, min_sample_tokens=1, min_samples=8)
+    gen = dec = 0
+    dec_s, at = 0.0, 1.0
+    r.observe("w", _timed(1, 0.0, 1, 0, at) if timed else _report(0, at, 1), 0)
+    for _ in range(80):
+        n, m = rng.randint(1, 30), rng.randint(0, 30)
+        ctx = rng.randint(0, 400_000) + 40_000 * m  # prefilling prompts are long ones
+        step = 0.006 + 0.0002 * (n + m) + 5e-8 * ctx
+        steps = rng.randint(5, 50)
+        gen += n * steps
+        dec += n * steps
+        dec_s += n * steps * step  # each decoded token took one step
+        at += steps * step + rng.uniform(0.0, 2.0)  # and the engine sat idle a while
+        load = _timed(1 + dec, dec_s, n + m, gen, at) if timed else _report(gen, at, n + m)
+        r.observe("w", load, ctx)
+    return None if r.rates() == (1.0, 1.0) else r.rates()
+
+
+def test_engine_decode_timing_fits_what_output_over_wall_time_cannot():
+    """The engine's per-request decode timing gives the true step time; output over the time
+    between reports counts the prefilling requests as decoding and the idle gaps as steps, so
+    the old source's slopes are far off (or undetermined) on the same worker's life."""
+    assert _fit_windows(timed=True) == pytest.approx((0.0002, 5e-8), rel=1e-6)
+    old = _fit_windows(timed=False)
+    assert old is None or not (
+        old[0] == pytest.approx(0.0002, rel=0.5) and old[1] == pytest.approx(5e-8, rel=0.5)
+    )
+
+
+def test_engine_timed_samples_take_the_mean_of_the_window_and_start_over_on_restart():
+    seen: list[tuple[float, float, float, float]] = []
+
+    class Rec(StepRates):
+        def add_sample(self, requests, context_tokens, step_s, prefill_tokens=0.0):
+            seen.append((requests, context_tokens, step_s, prefill_tokens))
+
+    r = Rec(1e-4, 4e-8, min_sample_tokens=100)
+    r.observe("w", _timed(50, 1.0, 2), 0)  # the first report sets the counters
+    r.observe("w", _timed(90, 1.2, 2), 10_000, 300)  # 40 tokens: waits for more
+    r.observe("w", _timed(170, 1.6, 6), 30_000, 100)  # 120 since the first: one sample
+    assert seen == [(4.0, 20_000.0, pytest.approx(0.6 / 120), 200.0)]
+    r.observe("w", _timed(20, 0.1, 2), 0)  # the counter went back: its engine restarted
+    r.observe("w", _timed(200, 0.1, 2), 0)  # no decode time over 180 tokens: no sample
+    r.observe("w", _timed(400, 1.1, 3), 0)
+    assert len(seen) == 2 and seen[1][2] == pytest.approx(1.0 / 200)
+    assert r.timed_samples == 2
+
+
+def test_the_first_engine_timed_report_starts_the_fit_over_and_the_sources_are_not_mixed():
+    r = StepRates(1e-4, 4e-8, min_sample_tokens=1, min_samples=1)
+    for i in range(5):  # output over wall time while no engine has finished a request
+        r.add_sample(1 + i, 1000 * i, 0.01 + 0.001 * i)
+    assert r.samples == 5
+    r.observe("w0", _timed(10, 0.1, 2), 0)  # the first decode timing: older samples go
+    assert r.samples == 0 and r.rates() == (1e-4, 4e-8)
+    r.observe("w1", _report(0, 1.0, 2), 0)  # a worker without it: no samples now
+    r.observe("w1", _report(500, 2.0, 2), 0)
+    assert r.samples == 0
+    r.observe("w0", _timed(30, 0.3, 2), 500)
+    assert r.samples == 1 and r.timed_samples == 1

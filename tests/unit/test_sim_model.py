@@ -117,6 +117,10 @@ def test_step_timing_decode_and_attention_terms():
     assert r.ttft_s == pytest.approx(prefill)
     decode = sum(0.01 + 0.001 + 1e-5 * (10 + g) for g in (1, 2, 3))  # context grows per token
     assert r.finish_s == pytest.approx(prefill + decode)
+    # Its decode timing, as vLLM's per-request stats give it: 3 tokens after the first, in
+    # the three decode steps' time.
+    load = w.load()
+    assert (load.decode_tokens, load.decode_s) == (3, pytest.approx(decode))
 
 
 def test_batch_limit_queues_fifo():
@@ -365,3 +369,19 @@ def test_load_counts_the_output_tokens_emitted():
     assert 1 < mid < 50
     w.drain()
     assert w.load().generation_tokens == 55
+
+
+def test_decode_timing_counts_finished_requests_that_decoded():
+    """``decode_tokens`` / ``decode_s``: tokens after the first and first -> last token time,
+    summed when a request finishes (a one-token request decoded nothing)."""
+    w = SimulatedWorker(replace(PREFILL_ONLY, capacity_blocks=64, step_s=1e-3))
+    run(w, 0, req("one", (1,), 4, output=1))
+    assert (w.load().decode_tokens, w.load().decode_s) == (0, 0.0)
+    w.submit(req("a", (2, 3), 8, output=20))
+    w.advance_to(0.015)
+    assert w.load().decode_tokens == 0  # decoding, not finished: not counted yet
+    (a,) = w.drain()
+    assert a.first_token_s is not None
+    assert w.load().decode_tokens == 19
+    assert w.load().decode_s == pytest.approx(a.finish_s - a.first_token_s)
+    assert w.load().decode_s / 19 == pytest.approx(1e-3)  # a decode step: step_s alone here

@@ -36,6 +36,11 @@ class LoadSnapshot:
     generation_tokens: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    # Cumulative decode timing the engine measured (WorkerLoad fields 21-22): finished
+    # requests' tokens after their first and the seconds from first to last token; 0: not
+    # reported. The step-rate fit (scheduler/steps.py) reads one over the other.
+    decode_tokens: int = 0
+    decode_s: float = 0.0
     # When the router received this report (its monotonic clock, or a replay's virtual one), s;
     # 0: unknown. Rates learned from cumulative counters divide by the time between reports.
     reported_s: float = 0.0

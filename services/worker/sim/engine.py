@@ -267,6 +267,8 @@ class SimulatedEngine:
             # Wall seconds, as an engine measures them (the model counts virtual ones).
             prefill_s=s.prefill_s / self._config.speedup,
             generation_tokens=s.generation_tokens,
+            decode_tokens=s.decode_tokens,
+            decode_s=s.decode_s / self._config.speedup,  # simulated, in wall seconds
         )
 
     def add_load_listener(self, listener: Callable[[], None]) -> None:

@@ -144,6 +144,11 @@ class SimLoad:
     prefill_computed_tokens: int = 0
     prefill_s: float = 0.0
     generation_tokens: int = 0  # cumulative output tokens emitted (vLLM's generation tokens)
+    # Cumulative over finished requests, as vLLM's per-request stats (decode_time,
+    # num_generation_tokens): their tokens after the first and the simulated seconds from their
+    # first token to their last.
+    decode_tokens: int = 0
+    decode_s: float = 0.0
 
 
 class _Run:
@@ -258,6 +263,8 @@ class SimulatedWorker:
         self._prefill_tokens = 0
         self._prefill_s = 0.0
         self._generated = 0  # output tokens emitted, cumulative
+        self._decode_tokens = 0  # finished requests' tokens after their first, cumulative
+        self._decode_s = 0.0  # and their first -> last token times
         self._mem_version = 0  # bumped whenever blocks are released
         self._blocked: tuple[_Run, int] | None = None  # head that did not fit, at mem version
 
@@ -414,6 +421,8 @@ class SimulatedWorker:
             prefill_computed_tokens=self._prefill_tokens,
             prefill_s=self._prefill_s,
             generation_tokens=self._generated,
+            decode_tokens=self._decode_tokens,
+            decode_s=self._decode_s,
         )
 
     # ---- internals -----------------------------------------------------------------------------
@@ -649,6 +658,9 @@ class SimulatedWorker:
     def _finish(self, run: _Run, results: list[SimResult]) -> None:
         run.done = True
         del self._runs[run.req.request_id]
+        if run.generated > 1 and run.first_token_s is not None:  # it decoded: vLLM's timing
+            self._decode_tokens += run.generated - 1
+            self._decode_s += self.now - run.first_token_s
         self._in_flight_tokens -= run.req.prompt_tokens + run.req.output_tokens
         self._release(run)
         results.append(self._result(run))

@@ -260,6 +260,10 @@ class Scheduler:
             candidates = f.views_for(candidates, priority)
         return candidates
 
+    def weighted_scorers(self) -> tuple[Weighted, ...]:
+        """The profile's scorers that score (weight > 0), in order."""
+        return self._scorers
+
     def timings(self) -> dict[str, StageTiming]:
         """Cumulative time per stage (filters, scorers, picker), for metrics."""
         return dict(zip(self.stages, self._timing, strict=True))

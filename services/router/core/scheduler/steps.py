@@ -18,15 +18,27 @@ decodes for ``decode_steps`` more (its expected output), every one of them longe
 A worker that holds a hot prefix is cheap to prefill on, but every request that shares the
 prefix brings its whole context into the worker's steps; this term is what makes it busy.
 
-``StepRates`` learns ``seq_s`` and ``context_s_per_token`` from the engines' own reports: a
-worker's cumulative decode output (``LoadSnapshot.generation_tokens``: one token per decoding
-request per step) between two reports ``dt`` seconds apart, while ``n`` requests ran, gives one
-sample of its step time ``dt * n / tokens``; a least-squares fit over the fleet's samples
-(``step = base + seq_s * n + context_s_per_token * context + p * prefill``, with the context and
-the tokens still to prefill that this router has in flight on the worker, exponentially
-forgotten) gives the two slopes; the prefill regressor takes the prefill chunks that share the
-steps out of them (the measured prefill rate prices those). Until the samples vary
-enough to fit them (or where the workers do not report output), the configured rates stand in.
+``StepRates`` learns ``seq_s`` and ``context_s_per_token`` from the engines' own reports. Where
+a worker reports its engine's decode timing (``LoadSnapshot.decode_tokens`` / ``decode_s``:
+finished requests' tokens after their first and the seconds from first to last token, vLLM's
+per-request ``decode_time``; the simulator reports its own), a sample is the time between a
+decoding request's tokens, ``(decode_s delta) / (decode_tokens delta)`` between two reports at
+least ``min_sample_tokens`` apart: the step time as the decoding requests rode it, with no idle
+time in it and no request that was still prefilling counted as running (both skewed the older
+source below). Its regressors are the means over the decisions made in the sample's window
+(each decision reads every candidate: requests arrive at random, so their mean is the window's
+time average) of the worker's running requests, the context this router has in flight on it,
+and the tokens it still has to prefill there. Where a worker does not report decode timing, a
+sample is its cumulative decode output (``generation_tokens``: one token per decoding request
+per step) between two reports ``dt`` seconds apart, while ``n`` requests ran: ``dt * n /
+tokens`` (only until some worker reports decode timing: the fit then starts over on that
+source alone). Either way
+a least-squares fit over the fleet's samples
+(``step = base + seq_s * n + context_s_per_token * context + p * prefill``, exponentially
+forgotten) gives the two slopes; the prefill regressor (``step_fit_prefill``) takes the prefill
+chunks that share the steps out of them (the measured prefill rate prices those). Until the
+samples vary enough to fit them (or where the workers report neither), the configured rates
+stand in.
 ``decode_steps`` is learned alike: the output tokens the fleet reported emitting per request this
 router saw finish (``finished``), a moving average over batches of ``min_finished`` requests.
 Pure: the report times come with the reports (``LoadSnapshot.reported_s``); no clock, no I/O.
@@ -66,6 +78,19 @@ class _Seen:
     at_s: float
 
 
+@dataclass(slots=True)
+class _Timed:
+    """A worker reporting decode timing: the counters at the start of the pending sample and
+    the sums of the regressors seen since (one term per decision)."""
+
+    tokens: int  # decode_tokens
+    decode_s: float
+    looks: int = 0
+    requests: float = 0.0
+    context: float = 0.0
+    prefill: float = 0.0
+
+
 class StepRates:
     """Learns ``(seq_s, context_s_per_token)`` from the workers' reports (module doc)."""
 
@@ -90,11 +115,14 @@ class StepRates:
         self._keep = 0.5 ** (1.0 / half_life_samples)
         self._min_samples = min_samples
         self._seen: dict[str, _Seen] = {}
-        # Forgotten sums of the normal equations over x = (1, n, context), y = step seconds.
-        self._xx = [[0.0] * _K for _ in range(_K)]
-        self._xy = [0.0] * _K
+        self._timed: dict[str, _Timed] = {}  # workers whose engines report decode timing
+        self.timed_samples = 0  # samples from engine decode timing (the rest: output / time)
+        # Forgotten sums of the normal equations over x = (1, n, context, prefill), y = step s.
+        self._xx: list[list[float]] = []
+        self._xy: list[float] = []
         self._samples = 0
         self._fit: tuple[float, float] | None = None
+        self._reset_fit()
 
     def observe(
         self, worker_id: str, load: LoadSnapshot, context_tokens: int, prefill_tokens: int = 0
@@ -108,8 +136,13 @@ class StepRates:
             if last is not None and tokens > last:
                 self._gen_new += tokens - last
             self._gen[worker_id] = tokens
-        if at <= 0.0:
-            return  # no report time: nothing to measure with
+        if load.decode_tokens > 0:
+            self._observe_timed(worker_id, load, context_tokens, prefill_tokens)
+            return
+        if at <= 0.0 or self._timed:
+            # No report time: nothing to measure with. Or some engine reports decode timing:
+            # its samples only (a worker yet to finish a request reports none either way).
+            return
         s = self._seen.get(worker_id)
         if s is None or tokens < s.tokens or at < s.at_s:  # new, or its engine restarted
             self._seen[worker_id] = _Seen(tokens, at)
@@ -123,8 +156,40 @@ class StepRates:
             return
         self.add_sample(running, context_tokens, dt * running / dn, prefill_tokens)
 
+    def _observe_timed(
+        self, worker_id: str, load: LoadSnapshot, context_tokens: int, prefill_tokens: int
+    ) -> None:
+        """The engine-timed source (module doc): one sample per ``min_sample_tokens`` decoded."""
+        tokens = load.decode_tokens
+        if not self._timed:  # the first engine to report decode timing: the older source's
+            self._reset_fit()  # samples (taken before it) go
+        t = self._timed.get(worker_id)
+        if t is None or tokens < t.tokens or load.decode_s < t.decode_s:  # new, or restarted
+            self._timed[worker_id] = _Timed(tokens, load.decode_s)
+            return
+        t.looks += 1
+        t.requests += max(load.running_requests, 0)
+        t.context += context_tokens
+        t.prefill += prefill_tokens
+        dn = tokens - t.tokens
+        if dn < self._min_tokens:
+            return
+        ds = load.decode_s - t.decode_s
+        k = t.looks
+        self._timed[worker_id] = _Timed(tokens, load.decode_s)
+        if ds <= 0.0 or t.requests <= 0.0:
+            return
+        self.timed_samples += 1
+        self.add_sample(t.requests / k, t.context / k, ds / dn, t.prefill / k)
+
+    def _reset_fit(self) -> None:
+        self._xx = [[0.0] * _K for _ in range(_K)]
+        self._xy = [0.0] * _K
+        self._samples = 0
+        self._fit = None
+
     def add_sample(
-        self, requests: int, context_tokens: int, step_s: float, prefill_tokens: int = 0
+        self, requests: float, context_tokens: float, step_s: float, prefill_tokens: float = 0.0
     ) -> None:
         """One measured step time of a worker running ``requests`` over ``context_tokens``,
         with ``prefill_tokens`` still to prefill among them."""
@@ -146,6 +211,11 @@ class StepRates:
             self._fit = _solve(self._xx, self._xy) or self._default
         return self._fit
 
+    @property
+    def samples(self) -> int:
+        """Step-time samples taken so far (both sources)."""
+        return self._samples
+
     def finished(self) -> None:
         """A request this router sent has finished: one more to divide the output by."""
         self._finished_new += 1
@@ -165,6 +235,7 @@ class StepRates:
 
     def forget(self, worker_id: str) -> None:
         self._seen.pop(worker_id, None)
+        self._timed.pop(worker_id, None)
         self._gen.pop(worker_id, None)
 
 

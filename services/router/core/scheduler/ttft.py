@@ -45,7 +45,7 @@ hits than the moves saved; BENCHMARKS.md.) ``displacement: false`` leaves it out
 ``in_flight_s`` (off unless ``in_flight: true``) prices the work a worker carries, cached
 context included: each request and each context token in flight lengthen every engine step,
 so the steps this request's prefill and decode ride (steps.py; rates fitted to the engines'
-measured decode output, ``StepRates``). ``queue_s`` counts only the tokens still to prefill, so
+own decode timing, ``StepRates``). ``queue_s`` counts only the tokens still to prefill, so
 without it a worker holding a hot prefix looks cheap for every request that shares it.
 
 The score is ``(min_ttft + floor_s) / (ttft_s(w) + floor_s)``: 1 for the cheapest worker. A
@@ -94,7 +94,7 @@ class TtftParams:
     # an engine step until the workers' reports measure them (defaults: the simulator's 8B
     # model on an H100, docs/simulator.md), the prefill tokens a step takes, and the decode
     # steps of a request (its expected output tokens). Off by default: measured as a trade, not
-    # a win (BENCHMARKS.md, issue 12 fourth pass); in_flight: true adds the term.
+    # a win (BENCHMARKS.md, issue 12 fourth and fifth passes); in_flight: true adds the term.
     in_flight: bool = False
     seq_step_s: float = 1e-4
     context_step_s_per_token: float = 4e-8
@@ -154,6 +154,10 @@ class TtftCostScorer:
         self.steps = StepRates(
             params.seq_step_s, params.context_step_s_per_token, decode_steps=params.decode_steps
         )
+
+    @property
+    def params(self) -> TtftParams:
+        return self._p
 
     @classmethod
     def build(cls, name: str, params: TtftParams, env: PluginEnv) -> TtftCostScorer:
