@@ -262,7 +262,12 @@ async def test_abort_unknown_id_is_not_found(h: Harness) -> None:
     assert "no-such-request" in err.value.details()
 
 
-async def test_duplicate_request_id_in_flight_is_invalid(h: Harness) -> None:
+async def test_duplicate_request_id_in_flight_is_invalid(
+    h: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The retry waits duplicate_wait_s for the first copy to go; shortened here so the first
+    # (900 tokens: ~2 s on a quiet machine, as long as the default wait) is surely still running.
+    monkeypatch.setattr(h.worker.servicer, "_duplicate_wait_s", 0.3)  # type: ignore[attr-defined]
     call = h.stub.Generate(gen_request("dup-1", prompt_of(20, 8), 900, ignore_eos=True))
     await call.read()
     with pytest.raises(grpc.aio.AioRpcError) as err:
