@@ -469,7 +469,11 @@ class DataPlaneServer:
         finally:
             hand_over()
             sender.finish(completed)
-            await sender.done
+            try:
+                await sender.done
+            except BaseException:  # cancelled: nobody takes the socket back
+                sender.abandon()
+                raise
             if not completed or sender.error is not None:
                 self.stats.aborted += 1
                 if sender.error is not None:
@@ -520,6 +524,8 @@ class _SendThread:
         self.keep = False  # set before start(): leave the socket open after a whole stream
         self.kept = False  # the stream ended whole and the socket is the loop's again
         self._whole = False
+        self._abandoned = False  # the loop gave up waiting (cancelled): never keep the socket
+        self._keep_lock = threading.Lock()  # the keep decision vs abandon()
         self.done: asyncio.Future[None] = loop.create_future()
         self._thread = threading.Thread(target=self._run, name="kvdp-send", daemon=True)
 
@@ -528,6 +534,15 @@ class _SendThread:
 
     def put(self, batch: list[_Outgoing]) -> None:
         self._queue.put(batch)
+
+    def abandon(self) -> None:
+        """The loop stops waiting for this stream (its task cancelled): the socket is closed by
+        whichever side holds it, the thread if it has not kept it yet, else here."""
+        with self._keep_lock:
+            self._abandoned = True
+            kept = self.kept
+        if kept:
+            self._sock.close()
 
     def finish(self, whole: bool = True) -> None:
         """No more batches; ``whole``: the stream's every frame was queued."""
@@ -546,8 +561,10 @@ class _SendThread:
                     except BaseException as exc:
                         self.error = exc
                 self._call(self._sent, batch, self.error is None)
-            if self.error is None and self.keep and self._whole:
-                self.kept = True  # the next request comes on it
+            with self._keep_lock:
+                keep = self.error is None and self.keep and self._whole and not self._abandoned
+                self.kept = keep  # the next request comes on it
+            if keep:
                 return
             if self.error is None:
                 with contextlib.suppress(OSError):
