@@ -43,7 +43,8 @@ def _unraced_range(
     count: int, path: str = "/proc/sys/net/ipv4/ip_local_port_range"
 ) -> tuple[int, int]:
     """[low, high) of ports the kernel does not hand out to outgoing connections: below the
-    ephemeral range (above it where that leaves no room)."""
+    ephemeral range, above it where that leaves no room, and every port past the well-known
+    ones where neither side has room."""
     try:
         with open(path) as f:
             first, last = (int(x) for x in f.read().split())
@@ -51,7 +52,9 @@ def _unraced_range(
         first, last = 32768, 60999  # Linux's default
     if first - _PORT_FLOOR > 16 * count:
         return _PORT_FLOOR, first
-    return last + 1, 65536
+    if 65536 - (last + 1) > 16 * count:
+        return last + 1, 65536
+    return _PORT_FLOOR, 65536  # the ephemeral range covers nearly all: no unraced ports
 
 
 def _free(port: int) -> bool:

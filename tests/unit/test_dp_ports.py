@@ -15,6 +15,8 @@ def test_the_run_is_drawn_below_the_ephemeral_range(tmp_path: Path) -> None:
     ranges.write_text("10010 60999\n")  # no room below: above it
     assert dp._unraced_range(4, str(ranges)) == (61000, 65536)
     assert dp._unraced_range(4, str(tmp_path / "missing")) == (10000, 32768)
+    ranges.write_text("1024 65535\n")  # nothing outside it: any port past the well-known ones
+    assert dp._unraced_range(4, str(ranges)) == (10000, 65536)
 
 
 def test_a_run_is_free_on_every_address_and_outside_the_ephemeral_range() -> None:
