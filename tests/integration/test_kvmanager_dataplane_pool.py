@@ -34,7 +34,7 @@ from services.kvmanager.peer.server import DataPlaneServer
 from tests.support import eventually
 
 from .test_kvmanager_dataplane import MemorySource, Sink, fetch, payload
-from .test_kvmanager_dataplane_tls import client_ctx, tls_of
+from .test_kvmanager_dataplane_tls import client_ctx, put_fetch_read, tls_of
 from .test_kvmanager_dataplane_tls import start as start  # a fixture
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
@@ -280,25 +280,7 @@ async def test_two_kvmanagers_in_auth_mode_shake_hands_once(pki: Pki) -> None:
                     head_size=128, dtype="float32",
                 )  # fmt: skip
                 data = {h: payload(h, size) for h in range(100 * round_ + 1, 100 * round_ + 9)}
-                put = kvmanager_pb2.PutBlocksRequest(
-                    layout=layout,
-                    blocks=[kvmanager_pb2.KvBlock(block_hash=h, data=d) for h, d in data.items()],
-                )
-                assert (await sa.PutBlocks(iter([put]), timeout=10)).stored == len(data)
-                resp = await sb.FetchFromPeer(
-                    kvmanager_pb2.FetchFromPeerRequest(
-                        layout=layout, block_hashes=list(data), peer_address=a.address
-                    ),
-                    timeout=20,
-                )
-                assert resp.fetched == len(data)
-                got = [
-                    m.block.data
-                    async for m in sb.GetBlocks(
-                        kvmanager_pb2.GetBlocksRequest(layout=layout, block_hashes=list(data)),
-                        timeout=10,
-                    )
-                ]
+                got = await put_fetch_read(sa, sb, layout, data, a.address)
                 assert got == list(data.values())
         assert a.data_plane.stats.tls_handshakes == 1
         assert a.data_plane.stats.kept_requests == 3 and a.data_plane.stats.streams == 4

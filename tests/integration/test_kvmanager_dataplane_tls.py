@@ -270,25 +270,7 @@ async def test_two_kvmanagers_fetch_from_each_other_over_tls(
         assert a.data_plane.tls_auth_only is (security is DataPlaneSecurity.AUTH)
         async with open_channel(a.address, tls) as ca, open_channel(b.address, tls) as cb:
             sa, sb = kvmanager_pb2_grpc.KvManagerStub(ca), kvmanager_pb2_grpc.KvManagerStub(cb)
-            put = kvmanager_pb2.PutBlocksRequest(
-                layout=layout,
-                blocks=[kvmanager_pb2.KvBlock(block_hash=h, data=d) for h, d in data.items()],
-            )
-            assert (await sa.PutBlocks(iter([put]), timeout=10)).stored == len(data)
-            resp = await sb.FetchFromPeer(
-                kvmanager_pb2.FetchFromPeerRequest(
-                    layout=layout, block_hashes=list(data), peer_address=a.address
-                ),
-                timeout=20,
-            )
-            assert resp.fetched == len(data)
-            got = [
-                m.block.data
-                async for m in sb.GetBlocks(
-                    kvmanager_pb2.GetBlocksRequest(layout=layout, block_hashes=list(data)),
-                    timeout=10,
-                )
-            ]
+            got = await put_fetch_read(sa, sb, layout, data, a.address)
         assert got == list(data.values())
         assert a.data_plane.stats.blocks_sent == len(data) and a.data_plane.stats.tls_failed == 0
         # A plaintext caller cannot even ask.
@@ -305,3 +287,32 @@ async def test_two_kvmanagers_fetch_from_each_other_over_tls(
 
 def test_contexts(pki: Pki) -> None:
     assert tls_of(pki).server_ssl_context().verify_mode is ssl.CERT_REQUIRED
+
+
+async def put_fetch_read(
+    sa: kvmanager_pb2_grpc.KvManagerStub,
+    sb: kvmanager_pb2_grpc.KvManagerStub,
+    layout: kvmanager_pb2.KvLayout,
+    data: dict[int, bytes],
+    peer_address: str,
+) -> list[bytes]:
+    """Stores ``data`` on kvmanager A, has B fetch all of it from A (its data plane), and
+    returns what B then serves, in order."""
+    put = kvmanager_pb2.PutBlocksRequest(
+        layout=layout,
+        blocks=[kvmanager_pb2.KvBlock(block_hash=h, data=d) for h, d in data.items()],
+    )
+    assert (await sa.PutBlocks(iter([put]), timeout=10)).stored == len(data)
+    resp = await sb.FetchFromPeer(
+        kvmanager_pb2.FetchFromPeerRequest(
+            layout=layout, block_hashes=list(data), peer_address=peer_address
+        ),
+        timeout=20,
+    )
+    assert resp.fetched == len(data)
+    return [
+        m.block.data
+        async for m in sb.GetBlocks(
+            kvmanager_pb2.GetBlocksRequest(layout=layout, block_hashes=list(data)), timeout=10
+        )
+    ]
