@@ -50,6 +50,11 @@ class KvManagerStub(object):
                 request_serializer=kvmesh_dot_v1_dot_kvmanager__pb2.PutBlocksRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_kvmanager__pb2.PutBlocksResponse.FromString,
                 _registered_method=True)
+        self.PutBlockBatch = channel.unary_unary(
+                '/kvmesh.v1.KvManager/PutBlockBatch',
+                request_serializer=kvmesh_dot_v1_dot_kvmanager__pb2.PutBlocksRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_kvmanager__pb2.PutBlocksResponse.FromString,
+                _registered_method=True)
         self.GetBlocks = channel.unary_stream(
                 '/kvmesh.v1.KvManager/GetBlocks',
                 request_serializer=kvmesh_dot_v1_dot_kvmanager__pb2.GetBlocksRequest.SerializeToString,
@@ -120,6 +125,16 @@ class KvManagerServicer(object):
         tiers are full of pinned blocks the call ends RESOURCE_EXHAUSTED (what was stored stays).
         A block's bytes come inline (`data`) or from an attached shared-memory segment (`shm`): the
         kvmanager copies them out before it answers, so the caller may reuse the region then.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PutBlockBatch(self, request, context):
+        """PutBlocks of one message, without a stream: what a local worker's saver sends for the
+        blocks it has written into its attached shared-memory segment. The same checks and answer.
+        (A client-streaming call costs the caller a thread per call to drain the request iterator;
+        this runs in the engine's process, where every thread's Python competes with the model.)
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -239,6 +254,11 @@ def add_KvManagerServicer_to_server(servicer, server):
             ),
             'PutBlocks': grpc.stream_unary_rpc_method_handler(
                     servicer.PutBlocks,
+                    request_deserializer=kvmesh_dot_v1_dot_kvmanager__pb2.PutBlocksRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_kvmanager__pb2.PutBlocksResponse.SerializeToString,
+            ),
+            'PutBlockBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.PutBlockBatch,
                     request_deserializer=kvmesh_dot_v1_dot_kvmanager__pb2.PutBlocksRequest.FromString,
                     response_serializer=kvmesh_dot_v1_dot_kvmanager__pb2.PutBlocksResponse.SerializeToString,
             ),
@@ -367,6 +387,33 @@ class KvManager(object):
             request_iterator,
             target,
             '/kvmesh.v1.KvManager/PutBlocks',
+            kvmesh_dot_v1_dot_kvmanager__pb2.PutBlocksRequest.SerializeToString,
+            kvmesh_dot_v1_dot_kvmanager__pb2.PutBlocksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutBlockBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.KvManager/PutBlockBatch',
             kvmesh_dot_v1_dot_kvmanager__pb2.PutBlocksRequest.SerializeToString,
             kvmesh_dot_v1_dot_kvmanager__pb2.PutBlocksResponse.FromString,
             options,

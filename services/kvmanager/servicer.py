@@ -11,6 +11,7 @@ import logging
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 import grpc
 from opentelemetry.trace import Span, Status, StatusCode
@@ -170,31 +171,51 @@ class KvManagerServicer(kvmanager_pb2_grpc.KvManagerServicer):
         request_iterator: AsyncIterator[kvmanager_pb2.PutBlocksRequest],
         context: grpc.aio.ServicerContext,
     ) -> kvmanager_pb2.PutBlocksResponse:
-        stored = held = 0
+        counts = _PutCounts()
         layout: KvLayout | None = None
         try:
             self._check_serving()
             async for msg in request_iterator:
-                if msg.HasField("layout"):
-                    got = layout_from_pb(msg.layout)
-                    if layout is not None:
-                        layout.require_same(got)
-                    layout = got
-                if layout is None:
-                    raise errors.InvalidArgument(
-                        "the first PutBlocksRequest must name the layout (set layout)"
-                    )
-                # Every shared-memory region of the message is copied out before the first
-                # await: once a call is cancelled or over, its regions are never read again.
-                blocks = [(b.block_hash, self._payload(layout, b), _parent(b)) for b in msg.blocks]
-                for h, data, parent in blocks:
-                    if not await self._store.put(layout, h, data, parent):
-                        held += 1
-                    stored += 1
+                layout = await self._put_message(layout, msg, counts)
         except Exception as exc:  # sent with its status by the host's error interceptor
-            log.info("PutBlocks ended after %d blocks: %s", stored, exc)
+            log.info("PutBlocks ended after %d blocks: %s", counts.stored, exc)
             raise
-        return kvmanager_pb2.PutBlocksResponse(stored=stored, already_held=held)
+        return kvmanager_pb2.PutBlocksResponse(stored=counts.stored, already_held=counts.held)
+
+    async def PutBlockBatch(
+        self, request: kvmanager_pb2.PutBlocksRequest, context: grpc.aio.ServicerContext
+    ) -> kvmanager_pb2.PutBlocksResponse:
+        counts = _PutCounts()
+        try:
+            self._check_serving()
+            await self._put_message(None, request, counts)
+        except Exception as exc:  # sent with its status by the host's error interceptor
+            log.info("PutBlockBatch ended after %d blocks: %s", counts.stored, exc)
+            raise
+        return kvmanager_pb2.PutBlocksResponse(stored=counts.stored, already_held=counts.held)
+
+    async def _put_message(
+        self, layout: KvLayout | None, msg: kvmanager_pb2.PutBlocksRequest, counts: _PutCounts
+    ) -> KvLayout:
+        """Stores one PutBlocksRequest's blocks under its layout (or ``layout``, the stream's,
+        when it names none); returns the layout in force after it."""
+        if msg.HasField("layout"):
+            got = layout_from_pb(msg.layout)
+            if layout is not None:
+                layout.require_same(got)
+            layout = got
+        if layout is None:
+            raise errors.InvalidArgument(
+                "the first PutBlocksRequest must name the layout (set layout)"
+            )
+        # Every shared-memory region of the message is copied out before the first await:
+        # once a call is cancelled or over, its regions are never read again.
+        blocks = [(b.block_hash, self._payload(layout, b), _parent(b)) for b in msg.blocks]
+        for h, data, parent in blocks:
+            if not await self._store.put(layout, h, data, parent):
+                counts.held += 1
+            counts.stored += 1
+        return layout
 
     def _payload(self, layout: KvLayout, block: kvmanager_pb2.KvBlock) -> bytes | memoryview:
         """A PutBlocks block's bytes: inline, or copied out of its shared-memory region straight
@@ -435,6 +456,12 @@ class _Sent:
                 attrs[f"kv.blocks_from_{tier.value}"] = n
             span.set_attributes(attrs)
         span.end()
+
+
+@dataclass(slots=True)
+class _PutCounts:
+    stored: int = 0  # blocks stored or found held
+    held: int = 0  # of those, held already
 
 
 def _parent(block: kvmanager_pb2.KvBlock) -> int | None:

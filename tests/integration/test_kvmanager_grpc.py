@@ -157,6 +157,30 @@ async def test_first_put_message_must_name_the_layout(kvm):
     assert "layout" in err.value.details()
 
 
+async def test_put_block_batch_is_put_blocks_in_one_unary_call(kvm):
+    _, stub, _ = kvm
+    first = kvmanager_pb2.PutBlocksRequest(layout=LAYOUT, blocks=blocks([11, 12, 13]))
+    resp = await stub.PutBlockBatch(first, timeout=5)
+    assert (resp.stored, resp.already_held) == (3, 0)
+    again = kvmanager_pb2.PutBlocksRequest(layout=LAYOUT, blocks=blocks([11, 12, 13, 14]))
+    resp = await stub.PutBlockBatch(again, timeout=5)
+    assert (resp.stored, resp.already_held) == (4, 3)
+    got = await get(stub, [11, 12, 13, 14])
+    assert [m.block.data for m in got] == [block(h) for h in (11, 12, 13, 14)]
+    with pytest.raises(grpc.aio.AioRpcError) as err:  # a batch is a first message: no layout
+        await stub.PutBlockBatch(kvmanager_pb2.PutBlocksRequest(blocks=blocks([15])), timeout=5)
+    assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert "layout" in err.value.details()
+    short = kvmanager_pb2.PutBlocksRequest(
+        layout=LAYOUT, blocks=[kvmanager_pb2.KvBlock(block_hash=16, data=b"\0" * 8)]
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.PutBlockBatch(short, timeout=5)
+    assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    look = await stub.Lookup(kvmanager_pb2.LookupRequest(layout=LAYOUT, block_hashes=[15, 16]))
+    assert list(look.tiers) == []
+
+
 async def test_tier_events_snapshot_then_live_then_resume(kvm):
     _, stub, _ = kvm
     await put(stub, [1, 2])
