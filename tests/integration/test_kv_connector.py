@@ -25,6 +25,7 @@ import random
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -368,6 +369,38 @@ def test_saver_sends_everything_queued_in_one_call_to_a_batched_store() -> None:
         assert (stats.saved_blocks, stats.present_blocks, stats.pending_bytes) == (3, 1, 0)
     finally:
         client.gate.set()
+        saver.close(5)
+
+
+def test_saver_holds_jobs_for_its_interval_then_sends_them_in_one_call() -> None:
+    client = _GatedBatchClient(held=set())
+    client.gate.set()
+    saver = BlockSaver(client, max_pending_bytes=1000, batch_interval_s=0.4)
+    try:
+        assert saver.try_submit(_job([1], 10))
+        assert saver.flush(10)  # a flush sends at once, whatever the interval
+        assert client.calls == [[([1], None)]]
+        sent = time.monotonic()
+        for h in (2, 3, 4):  # within the interval after a call: held, then one call
+            assert saver.try_submit(_job([h], 10))
+        time.sleep(0.1)
+        assert len(client.calls) == 1
+        deadline = time.monotonic() + 10
+        while len(client.calls) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert time.monotonic() - sent >= 0.35
+        assert client.calls[1] == [([2], None), ([3], None), ([4], None)]
+        # Half the queue's bytes waiting: sent without waiting out the interval.
+        assert saver.try_submit(_job([5], 300))
+        time.sleep(0.05)
+        assert len(client.calls) == 2
+        assert saver.try_submit(_job([6], 300))
+        deadline = time.monotonic() + 0.3
+        while len(client.calls) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert client.calls[2:] == [[([5], None), ([6], None)]]
+        assert saver.stats().saved_blocks == 6
+    finally:
         saver.close(5)
 
 

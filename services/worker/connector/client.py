@@ -120,6 +120,12 @@ class StoreConfig:
     max_pending_save_bytes: int = 256 * 1024 * 1024
     """Bytes of copied-out blocks waiting for the saver thread; a save that does not fit is
     skipped (never waited for)."""
+    save_interval_s: float = 0.05
+    """Least time between two saves to the kvmanager: the blocks copied out meanwhile (many
+    engine steps' worth) go in one call, since each call costs the engine's process and the
+    kvmanager a fixed few hundred microseconds of CPU. A block reaches the node's store (and the
+    routers' view of it) at most this much later; the engine's own prefix cache has it at once.
+    0: a call as soon as the saver thread is free."""
     remembered_saves: int = 65536
     """Block keys the worker remembers having handed to the store, so that blocks shared by many
     requests are copied out once."""
@@ -144,6 +150,8 @@ class StoreConfig:
             raise ValueError("store 'factory' needs client_factory as 'module:callable'")
         if self.max_pending_save_bytes < 0 or self.remembered_saves < 0:
             raise ValueError("max_pending_save_bytes and remembered_saves must be >= 0")
+        if not 0 <= self.save_interval_s <= 10:
+            raise ValueError(f"save_interval_s must be 0-10 seconds, not {self.save_interval_s}")
 
     def client_tls(self) -> Tls | None:
         """The checked TLS material of ``tls`` (None: plaintext)."""

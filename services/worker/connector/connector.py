@@ -267,7 +267,10 @@ class KvmeshConnector(KVConnectorBase_V1):
             ).key()
             if self._do_save:
                 self._saver = BlockSaver(
-                    self._client, self.config.max_pending_save_bytes, self._forget_saved
+                    self._client,
+                    self.config.max_pending_save_bytes,
+                    self._forget_saved,
+                    batch_interval_s=self.config.save_interval_s,
                 )
             init_amx()  # per process; vllm_ext does the same for VllmEngine's engines
         log.info(
@@ -583,48 +586,71 @@ class KvmeshConnector(KVConnectorBase_V1):
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvmeshConnectorMetadata)
+        runs: list[BlockTransfer] = []
+        step_keys: set[int] = set()  # two requests of one step may complete the same block
         for save in meta.saves:
-            if save.req_id in self._failed_reqs:
-                continue  # computed over a block that failed to load: never store that
-            self._save(save)
+            run = self._new_run(save, step_keys)
+            if run is not None:
+                runs.append(run)
+                step_keys.update(run.keys)
+        if runs:
+            self._save(runs)
 
-    def _save(self, save: BlockTransfer) -> None:
-        # Skip blocks handed off before, from the first new one on (a chain stays a chain).
+    def _new_run(self, save: BlockTransfer, step_keys: set[int]) -> BlockTransfer | None:
+        """The part of ``save`` to copy out: from its first block not handed off before nor
+        taken by another run of this step (a chain stays a chain); None when nothing is left,
+        or its request must not save."""
+        if save.req_id in self._failed_reqs:
+            return None  # computed over a block that failed to load: never store that
         first = 0
+        keys = save.keys
         with self._handed_off_lock:
-            while first < len(save.keys) and save.keys[first] in self._handed_off:
+            while first < len(keys) and (
+                keys[first] in self._handed_off or keys[first] in step_keys
+            ):
                 first += 1
         self._counters.add("save_deduped_blocks", first)
-        keys, block_ids = save.keys[first:], save.block_ids[first:]
-        if not keys:
-            return
-        parent = save.keys[first - 1] if first else save.parent
-        n = len(keys)
-        nbytes = n * self._block_bytes
+        if first == len(save.keys):
+            return None
+        if not first:
+            return save
+        return BlockTransfer(
+            save.req_id, save.block_ids[first:], save.keys[first:], save.keys[first - 1]
+        )
+
+    def _save(self, runs: list[BlockTransfer]) -> None:
+        """Copies every run of this step out in one pass over the layers and hands each to the
+        saver as a job (views of the one copy)."""
         assert self._saver is not None
+        n = sum(len(r.keys) for r in runs)
+        nbytes = n * self._block_bytes
         if not self._saver.has_room(nbytes):
             self._saver.note_refused(n)
             self._counters.add("save_skipped_blocks", n)
             return
-        out = read_blocks(self._layers, block_ids)
-        job = SaveJob(
-            layout_key=self._layout_key,
-            block_hashes=keys,
-            parent_hash=parent,
-            blocks=[memoryview(out[i]) for i in range(n)],
-            nbytes=nbytes,
-            keep_alive=out,
-        )
-        if not self._saver.try_submit(job):
-            self._counters.add("save_skipped_blocks", n)
-            return
-        self._counters.add("save_blocks", n)
-        self._counters.add("save_bytes", nbytes)
-        with self._handed_off_lock:
-            for k in keys:
-                self._handed_off[k] = None
-            while len(self._handed_off) > self.config.remembered_saves:
-                self._handed_off.popitem(last=False)
+        out = read_blocks(self._layers, [b for r in runs for b in r.block_ids])
+        row = 0
+        for r in runs:
+            k = len(r.keys)
+            job = SaveJob(
+                layout_key=self._layout_key,
+                block_hashes=r.keys,
+                parent_hash=r.parent,
+                blocks=[memoryview(out[i]) for i in range(row, row + k)],
+                nbytes=k * self._block_bytes,
+                keep_alive=out,
+            )
+            row += k
+            if not self._saver.try_submit(job):
+                self._counters.add("save_skipped_blocks", k)
+                continue
+            self._counters.add("save_blocks", k)
+            self._counters.add("save_bytes", job.nbytes)
+            with self._handed_off_lock:
+                for key in r.keys:
+                    self._handed_off[key] = None
+                while len(self._handed_off) > self.config.remembered_saves:
+                    self._handed_off.popitem(last=False)
 
     def _forget_saved(self, job: SaveJob) -> None:
         """Saver thread: the store refused ``job``; let later requests try again."""
