@@ -20,7 +20,7 @@ KV_TIER_CPU: KvTier
 KV_TIER_DISK: KvTier
 
 class WorkerGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "kv_source", "cache_salt", "priority", "data_parallel_rank")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "kv_source", "cache_salt", "priority", "data_parallel_rank", "store_prefix_blocks")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,7 @@ class WorkerGenerateRequest(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     DATA_PARALLEL_RANK_FIELD_NUMBER: _ClassVar[int]
+    STORE_PREFIX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -35,7 +36,8 @@ class WorkerGenerateRequest(_message.Message):
     cache_salt: str
     priority: int
     data_parallel_rank: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv_source: _Optional[_Union[KvSource, _Mapping]] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[int] = ..., data_parallel_rank: _Optional[int] = ...) -> None: ...
+    store_prefix_blocks: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv_source: _Optional[_Union[KvSource, _Mapping]] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[int] = ..., data_parallel_rank: _Optional[int] = ..., store_prefix_blocks: _Optional[int] = ...) -> None: ...
 
 class KvSource(_message.Message):
     __slots__ = ("kvmanager_id", "blocks", "handoff_wait_s", "max_fetch_s")

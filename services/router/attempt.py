@@ -129,6 +129,7 @@ class AttemptRunner:
                 kv_source=handoff if handoff is not None else kv_source_pb(decision.peer),
                 cache_salt=route.cache_salt,
                 priority=route.priority,
+                store_prefix_blocks=decision.store_prefix_blocks,
             ),
             max(deadline - time.monotonic(), 0.001),
         )

@@ -256,9 +256,14 @@ class Proxy:
         except Exception:
             log.warning("peer hint for %s failed; sending none", route.request_id, exc_info=True)
             return decision
-        if choice.hint is None and choice.skipped is None:
+        if choice.hint is None and choice.skipped is None and choice.store_blocks is None:
             return decision
-        return replace(decision, peer=choice.hint, peer_skipped=choice.skipped)
+        return replace(
+            decision,
+            peer=choice.hint,
+            peer_skipped=choice.skipped,
+            store_prefix_blocks=choice.store_blocks,
+        )
 
 
 def _final_after_lost_end(

@@ -51,6 +51,9 @@ class GenerateRequest:
     # The data-parallel rank to run it on (an engine with several, EngineInfo.data_parallel_size);
     # None: the engine chooses.
     data_parallel_rank: int | None = None
+    # The router's count of the prompt's leading blocks the node kvmanager holds (None: unknown);
+    # the KV connector skips its lookup when the engine's own cache covers them.
+    store_prefix_blocks: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -60,7 +60,7 @@ from kvmesh.sampling import STRUCTURED_FIELD, OutputKind, StructuredOutput
 from . import detokenizer
 from .config import EngineConfig
 from .connector.kvmanager_client import TRACE_HEADERS, TRACE_PARAM
-from .connector.plan import REQUEST_ID_PARAM, LoadReport, PeerSource
+from .connector.plan import REQUEST_ID_PARAM, STORE_PREFIX_PARAM, LoadReport, PeerSource
 from .core import (
     CachedTokens,
     EngineInfo,
@@ -602,12 +602,14 @@ class VllmEngine:
 
     def _kv_transfer_params(self, request: GenerateRequest) -> dict[str, Any] | None:
         """For the KV connector (engines without one get nothing): our request id (for its load
-        report), the router's peer hint, and the current W3C trace context, which the connector
+        report), the router's peer hint and count of the node store's prefix, and the current W3C trace context, which the connector
         sends on its kvmanager calls."""
         if not self._info.connector_layout:
             return None
         # The connector tags its load report with our id (vLLM's own gets a random suffix).
         params: dict[str, Any] = {REQUEST_ID_PARAM: request.request_id}
+        if request.store_prefix_blocks is not None:
+            params[STORE_PREFIX_PARAM] = request.store_prefix_blocks
         source = request.kv_source
         if source is not None:
             params.update(

@@ -66,6 +66,7 @@ def request_from_pb(r: worker_pb2.WorkerGenerateRequest) -> GenerateRequest:
         cache_salt=r.cache_salt,
         priority=r.priority,
         data_parallel_rank=r.data_parallel_rank if r.HasField("data_parallel_rank") else None,
+        store_prefix_blocks=(r.store_prefix_blocks if r.HasField("store_prefix_blocks") else None),
     )
 
 

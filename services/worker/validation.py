@@ -25,6 +25,21 @@ def check_request(request: GenerateRequest, info: EngineInfo) -> None:
         check_kv_source(request.kv_source, len(request.prompt_token_ids), info.block_size)
     check_cache_salt(request.cache_salt)
     check_rank(request.data_parallel_rank, info.data_parallel_size)
+    if request.store_prefix_blocks is not None:
+        check_store_prefix(
+            request.store_prefix_blocks, len(request.prompt_token_ids), info.block_size
+        )
+
+
+def check_store_prefix(blocks: int, prompt_tokens: int, block_size: int) -> None:
+    """The router's count of the node store's prefix is at most the prompt's full blocks."""
+    full = prompt_tokens // block_size if block_size > 0 else 0
+    if block_size > 0 and blocks > full:
+        raise InvalidArgument(
+            f"store_prefix_blocks is {blocks}; the prompt has {full} full blocks of "
+            f"{block_size} tokens, so use 0 to {full} (or leave it unset)",
+            "store_prefix_blocks",
+        )
 
 
 def check_rank(rank: int | None, size: int) -> None:

@@ -85,8 +85,15 @@ def keys(name: str) -> list[int]:
     return block_hashes(PROMPTS[name], HashConfig())
 
 
-def _generate(tag: str, names: Sequence[str], max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
-    return {"op": "generate", "tag": tag, "prompts": [PROMPTS[n] for n in names], "max": max_tokens}
+def _generate(
+    tag: str, names: Sequence[str], max_tokens: int = MAX_TOKENS, store_prefix: Any = None
+) -> dict[str, Any]:
+    """``store_prefix``: the router's count of the store's prefix to pass with each prompt (an
+    int, or "full": all its full blocks); None: none."""
+    prompts = [PROMPTS[n] for n in names]
+    return {"op": "generate", "tag": tag, "prompts": prompts, "max": max_tokens} | (
+        {"store_prefix": store_prefix} if store_prefix is not None else {}
+    )
 
 
 def _run(name: str, dtype: str, connector: bool, *ops: dict[str, Any]) -> dict[str, Any]:
@@ -121,8 +128,18 @@ def runs(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str
             _generate("degraded", DEGRADED),
         ),
     ]
+    hinted = [
+        _run(
+            "C",
+            "float32",
+            True,
+            _generate("hint-zero", BASE, store_prefix=0),  # stale: the store holds them all
+            {"op": "reset"},
+            _generate("hint-full", BASE, store_prefix="full"),
+        )
+    ]
     out: dict[str, Any] = {"store": store}
-    for spec_runs in (first, second):
+    for spec_runs in (first, second, hinted):
         spec = {"model": str(tiny_model), "store": str(store), "runs": spec_runs}
         for run in _helper(spec):
             out[run["name"]] = run
@@ -196,6 +213,27 @@ def test_b_loads_prefixes_from_the_store_with_identical_output(runs: dict[str, A
     assert b["saver"]["present_blocks"] == b["worker"]["save_blocks"] == 6
     assert b["store_blocks"] == op(runs["A"], "base")["store_blocks"]
     assert runs["B"]["layout_key"] == runs["A"]["layout_key"]
+
+
+@needs_vllm
+def test_the_routers_store_prefix_count_skips_lookups_the_engine_cache_covers(
+    runs: dict[str, Any],
+) -> None:
+    ref = op(runs["ref"], "base")
+    zero, full = op(runs["C"], "hint-zero"), op(runs["C"], "hint-full")
+    # A count the engine's cache covers (0 here: wrong, the store holds every block): no
+    # lookup at all, every prompt recomputed, the same output.
+    assert zero["outputs"] == full["outputs"] == ref["outputs"]
+    assert zero["sched"]["lookups"] == 0
+    assert zero["sched"]["lookups_skipped"] == len(BASE)
+    assert zero["cached"] == [0, 0, 0, 0, 0, 192]  # p300b: p300's blocks from C's own cache
+    assert zero["worker"]["load_blocks"] == 0
+    # A count past the engine's cache: looked up and loaded as without a count (p20 has no
+    # full block: 0 covers it).
+    assert full["sched"]["lookups_skipped"] == 1
+    assert full["sched"]["lookups"] == len(BASE) - 1
+    assert full["cached"] == [expected_cached(n) for n in BASE]
+    assert full["worker"]["load_blocks"] > 0
 
 
 @needs_vllm
@@ -475,9 +513,15 @@ def _run_engine(model: str, store: str, run: dict[str, Any]) -> dict[str, Any]:
         before = None
         if worker is not None:
             before = (dict(sched.totals), dict(worker.totals), worker.saver_stats())
-        params = SamplingParams(temperature=0.0, max_tokens=o["max"], ignore_eos=True)
         res: dict[str, Any] = {"tag": o["tag"], "prompts": prompts, "outputs": [], "cached": []}
         for p in prompts:
+            extra = None
+            if "store_prefix" in o:
+                n = len(p) // BLOCK if o["store_prefix"] == "full" else o["store_prefix"]
+                extra = {"kv_transfer_params": {plans.STORE_PREFIX_PARAM: n}}
+            params = SamplingParams(
+                temperature=0.0, max_tokens=o["max"], ignore_eos=True, extra_args=extra
+            )
             (r,) = llm.generate([TokensPrompt(prompt_token_ids=p)], params, use_tqdm=False)
             res["outputs"].append(list(r.outputs[0].token_ids))
             res["cached"].append(r.num_cached_tokens)

@@ -3,7 +3,8 @@
 an engine) on node-b behind the real worker gRPC service, and a real router. No worker runs on
 node-a, yet the router follows kvm-a's tier events of the layout node-b's worker uses. Blocks put
 into kvm-a make the router send the request to b1 with ``kv_source`` naming kvm-a (counted in
-/metrics); once b1's engine holds the prompt itself, no hint is sent. (The connector side, with real
+/metrics); once b1's engine holds the prompt itself, no hint is sent. Each call also says how
+many leading blocks b1's own kvmanager holds (``store_prefix_blocks``). (The connector side, with real
 vLLM engines fetching through their kvmanager, is test_peer_fetch_vllm.py.)"""
 
 from __future__ import annotations
@@ -157,6 +158,9 @@ async def test_router_names_the_peer_kvmanager_holding_the_prefix(etcd, tmp_path
             # Priced: kvm-b never fetched from kvm-a (the link is unmeasured: tried), and the
             # fetch may take as long as recomputing its 20 blocks, at least the 0.25 s floor.
             assert engine.seen[-1].kv_source == KvSource("kvm-a", 20, 0.0, 0.25)
+            # b1's own kvmanager (kvm-b, followed exactly) holds none of it: the worker is told,
+            # so that its connector need not look up.
+            assert engine.seen[-1].store_prefix_blocks == 0
             assert router.metrics_server is not None
             url = router.metrics_server.url
             assert await asyncio.to_thread(counter, url, "kvmesh_router_peer_hints_total") == 1
@@ -168,6 +172,11 @@ async def test_router_names_the_peer_kvmanager_holding_the_prefix(etcd, tmp_path
             await eventually(lambda: router.index.match(HASHES, [B1])[B1].gpu_blocks == 20, 15.0)
             await client.complete(make_request([*PROMPT, 8], max_tokens=2))
             assert engine.seen[-1].kv_source is None
+            await put_blocks(kvms[1], 12)  # kvm-b now holds 12 leading blocks itself
+            await eventually(lambda: router.index.match_stores(HASHES).get(own) is not None)
+            await eventually(lambda: router.index.match_stores(HASHES)[own].blocks == 12)
+            await client.complete(make_request([*PROMPT, 9], max_tokens=2))
+            assert engine.seen[-1].store_prefix_blocks == 12
             assert await asyncio.to_thread(counter, url, "kvmesh_router_peer_hints_total") == 1
 
             # kvm-b measures its link from kvm-a as slow (one fetch of 20 blocks in 5 s; how a

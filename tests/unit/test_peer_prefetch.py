@@ -21,7 +21,13 @@ from services.worker.connector.peer_prefetch import (
     PeerPrefetcher,
     make_prefetcher,
 )
-from services.worker.connector.plan import KV_SOURCE_PARAM, PeerSource, peer_fetch_range
+from services.worker.connector.plan import (
+    KV_SOURCE_PARAM,
+    STORE_PREFIX_PARAM,
+    PeerSource,
+    known_store_prefix,
+    peer_fetch_range,
+)
 from services.worker.core import EngineInfo, GenerateRequest, KvSource, Sampling
 from services.worker.servicer import request_from_pb
 from services.worker.validation import check_request
@@ -45,6 +51,37 @@ def test_request_from_pb_carries_the_hint():
     assert request_from_pb(msg).kv_source == KvSource("kvm-a", 7, 2.5, 0.4)
     msg.ClearField("kv_source")
     assert request_from_pb(msg).kv_source is None
+
+
+def test_request_from_pb_carries_the_store_prefix_count():
+    msg = worker_pb2.WorkerGenerateRequest(
+        request_id="r", prompt_token_ids=[1, 2], sampling=common_pb2.SamplingParams(max_tokens=3)
+    )
+    assert request_from_pb(msg).store_prefix_blocks is None
+    msg.store_prefix_blocks = 0
+    assert request_from_pb(msg).store_prefix_blocks == 0
+    msg.store_prefix_blocks = 9
+    assert request_from_pb(msg).store_prefix_blocks == 9
+
+
+@pytest.mark.parametrize(
+    ("params", "computed", "want"),
+    [
+        pytest.param({STORE_PREFIX_PARAM: 3}, 96, 3, id="engine-cache-covers-it"),
+        pytest.param({STORE_PREFIX_PARAM: 3}, 100, 3, id="engine-cache-longer"),
+        pytest.param({STORE_PREFIX_PARAM: 0}, 0, 0, id="store-holds-nothing"),
+        pytest.param({STORE_PREFIX_PARAM: 4}, 96, None, id="store-holds-more"),
+        pytest.param({}, 96, None, id="no-count"),
+        pytest.param(None, 96, None, id="no-params"),
+        pytest.param({STORE_PREFIX_PARAM: -1}, 96, None, id="negative"),
+        pytest.param({STORE_PREFIX_PARAM: "3"}, 96, None, id="not-an-int"),
+        pytest.param({STORE_PREFIX_PARAM: True}, 96, None, id="bool"),
+    ],
+)
+def test_a_store_prefix_count_skips_the_lookup_only_when_the_engine_covers_it(
+    params, computed, want
+):
+    assert known_store_prefix(params, computed, 32) == want
 
 
 def req(source: KvSource | None, tokens: int = 100) -> GenerateRequest:

@@ -134,6 +134,22 @@ def test_hint_options_and_edges():
         PeerHintConfig(min_gain_blocks=0)
 
 
+def test_the_workers_own_store_prefix_rides_along_when_the_view_is_exact():
+    """``store_blocks``: what the worker's node store itself holds (never its gpu, never a
+    peer's), with or without peer hints; unknown when the store's view is not exact."""
+    ix = mesh(own_gpu=20, own_store=6, peers={KA: 20})
+    assert PeerHints(ix).decide(PROMPT, B).store_blocks == 6
+    assert PeerHints(ix, PeerHintConfig(enabled=False)).decide(PROMPT, B).store_blocks == 6
+    assert PeerHints(mesh(own_gpu=20, peers={KA: 20})).decide(PROMPT, B).store_blocks == 0
+    cold = mesh(own_store=6, peers={KA: 20})  # a hint and the count together
+    choice = PeerHints(cold).decide(PROMPT, B)
+    assert (choice.hint, choice.store_blocks) == (PeerHint("kvm-a", 20, 6), 6)
+    assert PeerHints(ix).decide(PROMPT, A).store_blocks == 20  # a's store is kvm-a
+    assert PeerHints(mesh(link=None)).decide(PROMPT, B).store_blocks is None
+    ix.mark_degraded(KB)  # a gap in its events: it may hold more than the index says
+    assert PeerHints(ix).decide(PROMPT, B).store_blocks is None
+
+
 def test_a_miss_costs_one_lookup_per_walk():
     """No peer holds the first block: the walk stops at once (cheap on every request)."""
     ix = mesh(peers={KA: 20})

@@ -24,6 +24,10 @@ def salted(cache_salt: str) -> GenerateRequest:
     return dataclasses.replace(req(), cache_salt=cache_salt)
 
 
+def store_prefix(blocks: int, tokens: int = 70) -> GenerateRequest:
+    return dataclasses.replace(req(prompt=(1,) * tokens), store_prefix_blocks=blocks)
+
+
 GOOD = [
     pytest.param(req(), id="plain"),
     pytest.param(req(prompt=(0, 49)), id="vocab-edges"),
@@ -38,6 +42,8 @@ GOOD = [
     pytest.param(req(stop=("x",), stop_token_ids=(49,)), id="stops"),
     pytest.param(salted("a" * 128), id="cache-salt-max"),
     pytest.param(salted("0f" * 32), id="cache-salt-hex"),
+    pytest.param(store_prefix(0), id="store-prefix-none"),
+    pytest.param(store_prefix(2), id="store-prefix-every-full-block"),
 ]
 
 BAD = [
@@ -70,6 +76,10 @@ BAD = [
     pytest.param(salted("team/a"), "cache_salt contains '@', '/'", id="salt-slash"),
     pytest.param(salted("a@b"), "cache_salt contains", id="salt-at"),
     pytest.param(salted("a\0b"), "cache_salt contains", id="salt-nul"),
+    pytest.param(
+        store_prefix(3), "store_prefix_blocks is 3; the prompt has 2 full blocks of 32 tokens, "
+        "so use 0 to 2 (or leave it unset)", id="store-prefix-past-the-prompt",
+    ),
 ]  # fmt: skip
 
 

@@ -9,6 +9,11 @@ linked store; a worker with no linked store has no kvmanager to fetch into and g
 Cost: one walk over the request's hashes for all peer stores (a miss is one dict lookup), plus
 the worker's own match when some peer holds anything.
 
+The same walk counts the leading blocks the worker's own node store holds (``store_blocks``,
+when the index follows that store exactly): sent with the request, it lets the worker's KV
+connector skip its lookup in its kvmanager when its engine's own cache covers them, the usual
+case (the lookup is a round trip on the engine's thread, holding up the whole step).
+
 With a ``PeerCost`` (``peer_cost.py``) the hint is priced: fetching from each peer over the
 measured speed of its link against recomputing on the chosen worker at its measured prefill
 speed. A peer behind a slow link is skipped (``PeerChoice.skipped``) for a faster one or for
@@ -25,7 +30,15 @@ from kvmesh.discovery.keys import WorkerId
 from kvmesh.errors import InvalidArgument
 from kvmesh.kv.events import BlockHash
 
-from .index_types import PrefixMatch, StoreId, StoreMatch, store_parts
+from .index_types import (
+    HolderId,
+    PrefixMatch,
+    StoreId,
+    StoreMatch,
+    ViewState,
+    WorkerKvView,
+    store_parts,
+)
 from .peer_cost import PeerCost, PeerOption
 from .types import PeerHint
 
@@ -34,6 +47,8 @@ class StoreIndex(Protocol):
     """What peer hints need of the KV index (``KvIndex`` has it)."""
 
     def linked(self, worker_id: WorkerId) -> StoreId | None: ...
+
+    def view(self, worker_id: HolderId) -> WorkerKvView: ...
 
     def stores(self) -> tuple[StoreId, ...]: ...
 
@@ -63,10 +78,14 @@ class PeerHintConfig:
 @dataclass(frozen=True, slots=True)
 class PeerChoice:
     """``hint``: the peer to name (None: none); ``skipped``: a peer holding more that was left
-    out because fetching from it is slower (priced: its ``fetch_s`` and ``recompute_s``)."""
+    out because fetching from it is slower (priced: its ``fetch_s`` and ``recompute_s``);
+    ``store_blocks``: the leading blocks the worker's own node store holds, when the index's
+    view of that store is exact (None: unknown), which lets the worker's connector skip its
+    lookup when its engine's cache covers them."""
 
     hint: PeerHint | None = None
     skipped: PeerHint | None = None
+    store_blocks: int | None = None
 
 
 _NONE = PeerChoice()
@@ -99,7 +118,7 @@ class PeerHints:
         contiguous prefix of ``hashes`` (ties: smallest store id), when it beats what the worker
         holds by ``min_gain_blocks`` or more. Priced: the cheapest of those stores, or none
         when recomputing is cheaper (module doc)."""
-        if not self._cfg.enabled or not hashes:
+        if not hashes:
             return _NONE
         index = self._index
         own = index.linked(worker_id)
@@ -111,20 +130,26 @@ class PeerHints:
             for s in index.stores()
             if s != own and (parts := store_parts(s))[1] == layout and parts[0] != own_kvm
         ]
-        if not peers:
-            return _NONE
-        matches = index.match_stores(hashes, peers)
+        if not self._cfg.enabled:
+            peers = []
+        own_exact = index.view(own).state is ViewState.EXACT
+        walk = [*peers, own] if own_exact else peers
+        matches = dict(index.match_stores(hashes, walk)) if walk else {}  # one walk for all
+        own_match = matches.pop(own, None)
+        store_blocks = (own_match.blocks if own_match is not None else 0) if own_exact else None
+        base = PeerChoice(store_blocks=store_blocks)
         best = next(iter(matches.values()), None)
         min_gain = self._cfg.min_gain_blocks
         if best is None or best.blocks < min_gain:
-            return _NONE
+            return base
         mine = index.match(hashes, [worker_id]).get(worker_id)
         local = mine.blocks if mine is not None else 0
         if best.blocks - local < min_gain:
-            return _NONE
+            return base
         block_size = self._block_size_of(worker_id) if self._block_size_of is not None else 0
         if self._cost is None or block_size <= 0:
-            return PeerChoice(PeerHint(store_parts(best.store)[0], best.blocks, local, best.exact))
+            hint = PeerHint(store_parts(best.store)[0], best.blocks, local, best.exact)
+            return PeerChoice(hint, store_blocks=store_blocks)
         exact = {store_parts(m.store)[0]: m.exact for m in matches.values()}
         price = self._cost.price(
             worker_id,
@@ -153,5 +178,7 @@ class PeerHints:
             )
 
         return PeerChoice(
-            as_hint(price.chosen, price.max_fetch_s, price.probe), as_hint(price.skipped)
+            as_hint(price.chosen, price.max_fetch_s, price.probe),
+            as_hint(price.skipped),
+            store_blocks,
         )

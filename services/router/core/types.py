@@ -179,6 +179,9 @@ class RouteDecision:
     peer: PeerHint | None = field(default=None, compare=False)
     # A peer that holds more but was not named: fetching from it priced slower (core/peers.py).
     peer_skipped: PeerHint | None = field(default=None, compare=False)
+    # The leading blocks of the prompt the worker's node store holds, per an exact index view
+    # (core/peers.py); None: unknown. Sent to the worker (store_prefix_blocks).
+    store_prefix_blocks: int | None = field(default=None, compare=False)
 
     def details(self, full: bool = False) -> str:
         head = f"worker={self.worker_id} policy={self.policy} reason={self.reason}"

@@ -88,6 +88,7 @@ class KvmeshConnectorMetadata(KVConnectorMetadata):
 STAT_NAMES = (
     "lookups",  # store lookups (scheduler)
     "lookup_hit_blocks",  # leading blocks the store had, summed over lookups
+    "lookups_skipped",  # not looked up: the router's count of the store's prefix said no need
     "load_blocks",  # blocks written into the KV cache from the store
     "load_bytes",
     "load_failed_blocks",  # blocks planned for loading that did not arrive sound (recomputed)
@@ -320,8 +321,15 @@ class KvmeshConnector(KVConnectorBase_V1):
         if prefetch is not None and prefetch.pending(rid):
             return None, False  # its peer fetch is under way: vLLM asks again (bounded)
         tiers: list[Tier] = []
+        params = getattr(request, "kv_transfer_params", None)
+        known = plans.known_store_prefix(params, num_computed_tokens, self._block_size)
+        if known is not None and not plans.has_peer_source(params):
+            # The router's index says the store has nothing past the engine's own cache.
+            self._counters.add("lookups_skipped", 1)
+            plans.after_lookup(p, num_computed_tokens, min(known, len(p.keys)))
+            return 0, False
         if p.keys and (self._do_load or self._do_save):
-            trace = trace_metadata(getattr(request, "kv_transfer_params", None))
+            trace = trace_metadata(params)
             tiers = self._lookup(p.keys, trace)
             if prefetch is not None and self._fetch_from_peer(
                 request, p, len(tiers), num_computed_tokens, trace

@@ -65,6 +65,9 @@ REQUEST_ID_PARAM = "kvmesh_request_id"
 """The key of the worker's own request id in a request's ``kv_transfer_params``: vLLM's engine
 core names the request ``<id>-<random>``, so the connector tags its load reports (which reach the
 worker through vLLM's stats) with this one."""
+STORE_PREFIX_PARAM = "kvmesh_store_prefix_blocks"
+"""kv_transfer_params key: the router's count of the prompt's leading blocks the node store
+holds (``WorkerGenerateRequest.store_prefix_blocks``); absent: unknown."""
 
 LOAD_REPORT_PARAM = "kvmesh_load"
 """The key of the connector's ``LoadReport`` (``to_dict``) in the ``kv_transfer_params`` that
@@ -122,6 +125,23 @@ def request_id_of(params: Mapping[str, Any] | None, default: str) -> str:
     ``default`` (vLLM's own)."""
     rid = params.get(REQUEST_ID_PARAM) if isinstance(params, Mapping) else None
     return rid if isinstance(rid, str) and rid else default
+
+
+def has_peer_source(params: Mapping[str, Any] | None) -> bool:
+    """The request carries the router's peer hint (``KV_SOURCE_PARAM``)."""
+    return isinstance(params, Mapping) and KV_SOURCE_PARAM in params
+
+
+def known_store_prefix(
+    params: Mapping[str, Any] | None, computed_tokens: int, block_size: int
+) -> int | None:
+    """The router's count of the node store's prefix (``STORE_PREFIX_PARAM``) when it makes a
+    lookup pointless: the engine's own cache covers it (``computed_tokens``), so the store has
+    nothing to load. None: look up (no count, a bad one, or the store holds more)."""
+    n = params.get(STORE_PREFIX_PARAM) if isinstance(params, Mapping) else None
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        return None
+    return n if n * block_size <= computed_tokens else None
 
 
 def peer_fetch_range(
