@@ -233,6 +233,9 @@ class EngineLoad:
     decode_tokens: int = 0
     decode_s: float = 0.0
     spec: SpecDecodeCounts = SpecDecodeCounts()
+    # The KV connector's counters (services/worker/connector/connector.py STAT_NAMES: lookups,
+    # lookups_skipped, load_blocks, save_blocks, ...), cumulative since start, by name.
+    kv_connector: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

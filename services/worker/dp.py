@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import random
 import socket
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from kvmesh import errors
@@ -131,4 +131,15 @@ def sum_loads(loads: Sequence[EngineLoad]) -> EngineLoad:
             accepted_tokens=sum(x.spec.accepted_tokens for x in loads),
             accepted_per_position=tuple(per_pos),
         ),
+        kv_connector=_sum_counts(x.kv_connector for x in loads),
     )
+
+
+def _sum_counts(
+    counts: Iterable[tuple[tuple[str, int], ...]],
+) -> tuple[tuple[str, int], ...]:
+    total: dict[str, int] = {}
+    for c in counts:
+        for name, n in c:
+            total[name] = total.get(name, 0) + n
+    return tuple(sorted(total.items()))

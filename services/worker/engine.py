@@ -411,6 +411,7 @@ class VllmEngine:
             decode_tokens=stats.decode_tokens,
             decode_s=stats.decode_s,
             spec=stats.spec,
+            kv_connector=stats.connector_counts(),
         )
 
     def add_load_listener(self, listener: Callable[[], None]) -> None:

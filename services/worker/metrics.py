@@ -120,6 +120,15 @@ class WorkerMetrics:
             "Prompt tokens found in the engine's prefix cache since it started.",
             registry=r,
         )
+        self.kv_connector = MirroredCounter(
+            "kvmesh_worker_kv_connector_total",
+            "The engine's KV connector since it started, by count: lookups (store lookups of new "
+            "requests), lookups_skipped (spared by the router's count of the node store's "
+            "prefix), lookup_hit_blocks, load_blocks, load_failed_blocks, save_blocks, "
+            "save_skipped_blocks (saver queue full), save_deduped_blocks, peer_fetches, ...",
+            ["count"],
+            registry=r,
+        )
         self.kv_event_seq = Gauge(
             "kvmesh_worker_kv_event_seq",
             "Sequence number of the last KV event batch published (0: none yet).",
@@ -175,6 +184,8 @@ class WorkerMetrics:
         self.prefix_hits.set(load.prefix_cache_hit_tokens)
         self.engine_generation_tokens.set(load.generation_tokens)
         self.draining.set(1.0 if draining else 0.0)
+        for name, n in load.kv_connector:
+            self.kv_connector.labels(name).set(n)
         self.vllm.refresh(load)
         if kv is not None:
             self.kv_event_seq.set(kv.seq)

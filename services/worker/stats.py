@@ -72,10 +72,23 @@ class StatsSink(StatLoggerBase):
         self.updates = 0
         self.listeners: list[Callable[[], None]] = []
         self.load_reports: OrderedDict[str, LoadReport] = OrderedDict()
+        self.connector: dict[str, int] = {}  # the KV connector's counters, summed over intervals
 
     def take_report(self, request_id: str) -> LoadReport | None:
         """The connector's load report of a request, forgotten once taken."""
         return self.load_reports.pop(request_id, None)
+
+    def connector_counts(self) -> tuple[tuple[str, int], ...]:
+        return tuple(sorted(self.connector.items()))
+
+    def _add_counts(self, connector_stats: Mapping[str, Any] | None) -> None:
+        """The interval's connector counters (vLLM hands each interval's once) into the totals."""
+        if not connector_stats:
+            return
+        totals = self.connector
+        for name, n in connector_stats.items():
+            if isinstance(n, int) and not isinstance(n, bool) and name != LOAD_REPORTS_STAT:
+                totals[name] = totals.get(name, 0) + n
 
     def _keep_reports(self, connector_stats: Mapping[str, Any] | None) -> None:
         raw = connector_stats.get(LOAD_REPORTS_STAT) if connector_stats else None
@@ -115,6 +128,7 @@ class StatsSink(StatLoggerBase):
         if scheduler_stats.spec_decoding_stats is not None:
             self.spec = _add_spec(self.spec, scheduler_stats.spec_decoding_stats)
         self._keep_reports(scheduler_stats.kv_connector_stats)
+        self._add_counts(scheduler_stats.kv_connector_stats)
         pc = scheduler_stats.prefix_cache_stats
         if pc is not None:  # same counting as vLLM's Prometheus counters
             self.queried_tokens += pc.queries

@@ -99,6 +99,22 @@ async def run_all(address: str) -> list[tuple[list[int], int]]:
     return out
 
 
+async def connector_count(worker, name: str, at_least: int) -> float:
+    """The worker's ``kvmesh_worker_kv_connector_total{count=name}`` once it reaches
+    ``at_least`` (vLLM's stats reach the worker shortly after the step)."""
+    value = 0.0
+    for _ in range(250):
+        worker.refresh_metrics()
+        got = worker.metrics.registry.get_sample_value(
+            "kvmesh_worker_kv_connector_total", {"count": name}
+        )
+        value = got or 0.0
+        if value >= at_least:
+            break
+        await asyncio.sleep(0.02)
+    return value
+
+
 async def detached(kvm: RunningKvManager) -> None:
     for _ in range(500):
         if kvm.shm.stats.attached == 0:
@@ -117,6 +133,12 @@ async def test_a_fresh_engine_loads_prefixes_from_the_kvmanager(tiny_model, kvm,
         layout_key = engine.info.connector_layout
         assert layout_key, "the engine reports its connector's layout"
         first = await run_all(worker.address)
+        full_blocks = sum(len(p) // BLOCK for p in PROMPTS)
+        # Its connector's counters on the worker's /metrics: one lookup per prompt (no router,
+        # so no count of the store's prefix to skip it), every full prompt block saved.
+        assert await connector_count(worker, "lookups", len(PROMPTS)) == len(PROMPTS)
+        assert await connector_count(worker, "save_blocks", full_blocks) >= full_blocks
+        assert await connector_count(worker, "load_blocks", 0) == 0
     finally:
         await worker.stop()
     layout = kv_layout(layout_key)
@@ -138,6 +160,8 @@ async def test_a_fresh_engine_loads_prefixes_from_the_kvmanager(tiny_model, kvm,
     try:
         assert engine2.info.connector_layout == layout_key
         second = await run_all(worker2.address)
+        loaded = sum((len(p) - 1) // BLOCK for p in PROMPTS)
+        assert await connector_count(worker2, "load_blocks", loaded) == loaded
     finally:
         await worker2.stop()
     assert kvm.shm.stats.bytes_out > 0, "loads came through shared memory"
