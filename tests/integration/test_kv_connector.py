@@ -225,12 +225,12 @@ def test_the_routers_store_prefix_count_skips_lookups_the_engine_cache_covers(
     # lookup at all, every prompt recomputed, the same output.
     assert zero["outputs"] == full["outputs"] == ref["outputs"]
     assert zero["sched"]["lookups"] == 0
-    assert zero["sched"]["lookups_skipped"] == len(BASE)
+    assert zero["sched"]["lookups_skipped"] == len(BASE) - 1  # p20: no full block to look up
     assert zero["cached"] == [0, 0, 0, 0, 0, 192]  # p300b: p300's blocks from C's own cache
     assert zero["worker"]["load_blocks"] == 0
     # A count past the engine's cache: looked up and loaded as without a count (p20 has no
-    # full block: 0 covers it).
-    assert full["sched"]["lookups_skipped"] == 1
+    # full block: nothing to look up either way).
+    assert full["sched"]["lookups_skipped"] == 0
     assert full["sched"]["lookups"] == len(BASE) - 1
     assert full["cached"] == [expected_cached(n) for n in BASE]
     assert full["worker"]["load_blocks"] > 0
@@ -438,6 +438,16 @@ def test_saver_holds_jobs_for_its_interval_then_sends_them_in_one_call() -> None
             time.sleep(0.01)
         assert client.calls[2:] == [[([5], None), ([6], None)]]
         assert saver.stats().saved_blocks == 6
+        # An urgent job (a prefill's hand-off) takes what is held along at once.
+        assert saver.try_submit(_job([7], 10))
+        time.sleep(0.05)
+        assert len(client.calls) == 3
+        urgent = SaveJob("k", [8], None, [b"x"], 10, urgent=True)
+        assert saver.try_submit(urgent)
+        deadline = time.monotonic() + 0.3
+        while len(client.calls) < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert client.calls[3:] == [[([7], None), ([8], None)]]
     finally:
         saver.close(5)
 

@@ -76,6 +76,7 @@ class BlockTransfer:
     keys: list[int]
     parent: int | None = None  # saves: the key of the block before keys[0]
     trace: TraceMetadata | None = None  # loads: the request's trace context (gRPC metadata)
+    urgent: bool = False  # saves: another worker may be waiting for them (see _urgent)
 
 
 @dataclass
@@ -161,6 +162,14 @@ class _Counters:
 
 
 # ---- layout --------------------------------------------------------------------------------
+def _urgent(request: Request) -> bool:
+    """A request for one token is a prefill whose KV is the point (the router's prefill of a
+    disaggregated request, handed to a decode worker that waits for these blocks): its saves skip
+    the saver's batching delay."""
+    params = getattr(request, "sampling_params", None)
+    return getattr(params, "max_tokens", None) == 1
+
+
 def _attention_spec(kv_cache_config: KVCacheConfig) -> tuple[FullAttentionSpec, list[str]]:
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, FullAttentionSpec):
@@ -325,7 +334,8 @@ class KvmeshConnector(KVConnectorBase_V1):
         known = plans.known_store_prefix(params, num_computed_tokens, self._block_size)
         if known is not None and not plans.has_peer_source(params):
             # The router's index says the store has nothing past the engine's own cache.
-            self._counters.add("lookups_skipped", 1)
+            if p.keys and (self._do_load or self._do_save):
+                self._counters.add("lookups_skipped", 1)
             plans.after_lookup(p, num_computed_tokens, min(known, len(p.keys)))
             return 0, False
         if p.keys and (self._do_load or self._do_save):
@@ -444,6 +454,7 @@ class KvmeshConnector(KVConnectorBase_V1):
                     block_ids=[block_ids[i] for i in numbers],
                     keys=[p.keys[i] for i in numbers],
                     parent=p.keys[numbers.start - 1] if numbers.start else None,
+                    urgent=_urgent(request),
                 )
             )
         return meta
@@ -623,7 +634,11 @@ class KvmeshConnector(KVConnectorBase_V1):
         if not first:
             return save
         return BlockTransfer(
-            save.req_id, save.block_ids[first:], save.keys[first:], save.keys[first - 1]
+            save.req_id,
+            save.block_ids[first:],
+            save.keys[first:],
+            save.keys[first - 1],
+            urgent=save.urgent,
         )
 
     def _save(self, runs: list[BlockTransfer]) -> None:
@@ -647,6 +662,7 @@ class KvmeshConnector(KVConnectorBase_V1):
                 blocks=[memoryview(out[i]) for i in range(row, row + k)],
                 nbytes=k * self._block_bytes,
                 keep_alive=out,
+                urgent=r.urgent,
             )
             row += k
             if not self._saver.try_submit(job):

@@ -11,7 +11,8 @@ the jobs of one engine step (every request that filled a block) cost one round t
 per request; and with ``batch_interval_s`` the thread waits that long after a call before the
 next, so that one call carries the jobs of many steps (each call costs the engine's process and
 the kvmanager a fixed few hundred microseconds of CPU, whatever it carries). It stops waiting
-when half of ``max_pending_bytes`` is queued, and for ``flush`` and ``close``.
+when half of ``max_pending_bytes`` is queued, when an urgent job is queued (blocks another
+worker may be waiting for: a prefill handing its KV off), and for ``flush`` and ``close``.
 
 Pure threading; no vLLM or torch imports.
 """
@@ -40,6 +41,7 @@ class SaveJob:
     blocks: Sequence[BlockBytes]
     nbytes: int
     keep_alive: object = None  # the buffer ``blocks`` are views of, if any
+    urgent: bool = False  # another worker may be waiting for these blocks: no batching delay
 
 
 @dataclass(slots=True)
@@ -62,6 +64,7 @@ class _State:
     busy: bool = False
     closed: bool = False
     flushing: int = 0  # callers in flush(): send what is queued without waiting
+    urgent: int = 0  # urgent jobs queued: send without waiting
     next_send: float = 0.0  # monotonic time before which a batched store gets no call
 
 
@@ -100,6 +103,7 @@ class BlockSaver:
                 return False
             s.jobs.append(job)
             s.pending_bytes += job.nbytes
+            s.urgent += job.urgent
             self._stats.submitted_blocks += len(job.block_hashes)
             # Wake the thread only when it waits for a first job or must stop holding: a
             # wake-up for nothing takes the GIL from the engine thread.
@@ -141,6 +145,7 @@ class BlockSaver:
             dropped = len(self._state.jobs)
             self._state.jobs.clear()
             self._state.pending_bytes = 0
+            self._state.urgent = 0
             self._cond.notify_all()
         self._thread.join(max(0.0, timeout_s))
         if dropped:
@@ -157,6 +162,7 @@ class BlockSaver:
                 if s.closed:
                     return
                 jobs = self._take_layout(s.jobs) if batched else [s.jobs.popleft()]
+                s.urgent -= sum(j.urgent for j in jobs)
                 s.busy = True
             ok, present = True, 0
             blocks = sum(len(j.block_hashes) for j in jobs)
@@ -190,6 +196,7 @@ class BlockSaver:
         return (
             self._interval_s > 0
             and not s.flushing
+            and not s.urgent
             and s.pending_bytes * 2 < self._max
             and time.monotonic() < s.next_send
         )
