@@ -49,7 +49,10 @@ THINK_S = 0.8  # between turns: the kvmanager's tier events reach the router mea
 # streams must still be running then. At 64 tokens they had finished in a whole-suite run (first
 # tokens on three engines sharing two cores came that far apart), and nothing was resumed. The
 # engines run float32 (the fixture), where a greedy stream does not hang on bf16 near-ties.
-LOAD_TOKENS = 320
+# Long enough that node 1's streams are still running when its namespace goes (320 tokens
+# finished first once the engine's step got cheaper, 2026-12-07: no stream left to resume);
+# the load ignores EOS, and so must its recomputed references.
+LOAD_TOKENS = 1000
 # The slow link: 512 kbit/s both ways. The prefix's 20 blocks (about 0.33 MB on the tiny model)
 # would take ~5 s, past the connector's 2 s peer_fetch timeout.
 SLOW_RATE = "512kbit"
@@ -158,11 +161,17 @@ async def two_turns(
     return one, two, history
 
 
-async def recompute(client: RouterClient, tokens: list[int], max_tokens: int) -> Completion:
+async def recompute(
+    client: RouterClient, tokens: list[int], max_tokens: int, ignore_eos: bool = False
+) -> Completion:
     """The same prompt under a cache salt of its own: no cache anywhere, computed from scratch."""
     c = await client.complete(
         make_request(
-            tokens, max_tokens=max_tokens, temperature=0.0, cache_salt=f"r{time.monotonic_ns()}"
+            tokens,
+            max_tokens=max_tokens,
+            temperature=0.0,
+            ignore_eos=ignore_eos,
+            cache_salt=f"r{time.monotonic_ns()}",
         ),
         timeout_s=60,
     )
@@ -321,7 +330,7 @@ async def test_node_namespace_torn_down_under_load(nodes: NodesMesh):
         await asyncio.to_thread(nodes.kill_node, 1)
         done = await asyncio.gather(*tasks)
         survivors = {w.name for i in (0, 2) for w in nodes.nodes[i].workers}
-        refs = [await recompute(client, p, LOAD_TOKENS) for p in prompts]
+        refs = [await recompute(client, p, LOAD_TOKENS, ignore_eos=True) for p in prompts]
     where = [(c.usage.worker_id, c.usage.resumes) for c in done if c.usage is not None]
     assert len(where) == len(done) and all(len(c.token_ids) == LOAD_TOKENS for c in done), where
     resumed = [i for i, c in enumerate(done) if c.usage is not None and c.usage.resumes > 0]
