@@ -11,13 +11,20 @@ import pytest
 
 from kvmesh.discovery.keys import WorkerId
 from kvmesh.errors import InvalidArgument
-from services.router.core.scheduler import CycleContext, InFlightLedger, PluginEnv, load_profile
+from services.router.core.scheduler import (
+    CycleContext,
+    InFlightLedger,
+    Matched,
+    PluginEnv,
+    load_profile,
+)
 from services.router.core.scheduler.filters import (
     VolumeBoundFilter,
     VolumeBoundParams,
     within_bound,
 )
 from services.router.core.scheduler.load import RoutedVolume
+from services.router.core.scheduler.prefix import PreciseParams, PrecisePrefixScorer
 from services.router.core.types import RouteDecision
 from tests.unit.scheduler_fakes import FakeIndex, gpu, request, views
 
@@ -95,6 +102,27 @@ class TestFilter:
         fleet = views(2)
         ctx = CycleContext(request(1), fleet, InFlightLedger(), None)  # no volume source
         assert f.filter(ctx, fleet) == fleet
+
+    def test_spares_the_workers_holding_the_request_on_gpu(self):
+        # w00 and w01 are past the bound (mean 1,000, bound 1,100); w00 holds the whole request
+        # on its GPU, w01 half of it, w02 all of it on its node's CPU tier only.
+        vol = RoutedVolume(half_life_requests=1e9)
+        for wid, tokens in (("w00", 1500), ("w01", 1500), ("w02", 500), ("w03", 500)):
+            route(vol, wid, tokens)
+        held = {"w00": gpu(8), "w01": gpu(4), "w02": Matched(8, cpu_blocks=8, exact=True)}
+        source = PrecisePrefixScorer("p", PreciseParams(), FakeIndex(held))
+        fleet = views(4)
+
+        def kept_ids(spare: float) -> list[str]:
+            f = VolumeBoundFilter("vb", VolumeBoundParams(spare_gpu_share=spare))
+            ctx = CycleContext(request(8), fleet, InFlightLedger(), source, vol)
+            return [v.record.worker_id for v in f.filter(ctx, fleet)]
+
+        assert kept_ids(0.0) == ["w02", "w03"]  # the hard bound
+        assert kept_ids(0.9) == ["w00", "w02", "w03"]  # w00's turn stays with its cache
+        assert kept_ids(0.5) == ["w00", "w01", "w02", "w03"]
+        with pytest.raises(InvalidArgument, match=r"spare_gpu_share is 1\.5"):
+            VolumeBoundParams(spare_gpu_share=1.5)
 
 
 PROFILE = """
