@@ -73,7 +73,7 @@ def sched(text: str, index: FakeIndex | None = None, seed: int = 0) -> Scheduler
 class TestRegistry:
     def test_builtins(self):
         reg = default_registry()
-        assert reg.names(Kind.FILTER) == ["model", "reserve", "role", "serving"]
+        assert reg.names(Kind.FILTER) == ["model", "reserve", "role", "serving", "volume-bound"]
         assert reg.names(Kind.PICKER) == ["max-score", "random", "round-robin"]
         assert reg.names(Kind.SCORER) == [
             "active-context",

@@ -47,6 +47,13 @@ BUILTIN_TYPES: tuple[PluginType, ...] = (
         "workers whose role runs the request's stage",
     ),
     PluginType(
+        "volume-bound",
+        Kind.FILTER,
+        filters.VolumeBoundParams,
+        _simple(filters.VolumeBoundFilter),
+        "drops workers past max_over_mean x the mean routed volume (routed-volume's count)",
+    ),
+    PluginType(
         "reserve",
         Kind.FILTER,
         ReserveParams,

@@ -20,7 +20,16 @@ from kvmesh.errors import InvalidArgument, Unavailable
 from ..types import Explanation, RouteDecision, RouteRequest
 from ..workers import WorkerView
 from .ledger import InFlightLedger
-from .plugins import BandFilter, Choice, CycleContext, Filter, Picker, PrefixSource, Scorer
+from .plugins import (
+    BandFilter,
+    Choice,
+    CycleContext,
+    Filter,
+    Picker,
+    PrefixSource,
+    Scorer,
+    VolumeSource,
+)
 
 _now = time.perf_counter_ns
 
@@ -83,6 +92,20 @@ class Scheduler:
                     "(precise-prefix or approximate-prefix) in the same profile; add one "
                     "(weight 0 makes it a source only)"
                 )
+        # The first scorer keeping a routed-volume count (``routed-volume``, weight 0 included) is
+        # the profile's volume source: filters that bound it (``volume-bound``) read the same one.
+        self.volume_source: VolumeSource | None = None
+        for w in scorers:
+            vol = getattr(w.scorer, "volume", None)
+            if callable(getattr(vol, "routed_volume", None)):
+                self.volume_source = cast(VolumeSource, vol)
+                break
+        for f in self._filters:
+            if getattr(f, "needs_volume_source", False) and self.volume_source is None:
+                raise InvalidArgument(
+                    f"profile {name!r}: filter {f.name!r} bounds the routed-volume count; add a "
+                    "routed-volume scorer to the same profile (weight 0 keeps it a count only)"
+                )
         plugins: list[Any] = [*self._filters, *(w.scorer for w in scorers), picker]
         # Each hook is optional: a plugin implements the ones it needs (see ``Feedback``).
         self._on_routed = tuple(p.on_routed for p in plugins if hasattr(p, "on_routed"))
@@ -105,7 +128,7 @@ class Scheduler:
                 f"no serving worker for model {request.model!r}; start a worker or wait for one "
                 "to register"
             )
-        ctx = CycleContext(request, candidates, self.ledger, self.prefix_source)
+        ctx = CycleContext(request, candidates, self.ledger, self.prefix_source, self.volume_source)
         ns: list[int] = []
         cands = candidates
         for f in self._filters:

@@ -125,26 +125,50 @@ class RoutedVolumeParams:
         )
 
 
+class RoutedVolume:
+    """Prompt tokens routed to each worker, decayed per routing decision: the count the
+    ``routed-volume`` scorer scores and the ``volume-bound`` filter bounds (one instance,
+    shared through the profile's ``CycleContext.volume_source``)."""
+
+    __slots__ = ("_decay", "_n", "_uncached", "_volume")
+
+    def __init__(self, half_life_requests: float, uncached: bool = False) -> None:
+        self._decay = 0.5 ** (1.0 / half_life_requests)
+        self._uncached = uncached
+        self._n = 0
+        self._volume: dict[str, tuple[float, int]] = {}  # worker -> (volume, decision number)
+
+    def routed_volume(self, worker_id: str) -> float:
+        """The worker's decayed routed tokens now (0 for a worker never routed to)."""
+        value, at = self._volume.get(worker_id, (0.0, self._n))
+        return float(value * self._decay ** (self._n - at))
+
+    def on_routed(self, request: RouteRequest, decision: RouteDecision) -> None:
+        tokens = float(request.prompt_tokens)
+        e = decision.explanation
+        if self._uncached and e is not None and e.cached_blocks > 0 and e.total_blocks > 0:
+            block_tokens = request.prompt_tokens / max(e.total_blocks, 1)
+            tokens = max(tokens - e.cached_blocks * block_tokens, 0.0)
+        wid = decision.worker_id
+        self._n += 1
+        self._volume[wid] = (self.routed_volume(wid) + tokens, self._n)
+
+
 class RoutedVolumeScorer:
     """Less recent routed volume (prompt tokens, decayed per decision) is better, relative to the
     candidates' mean: 1 at no volume, 0.5 at the mean, 0.25 at three times the mean. Request
     counts and queues are instantaneous; agent sessions are long and uneven, so new sessions go
-    where the recent volume is lowest and the fleet's share of tokens stays even."""
+    where the recent volume is lowest and the fleet's share of tokens stays even. The profile's
+    first routed-volume scorer is its volume source (``volume``, read by ``volume-bound``)."""
 
     def __init__(self, name: str, params: RoutedVolumeParams) -> None:
         self.name = name
-        self._decay = 0.5 ** (1.0 / params.half_life_requests)
-        self._uncached = params.count == "uncached"
+        self.volume = RoutedVolume(params.half_life_requests, params.count == "uncached")
         self._yield = params.yield_to_prefix
-        self._n = 0
-        self._volume: dict[str, tuple[float, int]] = {}  # worker -> (volume, decision number)
-
-    def _now(self, worker_id: str) -> float:
-        value, at = self._volume.get(worker_id, (0.0, self._n))
-        return float(value * self._decay ** (self._n - at))
 
     def score(self, ctx: CycleContext, candidates: Sequence[WorkerView]) -> Sequence[float]:
-        vols = [self._now(v.record.worker_id) for v in candidates]
+        now = self.volume.routed_volume
+        vols = [now(v.record.worker_id) for v in candidates]
         mean = sum(vols) / len(vols) if vols else 0.0
         if mean <= 0.0:
             return [1.0] * len(candidates)
@@ -156,11 +180,4 @@ class RoutedVolumeScorer:
         return [1.0 - keep * (1.0 - 1.0 / (1.0 + x / mean)) for x in vols]
 
     def on_routed(self, request: RouteRequest, decision: RouteDecision) -> None:
-        tokens = float(request.prompt_tokens)
-        e = decision.explanation
-        if self._uncached and e is not None and e.cached_blocks > 0 and e.total_blocks > 0:
-            block_tokens = request.prompt_tokens / max(e.total_blocks, 1)
-            tokens = max(tokens - e.cached_blocks * block_tokens, 0.0)
-        wid = decision.worker_id
-        self._n += 1
-        self._volume[wid] = (self._now(wid) + tokens, self._n)
+        self.volume.on_routed(request, decision)

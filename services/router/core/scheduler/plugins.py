@@ -78,12 +78,21 @@ class PrefixSource(Protocol):
     def prefix_match(self, ctx: CycleContext) -> Mapping[WorkerId, PrefixMatchLike]: ...
 
 
+class VolumeSource(Protocol):
+    """Recent routed volume per worker: the profile's first ``routed-volume`` scorer's count
+    (``CycleContext.volume_source``), which the ``volume-bound`` filter bounds."""
+
+    def routed_volume(self, worker_id: str) -> float:
+        """The worker's prompt tokens routed recently (decayed per decision); 0: none."""
+
+
 # ---- the cycle's context ------------------------------------------------------------------------
 class CycleContext:
     """One scheduling cycle: the request, the eligible candidates (set after the filters), the
-    ledger, and the prefix match computed at most once per cycle."""
+    ledger, the prefix match computed at most once per cycle, and the profile's routed-volume
+    count (None without a ``routed-volume`` scorer)."""
 
-    __slots__ = ("_prefix", "candidates", "ledger", "prefix_source", "request")
+    __slots__ = ("_prefix", "candidates", "ledger", "prefix_source", "request", "volume_source")
 
     def __init__(
         self,
@@ -91,11 +100,13 @@ class CycleContext:
         candidates: Sequence[WorkerView],
         ledger: InFlightLedger,
         source: PrefixSource | None,
+        volume: VolumeSource | None = None,
     ) -> None:
         self.request = request
         self.candidates = candidates
         self.ledger = ledger
         self.prefix_source = source
+        self.volume_source = volume
         self._prefix: Mapping[WorkerId, PrefixMatchLike] | None = None
 
     def prefix(self) -> Mapping[WorkerId, PrefixMatchLike]:
