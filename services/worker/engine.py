@@ -603,8 +603,8 @@ class VllmEngine:
 
     def _kv_transfer_params(self, request: GenerateRequest) -> dict[str, Any] | None:
         """For the KV connector (engines without one get nothing): our request id (for its load
-        report), the router's peer hint and count of the node store's prefix, and the current W3C trace context, which the connector
-        sends on its kvmanager calls."""
+        report), the router's peer hint and count of the node store's prefix, and the current
+        W3C trace context, which the connector sends on its kvmanager calls."""
         if not self._info.connector_layout:
             return None
         # The connector tags its load report with our id (vLLM's own gets a random suffix).

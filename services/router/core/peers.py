@@ -125,13 +125,15 @@ class PeerHints:
         if own is None:
             return _NONE
         own_kvm, layout = store_parts(own)
-        peers = [
-            s
-            for s in index.stores()
-            if s != own and (parts := store_parts(s))[1] == layout and parts[0] != own_kvm
-        ]
-        if not self._cfg.enabled:
-            peers = []
+        peers = (
+            [
+                s
+                for s in index.stores()
+                if s != own and (parts := store_parts(s))[1] == layout and parts[0] != own_kvm
+            ]
+            if self._cfg.enabled
+            else []
+        )
         own_exact = index.view(own).state is ViewState.EXACT
         walk = [*peers, own] if own_exact else peers
         matches = dict(index.match_stores(hashes, walk)) if walk else {}  # one walk for all

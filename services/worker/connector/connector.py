@@ -332,7 +332,7 @@ class KvmeshConnector(KVConnectorBase_V1):
         tiers: list[Tier] = []
         params = getattr(request, "kv_transfer_params", None)
         known = plans.known_store_prefix(params, num_computed_tokens, self._block_size)
-        if known is not None and not plans.has_peer_source(params):
+        if known is not None and plans.PeerSource.from_params(params) is None:
             # The router's index says the store has nothing past the engine's own cache.
             if p.keys and (self._do_load or self._do_save):
                 self._counters.add("lookups_skipped", 1)

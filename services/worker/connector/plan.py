@@ -127,11 +127,6 @@ def request_id_of(params: Mapping[str, Any] | None, default: str) -> str:
     return rid if isinstance(rid, str) and rid else default
 
 
-def has_peer_source(params: Mapping[str, Any] | None) -> bool:
-    """The request carries the router's peer hint (``KV_SOURCE_PARAM``)."""
-    return isinstance(params, Mapping) and KV_SOURCE_PARAM in params
-
-
 def known_store_prefix(
     params: Mapping[str, Any] | None, computed_tokens: int, block_size: int
 ) -> int | None:
