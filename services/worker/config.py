@@ -238,8 +238,8 @@ class EngineConfig:
     )
     service_cpus: tuple[int, ...] = setting(
         (),
-        "cores for this worker's gRPC front end and the engine's other threads, e.g. 7; "
-        "empty: anywhere",
+        "cores for this worker's gRPC front end, e.g. 7 (the engine core's own threads stay "
+        "on its compute cores); empty: anywhere",
         parse=_cpus,
         metavar="LIST",
     )

@@ -310,14 +310,14 @@ class VllmEngine:
             await llm.collective_rpc("kvmesh_die_with_parent", args=(parent, os.getpid()))
             layouts = await llm.collective_rpc("kvmesh_kv_layout")
             if config.compute_cpus and config.service_cpus:
-                moved = await llm.collective_rpc(
-                    "kvmesh_pin_helper_threads", args=(config.compute_cpus, config.service_cpus)
-                )
+                # The engine core's other threads (vLLM's output and input threads, the
+                # connector's saver) stay on its compute core, where they inherited the main
+                # thread's binding: they share its interpreter lock, and one of them preempted
+                # on a busy service core while holding it stalls the step (moving them there
+                # cost 11% engine CPU per token and 13-16% throughput, docs/serving-cost.md).
                 log.info(
-                    "engine compute threads on cores %s; its %s other threads and this "
-                    "process on cores %s",
+                    "engine compute threads on cores %s; this process on cores %s",
                     format_cpu_list(config.compute_cpus),
-                    moved[0] if moved else 0,
                     format_cpu_list(config.service_cpus),
                 )
                 pin_threads(config.service_cpus)

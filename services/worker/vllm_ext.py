@@ -55,32 +55,6 @@ class KvmeshWorkerExtension:
             return _kill_parent_when_gone(worker_pid)
         return True
 
-    def kvmesh_pin_helper_threads(
-        self, compute_cpus: tuple[int, ...], service_cpus: tuple[int, ...]
-    ) -> int:
-        """Moves this process's threads other than its compute threads to ``service_cpus``.
-
-        With ``OMP_PROC_BIND`` the main thread (which runs the model) is bound to the first
-        compute core when OpenMP starts, and every thread started after it inherits that core:
-        vLLM's output and KV event threads and the KV connector's would compete with the model.
-        The compute threads are the main thread and the OpenMP threads, each bound to a compute
-        core of its own. Returns how many threads moved."""
-        from kvmesh.cpus import pin_threads
-
-        pid = os.getpid()
-        main = os.sched_getaffinity(pid)
-        compute = set(compute_cpus)
-        keep = [pid]
-        for entry in os.listdir("/proc/self/task"):
-            tid = int(entry)
-            try:
-                mask = os.sched_getaffinity(tid)
-            except (ProcessLookupError, PermissionError):
-                continue
-            if len(mask) == 1 and mask <= compute and mask != main:
-                keep.append(tid)  # an OpenMP thread on a core of its own
-        return pin_threads(service_cpus, keep)
-
     def kvmesh_kv_layout(self) -> str:
         """The layout key of the KV connector in this process (``KvmeshConnector.layout_key``),
         or "" when the engine runs without one."""
