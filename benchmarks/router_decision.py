@@ -13,6 +13,12 @@ and memory.
 ``--nodes N`` adds node kvmanagers: the workers are split over N nodes, each node's store (a
 kvmanager's blocks of the workers' layout) holds as many filler blocks as a worker, half on cpu,
 half on disk, and the first node's store also holds the whole prompt on cpu.
+
+``--past-bound`` routes (and finishes) requests before the timing so that the prefix holder's
+recent routed volume is twice every other worker's: a profile's ``volume-bound`` filter then
+finds it past the bound on every decision and runs its check (with ``move_slack_s``, the
+ttft-cost estimate over every candidate, which the scorer then reuses) instead of returning
+at once.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from kvmesh.kv.events import BlockHash, BlockStored, KvEventBatch, Tier
 from kvmesh.kv.hashing import HashConfig, SessionHasher, block_hashes
 from services.router.core.index import KvIndex, StoreId, store_id
 from services.router.core.routing import make_policy
-from services.router.core.types import LoadSnapshot, RouteRequest
+from services.router.core.types import LoadSnapshot, RouteDecision, RouteRequest
 from services.router.core.workers import WorkerSet
 
 BLOCK = 32
@@ -47,6 +53,11 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--profile", default="precise-sticky")
     ap.add_argument("--nodes", type=int, default=0, help="node kvmanagers (0: none)")
+    ap.add_argument(
+        "--past-bound",
+        action="store_true",
+        help="route requests first so the prefix holder is past a volume-bound filter's bound",
+    )
     a = ap.parse_args()
     rng = random.Random(7)
     cfg = HashConfig(block_size=BLOCK)
@@ -102,6 +113,11 @@ def main() -> int:
         )
     policy = make_policy(a.profile, index=index, rng=rng)
     candidates = workers.candidates("m")
+    if a.past_bound:
+        for k, wid in enumerate(ids * 2 + [ids[7]] * 2):
+            req = RouteRequest(f"pre{k}", "m", prompt_tokens=2_000)
+            policy.on_routed(req, RouteDecision(wid, a.profile, "pre"))
+            policy.on_finished(req, wid)
 
     def decide(
         hasher: SessionHasher, session: str, tokens: list[int]
@@ -134,7 +150,7 @@ def main() -> int:
     print(
         f"workers={a.workers} index blocks={stats.blocks:,} prompt={a.prompt_tokens:,} tokens "
         f"({len(prompt_hashes):,} blocks) profile={a.profile} repeats={a.repeats} "
-        f"nodes={a.nodes}\n"
+        f"nodes={a.nodes} past_bound={a.past_bound}\n"
     )
     print("| case | hash p50 / p90 ms | index match p50 / p90 ms | whole decision p50 / p90 ms |")
     print("|---|---|---|---|")

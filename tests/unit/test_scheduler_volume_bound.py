@@ -1,6 +1,8 @@
 """The ``volume-bound`` filter: which candidates it drops (recent routed volume past
 ``max_over_mean`` x the candidates' mean) and why, the all-dropped fallback, the decay of the
-count it reads, and that it reads the profile's own ``routed-volume`` count."""
+count it reads, that it reads the profile's own ``routed-volume`` count, and, with
+``move_slack_s``, that it turns a candidate away only when the ttft-cost estimate says the
+move is cheap."""
 
 from __future__ import annotations
 
@@ -21,12 +23,14 @@ from services.router.core.scheduler import (
 from services.router.core.scheduler.filters import (
     VolumeBoundFilter,
     VolumeBoundParams,
+    costly_moves_stay,
     within_bound,
 )
 from services.router.core.scheduler.load import RoutedVolume
 from services.router.core.scheduler.prefix import PreciseParams, PrecisePrefixScorer
+from services.router.core.scheduler.ttft import TtftCostScorer, TtftParams
 from services.router.core.types import RouteDecision
-from tests.unit.scheduler_fakes import FakeIndex, gpu, request, views
+from tests.unit.scheduler_fakes import BLOCK, FakeIndex, chain, gpu, request, views
 
 
 def route(volume: RoutedVolume, wid: str, tokens: int) -> None:
@@ -164,3 +168,180 @@ class TestInAProfile:
         assert s.volume_source.routed_volume("w00") == pytest.approx(
             1000 * 0.5 ** (4 / 1000) + 1000
         )
+
+
+# ---- move_slack_s: a candidate past the bound goes only when moving is cheap ------------------
+# Known rates (the ttft-cost scorer's own estimate, no displacement: the views report an empty
+# cache): recompute 1 ms a token, the node's CPU tier 0.1 ms a token + 10 ms.
+RATES = TtftParams(
+    prefill_s_per_token=0.001,
+    cpu_s_per_token=0.0001,
+    cpu_latency_s=0.01,
+    in_flight=False,
+)
+PAST = (("w00", 1500), ("w01", 500), ("w02", 500), ("w03", 500))  # mean 750: w00 past 825
+
+
+class TestCostlyMovesStay:
+    @pytest.mark.parametrize(
+        ("ttft", "within", "factor", "slack", "want"),
+        [
+            # w0 past the bound at 1.0 s; the best within it 1.2 s: a move costs 0.2 s more.
+            pytest.param(
+                [1.0, 1.2, 1.5],
+                [False, True, True],
+                1.0,
+                0.25,
+                [False, True, True],
+                id="cheap-move-drops",
+            ),
+            pytest.param(
+                [1.0, 1.3, 1.5],
+                [False, True, True],
+                1.0,
+                0.25,
+                [True, True, True],
+                id="costly-move-stays",
+            ),
+            pytest.param(
+                [1.0, 1.25, 1.5],
+                [False, True, True],
+                1.0,
+                0.25,
+                [False, True, True],
+                id="at-the-slack-drops",
+            ),
+            pytest.param(
+                [1.0, 1.3, 1.5], [False, True, True], 1.5, 0.0, [False, True, True], id="factor"
+            ),
+            # faster elsewhere: always a move worth making
+            pytest.param([2.0, 0.5], [False, True], 1.0, 0.0, [False, True], id="faster-elsewhere"),
+            # each past the bound judged on its own estimate
+            pytest.param(
+                [0.1, 1.0, 1.2], [False, False, True], 1.0, 0.25, [True, False, True], id="two-past"
+            ),
+        ],
+    )
+    def test_which_stay(self, ttft, within, factor, slack, want):
+        assert costly_moves_stay(ttft, within, within, factor, slack) == want
+
+    def test_spared_stay_spared(self):
+        assert costly_moves_stay([0.1, 5.0], [False, True], [True, True], 1.0, 0.0) == [True, True]
+
+    @pytest.mark.parametrize(
+        ("kw", "match"),
+        [
+            ({"move_slack_s": -0.1}, r"move_slack_s is -0\.1"),
+            ({"move_slack_s": 0.1, "move_factor": 0.5}, r"move_factor is 0\.5"),
+        ],
+    )
+    def test_bad_params(self, kw, match):
+        with pytest.raises(InvalidArgument, match=match):
+            VolumeBoundParams(**kw)
+
+
+def cheap_kept(held, blocks, tokens, slack, ledger=None, factor=1.0):
+    """Which of four workers (w00 past the bound) the filter keeps, with a real ttft-cost
+    scorer over a real precise-prefix scorer reading ``held``; and the context it used."""
+    vol = RoutedVolume(half_life_requests=1e9)
+    for wid, t in PAST:
+        route(vol, wid, t)
+    idx = FakeIndex(held)
+    source = PrecisePrefixScorer("p", PreciseParams(), idx)
+    cost = TtftCostScorer("t", RATES, idx)
+    fleet = views(4)
+    f = VolumeBoundFilter("vb", VolumeBoundParams(move_slack_s=slack, move_factor=factor))
+    ctx = CycleContext(
+        request(blocks, prompt_tokens=tokens),
+        fleet,
+        ledger or InFlightLedger(),
+        source,
+        vol,
+        cost,
+    )
+    return [v.record.worker_id for v in f.filter(ctx, fleet)], ctx, cost
+
+
+class TestCheapMoves:
+    def test_a_long_warm_context_stays_past_the_bound(self):
+        # w00 holds a 64-block (1,028-token) prompt on its GPU: 4 ms there, 1.028 s of
+        # recompute anywhere else. A move costs 1.02 s more than staying: past a 0.25 s slack.
+        got, _, _ = cheap_kept({"w00": gpu(64)}, 64, 64 * BLOCK + 4, 0.25)
+        assert got == ["w00", "w01", "w02", "w03"]
+        # ... unless the slack allows a second of it
+        got, _, _ = cheap_kept({"w00": gpu(64)}, 64, 64 * BLOCK + 4, 1.1)
+        assert got == ["w01", "w02", "w03"]
+
+    def test_new_work_goes(self):
+        # Nobody holds the request: it costs the same everywhere, so the worker past the bound
+        # goes even with no slack at all.
+        got, _, _ = cheap_kept({}, 64, 64 * BLOCK + 4, 0.0)
+        assert got == ["w01", "w02", "w03"]
+
+    def test_a_sibling_loading_it_from_its_node_tier_is_a_cheap_move(self):
+        # w01 has the whole prefix on its node's CPU tier: 10 ms + 1,024 x 0.1 ms + 4 ms of
+        # prefill = 0.118 s, 0.114 s more than staying on w00: inside 0.25 s, w00 goes.
+        held = {"w00": gpu(64), "w01": Matched(64, cpu_blocks=64, exact=True)}
+        got, _, _ = cheap_kept(held, 64, 64 * BLOCK + 4, 0.25)
+        assert got == ["w01", "w02", "w03"]
+        got, _, _ = cheap_kept(held, 64, 64 * BLOCK + 4, 0.1)  # not inside 0.1 s: it stays
+        assert got == ["w00", "w01", "w02", "w03"]
+        # move_factor: 0.118 s is within 30x of 4 ms, not within 20x
+        got, _, _ = cheap_kept(held, 64, 64 * BLOCK + 4, 0.0, factor=30.0)
+        assert got == ["w01", "w02", "w03"]
+        got, _, _ = cheap_kept(held, 64, 64 * BLOCK + 4, 0.0, factor=20.0)
+        assert got == ["w00", "w01", "w02", "w03"]
+
+    def test_a_queue_on_the_holder_makes_the_move_cheap(self):
+        # 1,000 tokens still to prefill on w00 (this router's ledger): 1.004 s there against
+        # 1.028 s of recompute elsewhere, within 0.25 s: w00 goes.
+        ledger = InFlightLedger()
+        ledger.routed("earlier", WorkerId("w00"), 1000, 1000)
+        got, _, _ = cheap_kept({"w00": gpu(64)}, 64, 64 * BLOCK + 4, 0.25, ledger)
+        assert got == ["w01", "w02", "w03"]
+
+    def test_the_scorer_reuses_the_filters_estimate(self):
+        got, ctx, cost = cheap_kept({}, 64, 64 * BLOCK + 4, 0.0)
+        memo = ctx.costs
+        assert memo is not None and memo[0] is cost
+        assert sorted(memo[1]) == ["w00", "w01", "w02", "w03"]  # every candidate before it
+        kept_views = [v for v in views(4) if v.record.worker_id in got]
+        assert cost.ttft_estimates(ctx, kept_views) is memo[1]  # one estimate per decision
+        assert cost.score(ctx, kept_views) == [1.0, 1.0, 1.0]
+
+
+CHEAP = """
+name: cheap
+filters: [serving, model, role, {type: volume-bound, params: {move_slack_s: 0.25}}]
+scorers:
+  - {type: precise-prefix, weight: 1}
+  - {type: routed-volume, weight: 0, params: {half_life_requests: 1e9}}
+%s
+"""
+
+
+class TestCheapMovesInAProfile:
+    def test_needs_a_ttft_cost_scorer(self):
+        with pytest.raises(InvalidArgument, match="add a ttft-cost scorer"):
+            load_profile(CHEAP % "", env=PluginEnv(FakeIndex()))
+
+    def test_warm_turns_stay_and_new_work_goes(self):
+        # As TestCheapMoves, through a built profile: w00 past the bound holds the warm turn
+        # (1.02 s cheaper there: it stays), not the cold one (the same cost anywhere: it goes).
+        idx = FakeIndex({"w00": gpu(64)})
+        s = load_profile(
+            CHEAP % "  - {type: ttft-cost, weight: 0, params: {prefill_s_per_token: 0.001}}",
+            env=PluginEnv(idx, random.Random(0)),
+        )
+        assert s.cost_source is not None
+        assert s.scorer_names == ("precise-prefix",)
+        vol = s.volume_source
+        assert isinstance(vol, RoutedVolume)
+        for wid, t in PAST:
+            route(vol, wid, t)
+        fleet = views(4)
+        warm = s.pick(request(64, rid="warm", prompt_tokens=64 * BLOCK + 4), fleet)
+        assert (warm.worker_id, warm.explanation.eligible) == ("w00", 4)
+        idx.matches = {}  # a request nobody holds (FakeIndex answers every hash alike)
+        cold = s.pick(request(64, rid="cold", hashes=chain(64, family=7)), fleet)
+        assert cold.worker_id != "w00" and cold.explanation.eligible == 3

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -64,6 +65,14 @@ class VolumeBoundParams:
     # cache is never dropped: a warm session's turn stays with its cache, only new work is
     # turned away. 0: none spared (the bound is hard).
     spare_gpu_share: float = 0.0
+    # None: the bound is hard (past it, a candidate goes whatever the move costs). A number:
+    # a candidate past the bound goes only when one within it has an estimated time to first
+    # token (the profile's ttft-cost scorer's: queue + fetch of the prefix it lacks from the
+    # best tier or peer + prefill of what nobody holds + the cache it displaces) of at most
+    # ``move_factor`` x its own + ``move_slack_s``: moves that cost that little more. Needs a
+    # ttft-cost scorer in the profile (weight 0 keeps it an estimate only).
+    move_slack_s: float | None = None
+    move_factor: float = 1.0
 
     def __post_init__(self) -> None:
         check(
@@ -74,6 +83,16 @@ class VolumeBoundParams:
         check(
             0.0 <= self.spare_gpu_share <= 1.0,
             f"spare_gpu_share is {self.spare_gpu_share}; use a share in [0, 1] (0: spare none)",
+        )
+        check(
+            self.move_slack_s is None or self.move_slack_s >= 0.0,
+            f"move_slack_s is {self.move_slack_s}; use seconds >= 0 (or leave it out for a "
+            "hard bound)",
+        )
+        check(
+            self.move_factor >= 1.0,
+            f"move_factor is {self.move_factor}; use a ratio >= 1 (1: a move may cost only "
+            "move_slack_s more than staying)",
         )
 
 
@@ -95,7 +114,11 @@ class VolumeBoundFilter:
     cheap its cache makes a request there; keeps all when every one would be dropped. The
     scorers then choose among the rest (a dropped prefix holder's blocks come from its node's
     tier or a peer, priced by ttft-cost). With ``spare_gpu_share`` a candidate holding that
-    share of the request on its GPU is kept past the bound (sessions stay; new work goes)."""
+    share of the request on its GPU is kept past the bound (sessions stay; new work goes).
+    With ``move_slack_s`` a candidate past the bound is kept unless a candidate within it is
+    about as fast for this request by the ttft-cost estimate (``CycleContext.cost_source``):
+    the load moves where moving is cheap (a short prompt, a prefix a sibling loads from its
+    node's tier) and warm long contexts stay with their cache."""
 
     needs_volume_source = True  # the Scheduler checks the profile has a routed-volume scorer
 
@@ -103,15 +126,20 @@ class VolumeBoundFilter:
         self.name = name
         self._max = params.max_over_mean
         self._spare = params.spare_gpu_share
+        self._slack = params.move_slack_s
+        self._factor = params.move_factor
+        # The Scheduler checks the profile has a ttft-cost scorer when the bound prices moves.
+        self.needs_cost_source = params.move_slack_s is not None
 
     def filter(self, ctx: CycleContext, candidates: Sequence[WorkerView]) -> Sequence[WorkerView]:
         src = ctx.volume_source
         if src is None or len(candidates) < 2:
             return candidates
         vols = [src.routed_volume(v.record.worker_id) for v in candidates]
-        keep = within_bound(vols, self._max)
-        if all(keep):
+        within = within_bound(vols, self._max)
+        if all(within):
             return candidates
+        keep = list(within)
         total = len(ctx.request.block_hashes)
         if self._spare > 0.0 and total:
             held = ctx.prefix()  # the profile's prefix source (memoised for the scorers)
@@ -120,4 +148,23 @@ class VolumeBoundFilter:
                 m = held.get(v.record.worker_id)
                 if not keep[i] and m is not None and m.gpu_blocks >= need:
                     keep[i] = True
+        cost, slack = ctx.cost_source, self._slack
+        if slack is not None and cost is not None:
+            est = cost.ttft_estimates(ctx, candidates)
+            ttft = [est[v.record.worker_id] for v in candidates]
+            keep = costly_moves_stay(ttft, within, keep, self._factor, slack)
         return [v for v, k in zip(candidates, keep, strict=True) if k]
+
+
+def costly_moves_stay(
+    ttft_s: Sequence[float],
+    within: Sequence[bool],
+    keep: Sequence[bool],
+    move_factor: float,
+    move_slack_s: float,
+) -> list[bool]:
+    """``keep``, plus each candidate past the bound (``within`` false) whose request no
+    candidate within it serves in at most ``move_factor`` x its estimate + ``move_slack_s``:
+    turning it away would cost more than that."""
+    best = min((t for t, w in zip(ttft_s, within, strict=True) if w), default=math.inf)
+    return [k or best > move_factor * t + move_slack_s for k, t in zip(keep, ttft_s, strict=True)]

@@ -23,6 +23,7 @@ from .ledger import InFlightLedger
 from .plugins import (
     BandFilter,
     Choice,
+    CostSource,
     CycleContext,
     Filter,
     Picker,
@@ -106,6 +107,20 @@ class Scheduler:
                     f"profile {name!r}: filter {f.name!r} bounds the routed-volume count; add a "
                     "routed-volume scorer to the same profile (weight 0 keeps it a count only)"
                 )
+        # The first ttft-cost scorer (weight 0 included) is the profile's cost source: the
+        # volume-bound filter's move_slack_s weighs a move by its estimate.
+        self.cost_source: CostSource | None = None
+        for w in scorers:
+            if callable(getattr(w.scorer, "ttft_estimates", None)):
+                self.cost_source = cast(CostSource, w.scorer)
+                break
+        for f in self._filters:
+            if getattr(f, "needs_cost_source", False) and self.cost_source is None:
+                raise InvalidArgument(
+                    f"profile {name!r}: filter {f.name!r} weighs moves by the estimated time to "
+                    "first token; add a ttft-cost scorer to the same profile (weight 0 keeps it "
+                    "an estimate only), or drop the filter's move_slack_s"
+                )
         plugins: list[Any] = [*self._filters, *(w.scorer for w in scorers), picker]
         # Each hook is optional: a plugin implements the ones it needs (see ``Feedback``).
         self._on_routed = tuple(p.on_routed for p in plugins if hasattr(p, "on_routed"))
@@ -128,7 +143,14 @@ class Scheduler:
                 f"no serving worker for model {request.model!r}; start a worker or wait for one "
                 "to register"
             )
-        ctx = CycleContext(request, candidates, self.ledger, self.prefix_source, self.volume_source)
+        ctx = CycleContext(
+            request,
+            candidates,
+            self.ledger,
+            self.prefix_source,
+            self.volume_source,
+            self.cost_source,
+        )
         ns: list[int] = []
         cands = candidates
         for f in self._filters:

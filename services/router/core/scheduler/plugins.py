@@ -86,13 +86,34 @@ class VolumeSource(Protocol):
         """The worker's prompt tokens routed recently (decayed per decision); 0: none."""
 
 
+class CostSource(Protocol):
+    """Estimated time to first token per candidate: the profile's first ``ttft-cost`` scorer
+    (``CycleContext.cost_source``), which ``volume-bound`` with ``move_slack_s`` reads to move
+    a request off a worker past the bound only when the move is cheap."""
+
+    def ttft_estimates(
+        self, ctx: CycleContext, candidates: Sequence[WorkerView]
+    ) -> Mapping[WorkerId, float]:
+        """Seconds to first token on each candidate (memoised on ``ctx`` for the cycle)."""
+
+
 # ---- the cycle's context ------------------------------------------------------------------------
 class CycleContext:
     """One scheduling cycle: the request, the eligible candidates (set after the filters), the
-    ledger, the prefix match computed at most once per cycle, and the profile's routed-volume
-    count (None without a ``routed-volume`` scorer)."""
+    ledger, the prefix match computed at most once per cycle, the profile's routed-volume
+    count (None without a ``routed-volume`` scorer) and its TTFT estimate (None without a
+    ``ttft-cost`` scorer; ``costs`` is that scorer's memo for the cycle)."""
 
-    __slots__ = ("_prefix", "candidates", "ledger", "prefix_source", "request", "volume_source")
+    __slots__ = (
+        "_prefix",
+        "candidates",
+        "cost_source",
+        "costs",
+        "ledger",
+        "prefix_source",
+        "request",
+        "volume_source",
+    )
 
     def __init__(
         self,
@@ -101,12 +122,17 @@ class CycleContext:
         ledger: InFlightLedger,
         source: PrefixSource | None,
         volume: VolumeSource | None = None,
+        cost: CostSource | None = None,
     ) -> None:
         self.request = request
         self.candidates = candidates
         self.ledger = ledger
         self.prefix_source = source
         self.volume_source = volume
+        self.cost_source = cost
+        # (the estimating plugin, its seconds per worker): set by the first estimate of the
+        # cycle, so a filter's estimate is the scorer's too (one estimate per decision).
+        self.costs: tuple[object, Mapping[WorkerId, float]] | None = None
         self._prefix: Mapping[WorkerId, PrefixMatchLike] | None = None
 
     def prefix(self) -> Mapping[WorkerId, PrefixMatchLike]:

@@ -292,8 +292,26 @@ class TtftCostScorer:
             out.append(cost)
         return out
 
+    def ttft_estimates(
+        self, ctx: CycleContext, candidates: Sequence[WorkerView]
+    ) -> Mapping[WorkerId, float]:
+        """``estimate`` per worker, memoised on ``ctx`` for the cycle: a ``volume-bound``
+        filter's call (over the candidates before it) serves the score of those it keeps. A
+        peer's prefix is then read over those candidates' stores, the dropped ones' included,
+        which still hold their blocks."""
+        memo = ctx.costs
+        if memo is not None and memo[0] is self:
+            known = memo[1]
+            if all(v.record.worker_id in known for v in candidates):
+                return known
+        est = self.estimate(ctx, candidates)
+        got = {v.record.worker_id: c for v, c in zip(candidates, est, strict=True)}
+        ctx.costs = (self, got)
+        return got
+
     def score(self, ctx: CycleContext, candidates: Sequence[WorkerView]) -> Sequence[float]:
-        return relative_scores(self.estimate(ctx, candidates), self._p.floor_s)
+        est = self.ttft_estimates(ctx, candidates)
+        return relative_scores([est[v.record.worker_id] for v in candidates], self._p.floor_s)
 
     def on_finished(self, request: RouteRequest, worker_id: WorkerId) -> None:
         self.steps.finished()
