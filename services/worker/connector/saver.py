@@ -106,7 +106,8 @@ class BlockSaver:
             if not s.jobs and not s.busy:
                 # The first job after a quiet spell waits out the interval too: sent at once,
                 # the call would run while its engine step hands out its tokens (on an idle
-                # engine, the prefill's first token: 1.7-2 ms of TTFT, docs/serving-cost.md).
+                # engine, the prefill's first token: most of the node kvmanager's 1.7-2 ms of
+                # idle TTFT, docs/serving-cost.md).
                 s.next_send = max(s.next_send, time.monotonic() + self._interval_s)
             s.jobs.append(job)
             s.pending_bytes += job.nbytes

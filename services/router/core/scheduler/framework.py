@@ -10,7 +10,7 @@ was the largest (the decision's ``reason``).
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -81,46 +81,32 @@ class Scheduler:
                 raise InvalidArgument(
                     f"profile {name!r}: scorer {w.scorer.name!r} has weight {w.weight}; use >= 0"
                 )
-        self.prefix_source: PrefixSource | None = None
-        for w in scorers:
-            if callable(getattr(w.scorer, "prefix_match", None)):
-                self.prefix_source = cast(PrefixSource, w.scorer)
-                break
-        for w in scorers:
-            if getattr(w.scorer, "needs_prefix_source", False) and self.prefix_source is None:
-                raise InvalidArgument(
-                    f"profile {name!r}: scorer {w.scorer.name!r} needs a prefix scorer "
-                    "(precise-prefix or approximate-prefix) in the same profile; add one "
-                    "(weight 0 makes it a source only)"
-                )
-        # The first scorer keeping a routed-volume count (``routed-volume``, weight 0 included) is
-        # the profile's volume source: filters that bound it (``volume-bound``) read the same one.
-        self.volume_source: VolumeSource | None = None
-        for w in scorers:
-            vol = getattr(w.scorer, "volume", None)
-            if callable(getattr(vol, "routed_volume", None)):
-                self.volume_source = cast(VolumeSource, vol)
-                break
-        for f in self._filters:
-            if getattr(f, "needs_volume_source", False) and self.volume_source is None:
-                raise InvalidArgument(
-                    f"profile {name!r}: filter {f.name!r} bounds the routed-volume count; add a "
-                    "routed-volume scorer to the same profile (weight 0 keeps it a count only)"
-                )
-        # The first ttft-cost scorer (weight 0 included) is the profile's cost source: the
-        # volume-bound filter's move_slack_s weighs a move by its estimate.
-        self.cost_source: CostSource | None = None
-        for w in scorers:
-            if callable(getattr(w.scorer, "ttft_estimates", None)):
-                self.cost_source = cast(CostSource, w.scorer)
-                break
-        for f in self._filters:
-            if getattr(f, "needs_cost_source", False) and self.cost_source is None:
-                raise InvalidArgument(
-                    f"profile {name!r}: filter {f.name!r} weighs moves by the estimated time to "
-                    "first token; add a ttft-cost scorer to the same profile (weight 0 keeps it "
-                    "an estimate only), or drop the filter's move_slack_s"
-                )
+        # A profile's sources, each the first scorer (weight 0 included) offering it: the prefix
+        # match (prefix scorers), the routed-volume count (``routed-volume``'s, which
+        # ``volume-bound`` bounds) and the estimated time to first token (``ttft-cost``'s, which
+        # ``volume-bound``'s move_slack_s weighs a move by). A plugin that needs one the profile
+        # lacks is refused here, saying what to add.
+        members = [w.scorer for w in scorers]
+        self.prefix_source = cast("PrefixSource | None", _first_with(members, "prefix_match"))
+        volumes = (getattr(m, "volume", None) for m in members)
+        self.volume_source = cast("VolumeSource | None", _first_with(volumes, "routed_volume"))
+        self.cost_source = cast("CostSource | None", _first_with(members, "ttft_estimates"))
+        needs: tuple[tuple[str, Sequence[Any], str, object, str], ...] = (
+            ("scorer", members, "needs_prefix_source", self.prefix_source,
+             "needs a prefix scorer (precise-prefix or approximate-prefix) in the same profile; "
+             "add one (weight 0 makes it a source only)"),
+            ("filter", self._filters, "needs_volume_source", self.volume_source,
+             "bounds the routed-volume count; add a routed-volume scorer to the same profile "
+             "(weight 0 keeps it a count only)"),
+            ("filter", self._filters, "needs_cost_source", self.cost_source,
+             "weighs moves by the estimated time to first token; add a ttft-cost scorer to the "
+             "same profile (weight 0 keeps it an estimate only), or drop the filter's "
+             "move_slack_s"),
+        )  # fmt: skip
+        for kind, needers, flag, source, remedy in needs:
+            for p in needers:
+                if getattr(p, flag, False) and source is None:
+                    raise InvalidArgument(f"profile {name!r}: {kind} {p.name!r} {remedy}")
         plugins: list[Any] = [*self._filters, *(w.scorer for w in scorers), picker]
         # Each hook is optional: a plugin implements the ones it needs (see ``Feedback``).
         self._on_routed = tuple(p.on_routed for p in plugins if hasattr(p, "on_routed"))
@@ -312,3 +298,8 @@ class Scheduler:
     def timings(self) -> dict[str, StageTiming]:
         """Cumulative time per stage (filters, scorers, picker), for metrics."""
         return dict(zip(self.stages, self._timing, strict=True))
+
+
+def _first_with(candidates: Iterable[object], method: str) -> Any | None:
+    """The first of ``candidates`` with a callable ``method``, or None."""
+    return next((c for c in candidates if callable(getattr(c, method, None))), None)
