@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -16,6 +16,7 @@ from opentelemetry import trace
 
 from kvmesh.discovery.keys import WorkerId
 from kvmesh.grpc_errors import await_status, from_rpc_error
+from kvmesh.kv.events import BlockHash
 from kvmesh.v1 import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 
 from .config import RouterConfig
@@ -76,8 +77,11 @@ class AttemptRunner:
         policy: RoutingPolicy,
         metrics: RouterMetrics,
         active: dict[str, Active],
+        computed: Callable[[Sequence[BlockHash], WorkerId], None] | None = None,
     ) -> None:
         self._config = config
+        # Told of each prompt a worker has just computed (its first token): PeerHints.computed.
+        self._computed = computed
         self._workers = workers
         self._pool = pool
         self._policy = policy
@@ -176,6 +180,8 @@ class AttemptRunner:
                         trace_first_token(ttft)
                         metrics.ttft_seconds.labels(model).observe(ttft)
                     self._policy.on_first_token(route, wid)
+                    if self._computed is not None and route.block_hashes:
+                        self._computed(route.block_hashes, wid)
                     sent_any = True
                 elif msg.token_ids:
                     per_token = (now - last_token_s) / len(msg.token_ids)
@@ -273,7 +279,10 @@ def kv_source_pb(peer: PeerHint | None) -> worker_pb2.KvSource | None:
     if peer is None:
         return None
     return worker_pb2.KvSource(
-        kvmanager_id=peer.kvmanager_id, blocks=peer.blocks, max_fetch_s=peer.max_fetch_s
+        kvmanager_id=peer.kvmanager_id,
+        blocks=peer.blocks,
+        max_fetch_s=peer.max_fetch_s,
+        handoff_wait_s=peer.wait_s,
     )
 
 

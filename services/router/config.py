@@ -65,6 +65,12 @@ class RouterConfig:
     peer_hint_min_blocks: int = setting(
         4, "name a peer kvmanager only when it holds at least this many more prompt blocks"
     )
+    peer_hint_sibling_wait_s: float = setting(
+        0.25,
+        "a worker on the chosen worker's node holds more of the prompt than the node's"
+        " kvmanager (it just computed it): name that kvmanager and have the worker wait up to"
+        " this long for the save to land instead of recomputing, seconds; 0: never",
+    )
     peer_hint_cost: bool = setting(
         True,
         "price a peer hint: fetching over that link's measured speed against recomputing at the"
@@ -222,6 +228,7 @@ class RouterConfig:
             )
         for flag, v in (
             ("--peer-hint-probe-s", self.peer_hint_probe_s),
+            ("--peer-hint-sibling-wait-s", self.peer_hint_sibling_wait_s),
             ("--peer-fetch-budget-floor-s", self.peer_fetch_budget_floor_s),
         ):
             if not (v >= 0 and math.isfinite(v)):

@@ -43,6 +43,7 @@ from .core.index_types import IndexConfig
 from .core.node_stores import TierStream
 from .core.peer_cost import PeerCost, PeerCostConfig
 from .core.peers import PeerHintConfig, PeerHints
+from .core.recent_prefills import RecentPrefills
 from .core.routing import make_policy
 from .core.workers import Change, WorkerSet
 from .hashing import PromptHasher
@@ -136,9 +137,12 @@ async def start_router(
     )
     peers = PeerHints(
         index,
-        PeerHintConfig(config.peer_hints, config.peer_hint_min_blocks),
+        PeerHintConfig(
+            config.peer_hints, config.peer_hint_min_blocks, config.peer_hint_sibling_wait_s
+        ),
         peer_cost,
         lambda wid: v.record.block_size if (v := workers.get(wid)) is not None else 0,
+        RecentPrefills(),
     )
     disagg = DisaggHandler(
         config.disagg, policy, can_hand_off=lambda wid: index.linked(wid) is not None

@@ -85,7 +85,15 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             self.metrics,
             self._disagg,
             peers,
-            AttemptRunner(config, workers, pool, policy, self.metrics, self._active),
+            AttemptRunner(
+                config,
+                workers,
+                pool,
+                policy,
+                self.metrics,
+                self._active,
+                peers.computed if peers is not None else None,
+            ),
             Prefills(
                 self._disagg.config, workers, pool, policy, self.metrics, self._active, self._linked
             ),

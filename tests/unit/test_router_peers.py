@@ -16,7 +16,7 @@ from services.router.core.index import (
     store_id,
     store_parts,
 )
-from services.router.core.peers import PeerHintConfig, PeerHints
+from services.router.core.peers import PeerChoice, PeerHintConfig, PeerHints
 from services.router.core.types import PeerHint, RouteDecision
 
 L1, L2 = "00112233aabbccdd", "ffeeddccbbaa9988"
@@ -148,6 +148,58 @@ def test_the_workers_own_store_prefix_rides_along_when_the_view_is_exact():
     assert PeerHints(mesh(link=None)).decide(PROMPT, B).store_blocks is None
     ix.mark_degraded(KB)  # a gap in its events: it may hold more than the index says
     assert PeerHints(ix).decide(PROMPT, B).store_blocks is None
+
+
+def sibling_mesh(own_store: int = 6, sibling_gpu: int = 12) -> KvIndex:
+    """``mesh`` plus worker c on b's node store (kvm-b), holding ``sibling_gpu`` blocks on its
+    gpu: it computed them a moment ago, and its save to kvm-b is on the way."""
+    ix = mesh(own_store=own_store)
+    ix.apply(snap("c", stored(run(sibling_gpu))))
+    ix.link(WorkerId("c"), KB)
+    return ix
+
+
+def test_a_sibling_ahead_of_the_store_is_waited_for_in_the_nodes_own_kvmanager():
+    """The hint names b's own kvmanager with the sibling's count and a short wait (the
+    connector's hand-off wait: it looks until the save lands), and the store's count is
+    withheld, so the connector looks instead of skipping a lookup that would hit."""
+    choice = PeerHints(sibling_mesh()).decide(PROMPT, B)
+    want = PeerHint("kvm-b", 12, 6, max_fetch_s=0.25, wait_s=0.25)
+    assert (choice.hint, choice.store_blocks) == (want, None)
+    cfg = PeerHintConfig(sibling_wait_s=0.1)
+    assert PeerHints(sibling_mesh(), cfg).decide(PROMPT, B).hint == PeerHint(
+        "kvm-b", 12, 6, max_fetch_s=0.1, wait_s=0.1
+    )
+
+
+@pytest.mark.parametrize(
+    ("config", "own_store", "sibling_gpu", "prompt", "store_blocks"),
+    [
+        pytest.param({"sibling_wait_s": 0}, 6, 12, PROMPT, None, id="no-wait-count-withheld"),
+        pytest.param({"enabled": False}, 6, 12, PROMPT, None, id="hints-off-count-withheld"),
+        pytest.param({}, 6, 9, PROMPT, None, id="gain-below-min-count-withheld"),
+        pytest.param({}, 6, 6, PROMPT, 6, id="sibling-not-ahead"),
+        pytest.param({}, 6, 12, h(*run(6)), 6, id="sibling-has-no-more-of-this-prompt"),
+    ],
+)
+def test_no_sibling_hint(config, own_store, sibling_gpu, prompt, store_blocks):
+    ix = sibling_mesh(own_store, sibling_gpu)
+    choice = PeerHints(ix, PeerHintConfig(**config)).decide(prompt, B)
+    assert (choice.hint, choice.store_blocks) == (None, store_blocks)
+
+
+def test_the_sibling_hint_ends_when_the_save_lands_or_a_peer_holds_more():
+    ix = sibling_mesh()
+    put_store(ix, KB, stored(run(12), CPU))  # the save landed: nothing to wait for
+    assert PeerHints(ix).decide(PROMPT, B) == PeerChoice(store_blocks=12)
+    ix = sibling_mesh()
+    put_store(ix, KA, stored(run(20), CPU))  # another node's store holds more: fetch from it
+    assert PeerHints(ix).decide(PROMPT, B).hint == PeerHint("kvm-a", 20, 6)
+    ix = sibling_mesh()
+    ix.link(WorkerId("c"), KA)  # a worker on another node's store is no sibling
+    assert PeerHints(ix).decide(PROMPT, B) == PeerChoice(store_blocks=6)
+    with pytest.raises(InvalidArgument, match="sibling_wait_s"):
+        PeerHintConfig(sibling_wait_s=-1)
 
 
 def test_a_miss_costs_one_lookup_per_walk():

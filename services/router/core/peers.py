@@ -40,6 +40,7 @@ from .index_types import (
     store_parts,
 )
 from .peer_cost import PeerCost, PeerOption
+from .recent_prefills import RecentPrefills
 from .types import PeerHint
 
 
@@ -47,6 +48,8 @@ class StoreIndex(Protocol):
     """What peer hints need of the KV index (``KvIndex`` has it)."""
 
     def linked(self, worker_id: WorkerId) -> StoreId | None: ...
+
+    def links(self) -> Mapping[WorkerId, StoreId]: ...
 
     def view(self, worker_id: HolderId) -> WorkerKvView: ...
 
@@ -67,11 +70,19 @@ class PeerHintConfig:
     # Hint only when the peer holds at least this many more blocks than the worker: fewer are
     # cheaper to recompute than a fetch's round trips.
     min_gain_blocks: int = 4
+    # A worker on the same node store holding that many more blocks than the chosen one (it
+    # just computed them; its save is on the way): the hint names the node's own kvmanager and
+    # the worker waits up to this long for the save to land before recomputing. 0: no wait.
+    sibling_wait_s: float = 0.25
 
     def __post_init__(self) -> None:
         if self.min_gain_blocks < 1:
             raise InvalidArgument(
                 f"peer hint min_gain_blocks is {self.min_gain_blocks}; use 1 or more"
+            )
+        if not 0 <= self.sibling_wait_s <= 10:
+            raise InvalidArgument(
+                f"peer hint sibling_wait_s is {self.sibling_wait_s}; use 0-10 seconds"
             )
 
 
@@ -96,7 +107,8 @@ class PeerHints:
 
     ``cost``: prices each peer's fetch against recomputing (``peer_cost.py``); None, or one not
     enabled: the peer with the longest prefix, on blocks gained alone. ``block_size_of``: the
-    worker's tokens per block (the price is in tokens)."""
+    worker's tokens per block (the price is in tokens). ``recent``: the prompts workers
+    computed moments ago (``computed``), before the index hears of them; None: the index alone."""
 
     def __init__(
         self,
@@ -104,14 +116,40 @@ class PeerHints:
         config: PeerHintConfig | None = None,
         cost: PeerCost | None = None,
         block_size_of: Callable[[WorkerId], int] | None = None,
+        recent: RecentPrefills | None = None,
     ) -> None:
         self._index = index
+        self._recent = recent
         self._cfg = config or PeerHintConfig()
         self._cost = cost if cost is not None and cost.enabled else None
         self._block_size_of = block_size_of
 
     def hint(self, hashes: Sequence[BlockHash], worker_id: WorkerId) -> PeerHint | None:
         return self.decide(hashes, worker_id).hint
+
+    def computed(self, hashes: Sequence[BlockHash], worker_id: WorkerId) -> None:
+        """``worker_id`` has just computed the prompt ``hashes`` (its first token came): its
+        siblings may wait for its save before the index hears of it (``recent_prefills.py``)."""
+        if self._recent is not None and hashes:
+            self._recent.computed(hashes, worker_id)
+
+    def _sibling_ahead(
+        self, hashes: Sequence[BlockHash], worker_id: WorkerId, store: StoreId
+    ) -> tuple[int, bool]:
+        """The most leading blocks of ``hashes`` one of the other workers linked to ``store``
+        holds, per the index or as just computed (``RecentPrefills``), and whether the index's
+        view of it is exact ((0, True): none). Such a sibling saves what it computes to that
+        store, so the store's count may trail its by one save (``save_interval_s``) and the
+        store's tier events: a request routed here right after the sibling's prefill (a
+        fan-out's later choices, a request balanced off a busy worker) would otherwise skip a
+        lookup that hits, or look before the save lands."""
+        siblings = {w for w, s in self._index.links().items() if s == store and w != worker_id}
+        if not siblings:
+            return 0, True
+        m = next(iter(self._index.match(hashes, siblings).values()), None)
+        indexed, exact = (m.blocks, m.exact) if m is not None else (0, True)
+        recent = self._recent.held(hashes, siblings) if self._recent is not None else 0
+        return (recent, True) if recent > indexed else (indexed, exact)
 
     def decide(self, hashes: Sequence[BlockHash], worker_id: WorkerId) -> PeerChoice:
         """Unpriced: the store of the worker's layout on another kvmanager with the longest
@@ -139,14 +177,29 @@ class PeerHints:
         matches = dict(index.match_stores(hashes, walk)) if walk else {}  # one walk for all
         own_match = matches.pop(own, None)
         store_blocks = (own_match.blocks if own_match is not None else 0) if own_exact else None
+        sibling, sibling_exact = self._sibling_ahead(hashes, worker_id, own)
+        if store_blocks is not None and sibling > store_blocks:
+            store_blocks = None  # the sibling's saves may be on the way: let the connector look
         base = PeerChoice(store_blocks=store_blocks)
         best = next(iter(matches.values()), None)
+        most = max(best.blocks if best is not None else 0, sibling)
         min_gain = self._cfg.min_gain_blocks
-        if best is None or best.blocks < min_gain:
+        if most < min_gain:
             return base
         mine = index.match(hashes, [worker_id]).get(worker_id)
         local = mine.blocks if mine is not None else 0
-        if best.blocks - local < min_gain:
+        wait_s = self._cfg.sibling_wait_s
+        if (
+            self._cfg.enabled
+            and wait_s > 0
+            and sibling - local >= min_gain
+            and (best is None or best.blocks <= sibling)
+        ):  # wait (briefly) for the sibling's save to land in the node store, then load it
+            hint = PeerHint(
+                own_kvm, sibling, local, sibling_exact, max_fetch_s=wait_s, wait_s=wait_s
+            )
+            return PeerChoice(hint, store_blocks=store_blocks)
+        if best is None or best.blocks - local < min_gain:
             return base
         block_size = self._block_size_of(worker_id) if self._block_size_of is not None else 0
         if self._cost is None or block_size <= 0:

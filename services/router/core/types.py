@@ -154,6 +154,9 @@ class PeerHint:
     # The longest the fetch is worth waiting for (KvSource.max_fetch_s); 0: the worker's default.
     max_fetch_s: float = 0.0
     probe: bool = False  # named although its link measured slow: to measure it again
+    # How long the worker waits for blocks not there yet (KvSource.handoff_wait_s); 0: its
+    # default. Set when the hint names the worker's own node store, which a sibling is saving to.
+    wait_s: float = 0.0
 
     @property
     def gain_blocks(self) -> int:

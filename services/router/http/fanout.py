@@ -2,9 +2,10 @@
 
 A prompt's first request starts at once (every prompt of a batch in parallel); its other ``n - 1``
 start when it has sent its first message: the prompt has then been computed and its KV sits in
-that worker's prefix cache (and its node kvmanager, when there is one), so the router, routing
-them like any request whose prefix is cached, sends them there or to a worker that loads the
-prefix: the prompt is computed once. The first message is yielded only once every prompt's
+that worker's prefix cache (and, a save later, its node kvmanager, when there is one), so the
+router, routing them like any request whose prefix is cached, sends them there or to a worker
+that loads the prefix, waiting for that save when it has not landed yet (``core/peers.py``,
+``core/recent_prefills.py``): the prompt is computed once. The first message is yielded only once every prompt's
 first request has sent one, so a request the router refuses (a prompt too long, a value out
 of range) fails the whole answer before any byte of it is sent. Any error ends the whole
 answer: it is raised at once, and closing the fan-out (``aclose``, or cancelling the consumer:
