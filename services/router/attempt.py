@@ -292,7 +292,9 @@ def _peer_text(peer: PeerHint | None, skipped: PeerHint | None) -> str:
     out = ""
     if peer is not None:
         out = f" peer={peer.kvmanager_id} peer_blocks={peer.blocks}"
-        if peer.max_fetch_s:
+        if peer.wait_s:  # the node's own store, a sibling's save on the way (core/peers.py)
+            out += f" wait_s={peer.wait_s:.3f}"
+        elif peer.max_fetch_s:
             out += (
                 f" fetch_s={peer.fetch_s:.3f} recompute_s={peer.recompute_s:.3f}"
                 f" max_fetch_s={peer.max_fetch_s:.3f}{' probe' if peer.probe else ''}"

@@ -452,6 +452,37 @@ def test_saver_holds_jobs_for_its_interval_then_sends_them_in_one_call() -> None
         saver.close(5)
 
 
+def test_saver_holds_the_first_job_after_a_quiet_spell_for_its_interval() -> None:
+    # Sent at once, the call would run beside the engine step that queued it (the first token
+    # of an idle engine's prefill); it waits out the interval like any other.
+    client = _GatedBatchClient(held=set())
+    client.gate.set()
+    saver = BlockSaver(client, max_pending_bytes=1000, batch_interval_s=0.3)
+    try:
+        queued = time.monotonic()
+        assert saver.try_submit(_job([1], 10))
+        time.sleep(0.1)
+        assert client.calls == []
+        assert saver.try_submit(_job([2], 10))
+        deadline = time.monotonic() + 10
+        while not client.calls and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert time.monotonic() - queued >= 0.25
+        assert client.calls == [[([1], None), ([2], None)]]
+        # Without an interval (a store that is not batched, or 0 s) nothing waits.
+        unbatched = BlockSaver(client, max_pending_bytes=1000, batch_interval_s=0.0)
+        try:
+            assert unbatched.try_submit(_job([3], 10))
+            deadline = time.monotonic() + 10
+            while len(client.calls) < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert client.calls[1] == [([3], None)]
+        finally:
+            unbatched.close(5)
+    finally:
+        saver.close(5)
+
+
 @pytest.mark.parametrize(
     ("store_blocks", "local", "num_tokens", "expected"),
     [

@@ -9,10 +9,12 @@ in the scheduler's lookup) and saves only the rest. A store that skips held bloc
 (``BatchedSave``, the kvmanager) instead gets every job queued when the thread wakes in one call:
 the jobs of one engine step (every request that filled a block) cost one round trip, not two
 per request; and with ``batch_interval_s`` the thread waits that long after a call before the
-next, so that one call carries the jobs of many steps (each call costs the engine's process and
-the kvmanager a fixed few hundred microseconds of CPU, whatever it carries). It stops waiting
-when half of ``max_pending_bytes`` is queued, when an urgent job is queued (blocks another
-worker may be waiting for: a prefill handing its KV off), and for ``flush`` and ``close``.
+next, and after the first job queued while it had none, so that one call carries the jobs of
+many steps (each call costs the engine's process and the kvmanager a fixed few hundred
+microseconds of CPU, whatever it carries) and never runs beside the step that queued it. It
+stops waiting when half of ``max_pending_bytes`` is queued, when an urgent job is queued (blocks
+another worker may be waiting for: a prefill handing its KV off), and for ``flush`` and
+``close``.
 
 Pure threading; no vLLM or torch imports.
 """
@@ -101,6 +103,11 @@ class BlockSaver:
             if s.closed or s.pending_bytes + job.nbytes > self._max:
                 self._stats.refused_blocks += len(job.block_hashes)
                 return False
+            if not s.jobs and not s.busy:
+                # The first job after a quiet spell waits out the interval too: sent at once,
+                # the call would run while its engine step hands out its tokens (on an idle
+                # engine, the prefill's first token: 1.7-2 ms of TTFT, docs/serving-cost.md).
+                s.next_send = max(s.next_send, time.monotonic() + self._interval_s)
             s.jobs.append(job)
             s.pending_bytes += job.nbytes
             s.urgent += job.urgent
