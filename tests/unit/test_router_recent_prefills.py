@@ -38,7 +38,13 @@ def test_held_is_the_leading_run_a_listed_worker_computed():
     r.computed(PROMPT[:12], A)
     assert r.held(PROMPT, {A}) == 12
     assert r.held(PROMPT, {B}) == 0
-    assert r.held(PROMPT[:5], {A, B}) == 5
+    # A shorter prefix of it is known at the kept points only (every 16th block): a lower bound.
+    assert r.held(PROMPT[:5], {A, B}) == 1
+    long = h(*range(101, 141))
+    r.computed(long, B)  # 40 blocks: kept 0, 16, 32 and 39
+    assert r.held(long, {B}) == 40
+    assert r.held([*long, *h(500, 501)], {B}) == 40  # a longer prompt: its first 40
+    assert r.held(long[:20], {B}) == 17
     assert r.held(h(99, *range(2, 21)), {A}) == 0  # another first block: another prompt
     assert r.held([], {A}) == 0
     r.computed(PROMPT[:4], B)  # b computed the first 4 since: they count for b now

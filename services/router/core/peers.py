@@ -134,7 +134,7 @@ class PeerHints:
             self._recent.computed(hashes, worker_id)
 
     def _sibling_ahead(
-        self, hashes: Sequence[BlockHash], worker_id: WorkerId, store: StoreId
+        self, hashes: Sequence[BlockHash], worker_id: WorkerId, store: StoreId, past: int
     ) -> tuple[int, bool]:
         """The most leading blocks of ``hashes`` one of the other workers linked to ``store``
         holds, per the index or as just computed (``RecentPrefills``), and whether the index's
@@ -142,13 +142,19 @@ class PeerHints:
         store, so the store's count may trail its by one save (``save_interval_s``) and the
         store's tier events: a request routed here right after the sibling's prefill (a
         fan-out's later choices, a request balanced off a busy worker) would otherwise skip a
-        lookup that hits, or look before the save lands."""
+        lookup that hits, or look before the save lands. Past the first ``past`` blocks only:
+        (0, True) when no sibling holds block ``past``, which one index lookup tells (a block
+        hash chains every token before it), so the index's walk runs only when one is ahead."""
+        if past >= len(hashes):
+            return 0, True
         siblings = {w for w, s in self._index.links().items() if s == store and w != worker_id}
         if not siblings:
             return 0, True
+        recent = self._recent.held(hashes, siblings) if self._recent is not None else 0
+        if recent <= past and not self._index.match(hashes[past : past + 1], siblings):
+            return 0, True
         m = next(iter(self._index.match(hashes, siblings).values()), None)
         indexed, exact = (m.blocks, m.exact) if m is not None else (0, True)
-        recent = self._recent.held(hashes, siblings) if self._recent is not None else 0
         return (recent, True) if recent > indexed else (indexed, exact)
 
     def decide(self, hashes: Sequence[BlockHash], worker_id: WorkerId) -> PeerChoice:
@@ -177,7 +183,7 @@ class PeerHints:
         matches = dict(index.match_stores(hashes, walk)) if walk else {}  # one walk for all
         own_match = matches.pop(own, None)
         store_blocks = (own_match.blocks if own_match is not None else 0) if own_exact else None
-        sibling, sibling_exact = self._sibling_ahead(hashes, worker_id, own)
+        sibling, sibling_exact = self._sibling_ahead(hashes, worker_id, own, store_blocks or 0)
         if store_blocks is not None and sibling > store_blocks:
             store_blocks = None  # the sibling's saves may be on the way: let the connector look
         base = PeerChoice(store_blocks=store_blocks)

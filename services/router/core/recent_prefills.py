@@ -22,6 +22,8 @@ from kvmesh.discovery.keys import WorkerId
 from kvmesh.errors import InvalidArgument
 from kvmesh.kv.events import BlockHash
 
+STRIDE = 16  # blocks between two kept entries of a prompt
+
 
 @dataclass(frozen=True, slots=True)
 class RecentPrefillsConfig:
@@ -38,9 +40,10 @@ class RecentPrefillsConfig:
 class RecentPrefills:
     """Block hash -> the worker that last computed it and until when that counts.
 
-    Cheap on the router's loop, whatever the prompt's length: a prompt goes in with one C-level
-    ``dict.update``, and ``held`` is a binary search (a block hash chains every token before it,
-    so a worker that computed block i computed blocks 0..i). Bounded: two generations of at
+    Cheap on the router's loop, whatever the prompt's length: a prompt goes in as every
+    ``STRIDE``-th block hash and its last, with one C-level ``dict.update``, and ``held`` is a
+    binary search over those (a block hash chains every token before it, so a worker that
+    computed block i computed blocks 0..i) and at most ``STRIDE`` lookups for the last. Bounded: two generations of at
     most ``max_blocks / 2`` entries each; the older is dropped when the newer fills or turns
     ``ttl_s`` old."""
 
@@ -67,7 +70,10 @@ class RecentPrefills:
         half = max(self._cfg.max_blocks // 2, 1)
         if len(self._new) + len(hashes) > half or now - self._new_since > ttl_s:
             self._old, self._new, self._new_since = self._new, {}, now
-        self._new.update(zip(hashes[:half], repeat((worker_id, now + ttl_s))))
+        head = hashes[:half]
+        # Every STRIDE-th block and the last: held() finds the last one it holds exactly.
+        kept = [*head[::STRIDE], head[-1]] if len(head) > 1 else head
+        self._new.update(zip(kept, repeat((worker_id, now + ttl_s))))
 
     def _holder(self, h: BlockHash, now: float) -> WorkerId | None:
         entry = self._new.get(h) or self._old.get(h)
@@ -77,17 +83,26 @@ class RecentPrefills:
 
     def held(self, hashes: Sequence[BlockHash], workers: Container[WorkerId]) -> int:
         """How many leading blocks of ``hashes`` one of ``workers`` computed within ``ttl_s``
-        (each block counted for whichever worker computed it last)."""
+        (each block counted for whichever worker computed it last): exact when ``hashes``
+        starts with a whole prompt noted; for a shorter prefix of one, a lower bound (its last
+        kept point, up to ``STRIDE`` - 1 blocks short)."""
         if not (self._new or self._old) or not hashes:
             return 0
         now = self._clock()
+        n = len(hashes)
         if self._holder(hashes[0], now) not in workers:
             return 0  # the common case, one lookup
-        lo, hi = 1, len(hashes)  # blocks [0, lo) held; [hi, n) not
+        # The last kept stride point held (binary search over 0, STRIDE, 2*STRIDE, ...), then
+        # the prompt's own last block, if it ends before the next stride point.
+        lo, hi = 1, (n - 1) // STRIDE + 1  # points [0, lo) held; [hi, ...) not
         while lo < hi:
             mid = (lo + hi) // 2
-            if self._holder(hashes[mid], now) in workers:
+            if self._holder(hashes[mid * STRIDE], now) in workers:
                 lo = mid + 1
             else:
                 hi = mid
-        return lo
+        base = (lo - 1) * STRIDE
+        for i in range(min(base + STRIDE, n) - 1, base, -1):
+            if self._holder(hashes[i], now) in workers:
+                return i + 1
+        return base + 1
