@@ -17,6 +17,7 @@ from services.router.core.index import (
     store_parts,
 )
 from services.router.core.peers import PeerChoice, PeerHintConfig, PeerHints
+from services.router.core.recent_prefills import RecentPrefills
 from services.router.core.types import PeerHint, RouteDecision
 
 L1, L2 = "00112233aabbccdd", "ffeeddccbbaa9988"
@@ -152,24 +153,42 @@ def test_the_workers_own_store_prefix_rides_along_when_the_view_is_exact():
 
 def sibling_mesh(own_store: int = 6, sibling_gpu: int = 12) -> KvIndex:
     """``mesh`` plus worker c on b's node store (kvm-b), holding ``sibling_gpu`` blocks on its
-    gpu: it computed them a moment ago, and its save to kvm-b is on the way."""
+    gpu per the index."""
     ix = mesh(own_store=own_store)
     ix.apply(snap("c", stored(run(sibling_gpu))))
     ix.link(WorkerId("c"), KB)
     return ix
 
 
-def test_a_sibling_ahead_of_the_store_is_waited_for_in_the_nodes_own_kvmanager():
-    """The hint names b's own kvmanager with the sibling's count and a short wait (the
-    connector's hand-off wait: it looks until the save lands), and the store's count is
-    withheld, so the connector looks instead of skipping a lookup that would hit."""
-    choice = PeerHints(sibling_mesh()).decide(PROMPT, B)
+def just_computed(
+    ix: KvIndex, blocks: int = 12, config: PeerHintConfig | None = None
+) -> PeerHints:
+    """PeerHints over ``ix`` that saw c's first token for the prompt's first ``blocks``."""
+    peers = PeerHints(ix, config, recent=RecentPrefills())
+    peers.computed(PROMPT[:blocks], WorkerId("c"))
+    return peers
+
+
+def test_a_sibling_that_just_computed_the_prompt_is_waited_for_in_the_nodes_own_kvmanager():
+    """c computed the prompt a moment ago (its first token): the hint names b's own kvmanager
+    with c's count and a short wait (the connector's hand-off wait: it looks until the save
+    lands), and the store's count is withheld, so the connector looks instead of skipping a
+    lookup that would hit."""
+    choice = just_computed(sibling_mesh()).decide(PROMPT, B)
     want = PeerHint("kvm-b", 12, 6, max_fetch_s=0.25, wait_s=0.25)
     assert (choice.hint, choice.store_blocks) == (want, None)
     cfg = PeerHintConfig(sibling_wait_s=0.1)
-    assert PeerHints(sibling_mesh(), cfg).decide(PROMPT, B).hint == PeerHint(
+    assert just_computed(sibling_mesh(), config=cfg).decide(PROMPT, B).hint == PeerHint(
         "kvm-b", 12, 6, max_fetch_s=0.1, wait_s=0.1
     )
+    # Before its own KV events reached the index, too (the case the note is for).
+    assert just_computed(sibling_mesh(sibling_gpu=0)).decide(PROMPT, B).hint == want
+
+
+def test_a_sibling_ahead_only_in_the_index_makes_the_connector_look_not_wait():
+    """Blocks a sibling has held for a while and the store lacks (never saved, or evicted
+    since) are not on their way: no wait, but the store's count is withheld all the same."""
+    assert PeerHints(sibling_mesh()).decide(PROMPT, B) == PeerChoice(store_blocks=None)
 
 
 @pytest.mark.parametrize(
@@ -184,20 +203,21 @@ def test_a_sibling_ahead_of_the_store_is_waited_for_in_the_nodes_own_kvmanager()
 )
 def test_no_sibling_hint(config, own_store, sibling_gpu, prompt, store_blocks):
     ix = sibling_mesh(own_store, sibling_gpu)
-    choice = PeerHints(ix, PeerHintConfig(**config)).decide(prompt, B)
+    peers = just_computed(ix, sibling_gpu, PeerHintConfig(**config))
+    choice = peers.decide(prompt, B)
     assert (choice.hint, choice.store_blocks) == (None, store_blocks)
 
 
 def test_the_sibling_hint_ends_when_the_save_lands_or_a_peer_holds_more():
     ix = sibling_mesh()
     put_store(ix, KB, stored(run(12), CPU))  # the save landed: nothing to wait for
-    assert PeerHints(ix).decide(PROMPT, B) == PeerChoice(store_blocks=12)
+    assert just_computed(ix).decide(PROMPT, B) == PeerChoice(store_blocks=12)
     ix = sibling_mesh()
     put_store(ix, KA, stored(run(20), CPU))  # another node's store holds more: fetch from it
-    assert PeerHints(ix).decide(PROMPT, B).hint == PeerHint("kvm-a", 20, 6)
+    assert just_computed(ix).decide(PROMPT, B).hint == PeerHint("kvm-a", 20, 6)
     ix = sibling_mesh()
     ix.link(WorkerId("c"), KA)  # a worker on another node's store is no sibling
-    assert PeerHints(ix).decide(PROMPT, B) == PeerChoice(store_blocks=6)
+    assert just_computed(ix).decide(PROMPT, B) == PeerChoice(store_blocks=6)
     with pytest.raises(InvalidArgument, match="sibling_wait_s"):
         PeerHintConfig(sibling_wait_s=-1)
 

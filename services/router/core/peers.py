@@ -135,27 +135,26 @@ class PeerHints:
 
     def _sibling_ahead(
         self, hashes: Sequence[BlockHash], worker_id: WorkerId, store: StoreId, past: int
-    ) -> tuple[int, bool]:
-        """The most leading blocks of ``hashes`` one of the other workers linked to ``store``
-        holds, per the index or as just computed (``RecentPrefills``), and whether the index's
-        view of it is exact ((0, True): none). Such a sibling saves what it computes to that
-        store, so the store's count may trail its by one save (``save_interval_s``) and the
-        store's tier events: a request routed here right after the sibling's prefill (a
-        fan-out's later choices, a request balanced off a busy worker) would otherwise skip a
-        lookup that hits, or look before the save lands. Past the first ``past`` blocks only:
-        (0, True) when no sibling holds block ``past``, which one index lookup tells (a block
-        hash chains every token before it), so the index's walk runs only when one is ahead."""
+    ) -> tuple[int, int]:
+        """How many leading blocks of ``hashes`` the other workers linked to ``store`` hold:
+        the most one holds per the index, and the most one computed within the last seconds
+        (``RecentPrefills``). Such a sibling saves what it computes to that store, so the
+        store's count may trail it by one save (``save_interval_s``) and the store's tier
+        events: a request routed here right after the sibling's prefill (a fan-out's later
+        choices, a request balanced off a busy worker) would otherwise skip a lookup that
+        hits, or look before the save lands. Past the first ``past`` blocks only: (0, 0) when
+        no sibling holds block ``past``, which one index lookup tells (a block hash chains
+        every token before it), so the index's walk runs only when one is ahead."""
         if past >= len(hashes):
-            return 0, True
+            return 0, 0
         siblings = {w for w, s in self._index.links().items() if s == store and w != worker_id}
         if not siblings:
-            return 0, True
+            return 0, 0
         recent = self._recent.held(hashes, siblings) if self._recent is not None else 0
         if recent <= past and not self._index.match(hashes[past : past + 1], siblings):
-            return 0, True
+            return 0, 0
         m = next(iter(self._index.match(hashes, siblings).values()), None)
-        indexed, exact = (m.blocks, m.exact) if m is not None else (0, True)
-        return (recent, True) if recent > indexed else (indexed, exact)
+        return (m.blocks if m is not None else 0), recent
 
     def decide(self, hashes: Sequence[BlockHash], worker_id: WorkerId) -> PeerChoice:
         """Unpriced: the store of the worker's layout on another kvmanager with the longest
@@ -183,12 +182,12 @@ class PeerHints:
         matches = dict(index.match_stores(hashes, walk)) if walk else {}  # one walk for all
         own_match = matches.pop(own, None)
         store_blocks = (own_match.blocks if own_match is not None else 0) if own_exact else None
-        sibling, sibling_exact = self._sibling_ahead(hashes, worker_id, own, store_blocks or 0)
-        if store_blocks is not None and sibling > store_blocks:
+        indexed, recent = self._sibling_ahead(hashes, worker_id, own, store_blocks or 0)
+        if store_blocks is not None and max(indexed, recent) > store_blocks:
             store_blocks = None  # the sibling's saves may be on the way: let the connector look
         base = PeerChoice(store_blocks=store_blocks)
         best = next(iter(matches.values()), None)
-        most = max(best.blocks if best is not None else 0, sibling)
+        most = max(best.blocks if best is not None else 0, recent)
         min_gain = self._cfg.min_gain_blocks
         if most < min_gain:
             return base
@@ -198,12 +197,12 @@ class PeerHints:
         if (
             self._cfg.enabled
             and wait_s > 0
-            and sibling - local >= min_gain
-            and (best is None or best.blocks <= sibling)
-        ):  # wait (briefly) for the sibling's save to land in the node store, then load it
-            hint = PeerHint(
-                own_kvm, sibling, local, sibling_exact, max_fetch_s=wait_s, wait_s=wait_s
-            )
+            and recent - local >= min_gain
+            and (best is None or best.blocks <= recent)
+        ):  # wait (briefly) for the sibling's save to land in the node store, then load it.
+            # Only for a prefill of the last seconds: a sibling's older blocks that the store
+            # lacks (never saved, or evicted since) are not on their way.
+            hint = PeerHint(own_kvm, recent, local, max_fetch_s=wait_s, wait_s=wait_s)
             return PeerChoice(hint, store_blocks=store_blocks)
         if best is None or best.blocks - local < min_gain:
             return base
