@@ -160,9 +160,7 @@ def sibling_mesh(own_store: int = 6, sibling_gpu: int = 12) -> KvIndex:
     return ix
 
 
-def just_computed(
-    ix: KvIndex, blocks: int = 12, config: PeerHintConfig | None = None
-) -> PeerHints:
+def just_computed(ix: KvIndex, blocks: int = 12, config: PeerHintConfig | None = None) -> PeerHints:
     """PeerHints over ``ix`` that saw c's first token for the prompt's first ``blocks``."""
     peers = PeerHints(ix, config, recent=RecentPrefills())
     peers.computed(PROMPT[:blocks], WorkerId("c"))
