@@ -285,12 +285,18 @@ class TestGraduatedSlack:
     def test_slack(self, volumes, want):
         assert graduated_slack(volumes, 1.1, 0.25, 2.0) == pytest.approx(want)
 
+    def test_capped(self):
+        # 150 would get 1.05 s; the cap holds it at 0.8 s, and 110's 0.25 s is under it
+        got = graduated_slack([150, 110, 40], 1.1, 0.25, 2.0, max_s=0.8)
+        assert got == pytest.approx([0.8, 0.25, 0.25])
+
     @pytest.mark.parametrize(
         ("kw", "match"),
         [
             ({"move_slack_s": -0.1}, r"move_slack_s is -0\.1"),
             ({"move_slack_s": 0.1, "move_factor": 0.5}, r"move_factor is 0\.5"),
             ({"move_slack_per_excess_s": -1.0}, r"move_slack_per_excess_s is -1\.0"),
+            ({"move_slack_s": 0.5, "move_slack_max_s": 0.25}, r"move_slack_max_s is 0\.25"),
         ],
     )
     def test_bad_params(self, kw, match):
@@ -298,7 +304,9 @@ class TestGraduatedSlack:
             VolumeBoundParams(**kw)
 
 
-def cheap_kept(held, blocks, tokens, slack, ledger=None, factor=1.0, per_excess=0.0):
+def cheap_kept(
+    held, blocks, tokens, slack, ledger=None, factor=1.0, per_excess=0.0, slack_max=None
+):
     """Which of four workers (w00 past the bound) the filter keeps, with a real ttft-cost
     scorer over a real precise-prefix scorer reading ``held``; and the context it used."""
     vol = RoutedVolume(half_life_requests=1e9)
@@ -311,7 +319,10 @@ def cheap_kept(held, blocks, tokens, slack, ledger=None, factor=1.0, per_excess=
     f = VolumeBoundFilter(
         "vb",
         VolumeBoundParams(
-            move_slack_s=slack, move_factor=factor, move_slack_per_excess_s=per_excess
+            move_slack_s=slack,
+            move_factor=factor,
+            move_slack_per_excess_s=per_excess,
+            move_slack_max_s=slack_max,
         ),
     )
     ctx = CycleContext(
@@ -342,6 +353,11 @@ class TestCheapMoves:
         assert got == ["w00", "w01", "w02", "w03"]
         got, _, _ = cheap_kept({"w00": gpu(64)}, 64, 64 * BLOCK + 4, 0.25, per_excess=1.0)
         assert got == ["w01", "w02", "w03"]
+        # ... unless a cap holds the slack under the move's cost
+        got, _, _ = cheap_kept(
+            {"w00": gpu(64)}, 64, 64 * BLOCK + 4, 0.25, per_excess=1.0, slack_max=1.0
+        )
+        assert got == ["w00", "w01", "w02", "w03"]
 
     def test_new_work_goes(self):
         # Nobody holds the request: it costs the same everywhere, so the worker past the bound

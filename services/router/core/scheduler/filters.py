@@ -77,6 +77,9 @@ class VolumeBoundParams:
     # candidates' mean (a worker at 1.2x the mean under a 1.1 bound gets 0.1 x this more): the
     # further a worker runs past the bound, the dearer a move it gives up. 0: a flat slack.
     move_slack_per_excess_s: float = 0.0
+    # The most that slack grows to (seconds); None: no cap. Keeps the moves a growing slack
+    # allows to those a short reload makes cheap (a long warm context never goes).
+    move_slack_max_s: float | None = None
     # Judge each candidate by its volume with this request added (and the mean with it): a
     # worker just under the bound does not take a request that would carry it past. False:
     # by the volume before it.
@@ -106,6 +109,11 @@ class VolumeBoundParams:
             self.move_slack_per_excess_s >= 0.0,
             f"move_slack_per_excess_s is {self.move_slack_per_excess_s}; use seconds >= 0 "
             "(0: the slack does not grow with the excess)",
+        )
+        check(
+            self.move_slack_max_s is None or self.move_slack_max_s >= (self.move_slack_s or 0.0),
+            f"move_slack_max_s is {self.move_slack_max_s}; use seconds >= move_slack_s (or "
+            "leave it out for no cap)",
         )
 
 
@@ -144,6 +152,7 @@ class VolumeBoundFilter:
         self._slack = params.move_slack_s
         self._factor = params.move_factor
         self._per_excess = params.move_slack_per_excess_s
+        self._slack_max = params.move_slack_max_s
         self._prospective = params.prospective
         # The Scheduler checks the profile has a ttft-cost scorer when the bound prices moves.
         self.needs_cost_source = params.move_slack_s is not None
@@ -172,20 +181,28 @@ class VolumeBoundFilter:
             ttft = [est[v.record.worker_id] for v in candidates]
             slacks: float | list[float] = slack
             if self._per_excess > 0.0:
-                slacks = graduated_slack(vols, self._max, slack, self._per_excess)
+                slacks = graduated_slack(vols, self._max, slack, self._per_excess, self._slack_max)
             keep = costly_moves_stay(ttft, within, keep, self._factor, slacks)
         return [v for v, k in zip(candidates, keep, strict=True) if k]
 
 
 def graduated_slack(
-    volumes: Sequence[float], max_over_mean: float, move_slack_s: float, per_excess_s: float
+    volumes: Sequence[float],
+    max_over_mean: float,
+    move_slack_s: float,
+    per_excess_s: float,
+    max_s: float | None = None,
 ) -> list[float]:
     """Each candidate's slack: ``move_slack_s`` + ``per_excess_s`` x how far its volume runs
-    past ``max_over_mean`` x the mean, in units of the mean (0 within the bound)."""
+    past ``max_over_mean`` x the mean, in units of the mean (0 within the bound), at most
+    ``max_s`` (None: no cap)."""
     mean = sum(volumes) / len(volumes) if volumes else 0.0
     if mean <= 0.0:
         return [move_slack_s] * len(volumes)
-    return [move_slack_s + per_excess_s * max(x / mean - max_over_mean, 0.0) for x in volumes]
+    cap = math.inf if max_s is None else max_s
+    return [
+        min(move_slack_s + per_excess_s * max(x / mean - max_over_mean, 0.0), cap) for x in volumes
+    ]
 
 
 def costly_moves_stay(
