@@ -24,6 +24,7 @@ from services.router.core.scheduler.filters import (
     VolumeBoundFilter,
     VolumeBoundParams,
     costly_moves_stay,
+    graduated_slack,
     within_bound,
 )
 from services.router.core.scheduler.load import RoutedVolume
@@ -31,6 +32,8 @@ from services.router.core.scheduler.prefix import PreciseParams, PrecisePrefixSc
 from services.router.core.scheduler.ttft import TtftCostScorer, TtftParams
 from services.router.core.types import RouteDecision
 from tests.unit.scheduler_fakes import BLOCK, FakeIndex, chain, gpu, request, views
+
+VIEWS4 = ("w00", "w01", "w02", "w03")
 
 
 def route(volume: RoutedVolume, wid: str, tokens: int) -> None:
@@ -62,6 +65,20 @@ class TestWithinBound:
     def test_which_drop(self, volumes, max_over_mean, want):
         assert within_bound(volumes, max_over_mean) == want
 
+    @pytest.mark.parametrize(
+        ("volumes", "added", "want"),
+        [
+            # with 20 tokens more: mean 106.7, bound 117.3; 100 + 20 is past it, 80 + 20 is not
+            pytest.param([100, 80, 120], 20, [False, True, False], id="the-request-tips-it"),
+            pytest.param([100, 80, 120], 0, [True, True, False], id="without-it"),
+            # an even fleet: whoever takes it goes past; none would pass, so all stay
+            pytest.param([100, 100, 100], 30, [True, True, True], id="even-fleet"),
+            pytest.param([0, 0], 10, [True, True], id="nothing-routed-yet"),
+        ],
+    )
+    def test_prospective(self, volumes, added, want):
+        assert within_bound(volumes, 1.1, added) == want
+
     def test_every_one_past_the_bound_keeps_all(self):
         # Below 1 an even fleet is all past the bound: dropping all would leave no worker.
         assert within_bound([100, 100, 100], 0.9) == [True, True, True]
@@ -85,6 +102,25 @@ class TestFilter:
         assert kept(f, vol, 4) == ["w01", "w02", "w03"]
         route(vol, "w01", 1000)  # mean 1325, bound 1457.5: w01's 2000 is past it, w00 back
         assert kept(f, vol, 4) == ["w00", "w02", "w03"]
+
+    def test_prospective_counts_the_request(self):
+        vol = RoutedVolume(half_life_requests=1e9)
+        for wid, tokens in (("w00", 1100), ("w01", 1000), ("w02", 1000), ("w03", 900)):
+            route(vol, wid, tokens)
+        fleet = views(4)
+        big = CycleContext(request(1, prompt_tokens=400), fleet, InFlightLedger(), None, vol)
+        # before it: mean 1000, bound 1100, all within
+        plain = VolumeBoundFilter("vb", VolumeBoundParams())
+        assert [v.record.worker_id for v in plain.filter(big, fleet)] == list(VIEWS4)
+        # with its 400 tokens: mean 1100, bound 1210; whoever takes it is past it (1500 / 1400
+        # / 1400 / 1300): none would pass, so all stay
+        pro = VolumeBoundFilter("vb", VolumeBoundParams(prospective=True))
+        assert [v.record.worker_id for v in pro.filter(big, fleet)] == list(VIEWS4)
+        # 100 tokens: mean 1025, bound 1127.5; w03 (1000) and w01, w02 (1100) take it, w00
+        # (1200) does not
+        small = CycleContext(request(1, prompt_tokens=100), fleet, InFlightLedger(), None, vol)
+        assert [v.record.worker_id for v in pro.filter(small, fleet)] == ["w01", "w02", "w03"]
+        assert [v.record.worker_id for v in plain.filter(small, fleet)] == list(VIEWS4)
 
     def test_the_count_decays_per_decision(self):
         vol = RoutedVolume(half_life_requests=2)
@@ -228,11 +264,39 @@ class TestCostlyMovesStay:
     def test_spared_stay_spared(self):
         assert costly_moves_stay([0.1, 5.0], [False, True], [True, True], 1.0, 0.0) == [True, True]
 
+    def test_a_slack_per_candidate(self):
+        # Both past the bound cost 0.9 s more to move: the one with 1 s of slack goes, the one
+        # with 0.5 s stays.
+        within = [False, False, True]
+        got = costly_moves_stay([0.1, 0.1, 1.0], within, within, 1.0, [1.0, 0.5, 0.0])
+        assert got == [False, True, True]
+
+
+class TestGraduatedSlack:
+    @pytest.mark.parametrize(
+        ("volumes", "want"),
+        [
+            # mean 100, bound 1.1: 150 is 0.4 past it (+0.4 x 2 s), 110 at it, 40 within
+            pytest.param([150, 110, 40], [1.05, 0.25, 0.25], id="by-the-excess"),
+            pytest.param([0, 0], [0.25, 0.25], id="nothing-routed-yet"),
+            pytest.param([], [], id="no-candidates"),
+        ],
+    )
+    def test_slack(self, volumes, want):
+        assert graduated_slack(volumes, 1.1, 0.25, 2.0) == pytest.approx(want)
+
+    def test_capped(self):
+        # 150 would get 1.05 s; the cap holds it at 0.8 s, and 110's 0.25 s is under it
+        got = graduated_slack([150, 110, 40], 1.1, 0.25, 2.0, max_s=0.8)
+        assert got == pytest.approx([0.8, 0.25, 0.25])
+
     @pytest.mark.parametrize(
         ("kw", "match"),
         [
             ({"move_slack_s": -0.1}, r"move_slack_s is -0\.1"),
             ({"move_slack_s": 0.1, "move_factor": 0.5}, r"move_factor is 0\.5"),
+            ({"move_slack_per_excess_s": -1.0}, r"move_slack_per_excess_s is -1\.0"),
+            ({"move_slack_s": 0.5, "move_slack_max_s": 0.25}, r"move_slack_max_s is 0\.25"),
         ],
     )
     def test_bad_params(self, kw, match):
@@ -240,7 +304,9 @@ class TestCostlyMovesStay:
             VolumeBoundParams(**kw)
 
 
-def cheap_kept(held, blocks, tokens, slack, ledger=None, factor=1.0):
+def cheap_kept(
+    held, blocks, tokens, slack, ledger=None, factor=1.0, per_excess=0.0, slack_max=None
+):
     """Which of four workers (w00 past the bound) the filter keeps, with a real ttft-cost
     scorer over a real precise-prefix scorer reading ``held``; and the context it used."""
     vol = RoutedVolume(half_life_requests=1e9)
@@ -250,7 +316,15 @@ def cheap_kept(held, blocks, tokens, slack, ledger=None, factor=1.0):
     source = PrecisePrefixScorer("p", PreciseParams(), idx)
     cost = TtftCostScorer("t", RATES, idx)
     fleet = views(4)
-    f = VolumeBoundFilter("vb", VolumeBoundParams(move_slack_s=slack, move_factor=factor))
+    f = VolumeBoundFilter(
+        "vb",
+        VolumeBoundParams(
+            move_slack_s=slack,
+            move_factor=factor,
+            move_slack_per_excess_s=per_excess,
+            move_slack_max_s=slack_max,
+        ),
+    )
     ctx = CycleContext(
         request(blocks, prompt_tokens=tokens),
         fleet,
@@ -271,6 +345,19 @@ class TestCheapMoves:
         # ... unless the slack allows a second of it
         got, _, _ = cheap_kept({"w00": gpu(64)}, 64, 64 * BLOCK + 4, 1.1)
         assert got == ["w01", "w02", "w03"]
+
+    def test_the_slack_grows_with_the_excess(self):
+        # w00 is at 2x the mean, 0.9 past the 1.1 bound: 0.5 s per unit of excess gives it
+        # 0.25 + 0.45 = 0.7 s of slack (the 1.02 s move stays), 1 s per unit 1.15 s (it goes).
+        got, _, _ = cheap_kept({"w00": gpu(64)}, 64, 64 * BLOCK + 4, 0.25, per_excess=0.5)
+        assert got == ["w00", "w01", "w02", "w03"]
+        got, _, _ = cheap_kept({"w00": gpu(64)}, 64, 64 * BLOCK + 4, 0.25, per_excess=1.0)
+        assert got == ["w01", "w02", "w03"]
+        # ... unless a cap holds the slack under the move's cost
+        got, _, _ = cheap_kept(
+            {"w00": gpu(64)}, 64, 64 * BLOCK + 4, 0.25, per_excess=1.0, slack_max=1.0
+        )
+        assert got == ["w00", "w01", "w02", "w03"]
 
     def test_new_work_goes(self):
         # Nobody holds the request: it costs the same everywhere, so the worker past the bound

@@ -73,6 +73,17 @@ class VolumeBoundParams:
     # ttft-cost scorer in the profile (weight 0 keeps it an estimate only).
     move_slack_s: float | None = None
     move_factor: float = 1.0
+    # Seconds of slack added per unit of a candidate's volume past the bound, in units of the
+    # candidates' mean (a worker at 1.2x the mean under a 1.1 bound gets 0.1 x this more): the
+    # further a worker runs past the bound, the dearer a move it gives up. 0: a flat slack.
+    move_slack_per_excess_s: float = 0.0
+    # The most that slack grows to (seconds); None: no cap. Keeps the moves a growing slack
+    # allows to those a short reload makes cheap (a long warm context never goes).
+    move_slack_max_s: float | None = None
+    # Judge each candidate by its volume with this request added (and the mean with it): a
+    # worker just under the bound does not take a request that would carry it past. False:
+    # by the volume before it.
+    prospective: bool = False
 
     def __post_init__(self) -> None:
         check(
@@ -94,17 +105,29 @@ class VolumeBoundParams:
             f"move_factor is {self.move_factor}; use a ratio >= 1 (1: a move may cost only "
             "move_slack_s more than staying)",
         )
+        check(
+            self.move_slack_per_excess_s >= 0.0,
+            f"move_slack_per_excess_s is {self.move_slack_per_excess_s}; use seconds >= 0 "
+            "(0: the slack does not grow with the excess)",
+        )
+        check(
+            self.move_slack_max_s is None or self.move_slack_max_s >= (self.move_slack_s or 0.0),
+            f"move_slack_max_s is {self.move_slack_max_s}; use seconds >= move_slack_s (or "
+            "leave it out for no cap)",
+        )
 
 
-def within_bound(volumes: Sequence[float], max_over_mean: float) -> list[bool]:
+def within_bound(volumes: Sequence[float], max_over_mean: float, added: float = 0.0) -> list[bool]:
     """Which volumes are at most ``max_over_mean`` x their mean (all of them when the mean is
-    0 or when none is)."""
-    mean = sum(volumes) / len(volumes) if volumes else 0.0
-    if mean <= 0.0:
-        return [True] * len(volumes)
-    limit = max_over_mean * mean
+    0 or when none is). With ``added`` > 0 (a request's tokens), each is judged as if it took
+    them: its volume + ``added`` against the bound of the mean with them."""
+    n = len(volumes)
+    mean = (sum(volumes) + added) / n if n else 0.0
+    if mean <= 0.0 or (added > 0.0 and sum(volumes) <= 0.0):
+        return [True] * n
+    limit = max_over_mean * mean - added
     keep = [x <= limit for x in volumes]
-    return keep if any(keep) else [True] * len(volumes)
+    return keep if any(keep) else [True] * n
 
 
 class VolumeBoundFilter:
@@ -128,6 +151,9 @@ class VolumeBoundFilter:
         self._spare = params.spare_gpu_share
         self._slack = params.move_slack_s
         self._factor = params.move_factor
+        self._per_excess = params.move_slack_per_excess_s
+        self._slack_max = params.move_slack_max_s
+        self._prospective = params.prospective
         # The Scheduler checks the profile has a ttft-cost scorer when the bound prices moves.
         self.needs_cost_source = params.move_slack_s is not None
 
@@ -136,7 +162,8 @@ class VolumeBoundFilter:
         if src is None or len(candidates) < 2:
             return candidates
         vols = [src.routed_volume(v.record.worker_id) for v in candidates]
-        within = within_bound(vols, self._max)
+        added = float(ctx.request.prompt_tokens) if self._prospective else 0.0
+        within = within_bound(vols, self._max, added)
         if all(within):
             return candidates
         keep = list(within)
@@ -152,8 +179,30 @@ class VolumeBoundFilter:
         if slack is not None and cost is not None:
             est = cost.ttft_estimates(ctx, candidates)
             ttft = [est[v.record.worker_id] for v in candidates]
-            keep = costly_moves_stay(ttft, within, keep, self._factor, slack)
+            slacks: float | list[float] = slack
+            if self._per_excess > 0.0:
+                slacks = graduated_slack(vols, self._max, slack, self._per_excess, self._slack_max)
+            keep = costly_moves_stay(ttft, within, keep, self._factor, slacks)
         return [v for v, k in zip(candidates, keep, strict=True) if k]
+
+
+def graduated_slack(
+    volumes: Sequence[float],
+    max_over_mean: float,
+    move_slack_s: float,
+    per_excess_s: float,
+    max_s: float | None = None,
+) -> list[float]:
+    """Each candidate's slack: ``move_slack_s`` + ``per_excess_s`` x how far its volume runs
+    past ``max_over_mean`` x the mean, in units of the mean (0 within the bound), at most
+    ``max_s`` (None: no cap)."""
+    mean = sum(volumes) / len(volumes) if volumes else 0.0
+    if mean <= 0.0:
+        return [move_slack_s] * len(volumes)
+    cap = math.inf if max_s is None else max_s
+    return [
+        min(move_slack_s + per_excess_s * max(x / mean - max_over_mean, 0.0), cap) for x in volumes
+    ]
 
 
 def costly_moves_stay(
@@ -161,10 +210,13 @@ def costly_moves_stay(
     within: Sequence[bool],
     keep: Sequence[bool],
     move_factor: float,
-    move_slack_s: float,
+    move_slack_s: float | Sequence[float],
 ) -> list[bool]:
     """``keep``, plus each candidate past the bound (``within`` false) whose request no
-    candidate within it serves in at most ``move_factor`` x its estimate + ``move_slack_s``:
-    turning it away would cost more than that."""
+    candidate within it serves in at most ``move_factor`` x its estimate + its slack
+    (``move_slack_s``: one for all, or one per candidate): turning it away would cost more."""
     best = min((t for t, w in zip(ttft_s, within, strict=True) if w), default=math.inf)
-    return [k or best > move_factor * t + move_slack_s for k, t in zip(keep, ttft_s, strict=True)]
+    slacks = (
+        [move_slack_s] * len(ttft_s) if isinstance(move_slack_s, (int, float)) else move_slack_s
+    )
+    return [k or best > move_factor * t + s for k, t, s in zip(keep, ttft_s, slacks, strict=True)]
