@@ -180,7 +180,9 @@ class AttemptRunner:
                         trace_first_token(ttft)
                         metrics.ttft_seconds.labels(model).observe(ttft)
                     self._policy.on_first_token(route, wid)
-                    if self._computed is not None and route.block_hashes:
+                    if self._computed is not None and handoff is None and route.block_hashes:
+                        # It computed the prompt (a disaggregated decode loaded it: its
+                        # prefill worker's save is what the hand-off already waits for).
                         self._computed(route.block_hashes, wid)
                     sent_any = True
                 elif msg.token_ids:
