@@ -53,15 +53,15 @@ def test_held_is_the_leading_run_a_listed_worker_computed():
 
 def test_entries_expire_after_ttl_and_generations_bound_the_size():
     clock = Clock()
-    r = RecentPrefills(RecentPrefillsConfig(ttl_s=2.0, max_blocks=40), clock)
+    r = RecentPrefills(RecentPrefillsConfig(ttl_s=2.0, max_blocks=6), clock)
     r.computed(PROMPT, A)
     clock.t += 1.9
     assert r.held(PROMPT, {A}) == 20
     clock.t += 0.2
     assert r.held(PROMPT, {A}) == 0
-    for i in range(10):  # 10 prompts of 20 blocks: at most two generations of 20 are kept
-        r.computed(h(*range(1000 * i, 1000 * i + 20)), A)
-        assert len(r) <= 40
+    for i in range(10):  # 10 prompts of 20 blocks, each kept as 3 (blocks 0, 16, 19): at most
+        r.computed(h(*range(1000 * i, 1000 * i + 20)), A)  # two generations of 3 are kept
+        assert len(r) <= 6
     assert r.held(h(*range(9000, 9020)), {A}) == 20
     assert r.held(h(*range(0, 20)), {A}) == 0  # the oldest went first
     off = RecentPrefills(RecentPrefillsConfig(ttl_s=0))

@@ -28,7 +28,7 @@ STRIDE = 16  # blocks between two kept entries of a prompt
 @dataclass(frozen=True, slots=True)
 class RecentPrefillsConfig:
     ttl_s: float = 2.0  # how long an entry stands in for the events (they come much sooner)
-    max_blocks: int = 262144  # entries kept, in two generations: ~100 bytes each
+    max_blocks: int = 131072  # entries kept (every 16th block), in two generations: ~100 B each
 
     def __post_init__(self) -> None:
         if not 0 <= self.ttl_s <= 60:
@@ -68,11 +68,11 @@ class RecentPrefills:
             return
         now = self._clock()
         half = max(self._cfg.max_blocks // 2, 1)
-        if len(self._new) + len(hashes) > half or now - self._new_since > ttl_s:
-            self._old, self._new, self._new_since = self._new, {}, now
-        head = hashes[:half]
+        head = hashes[: half * STRIDE]
         # Every STRIDE-th block and the last: held() finds the last one it holds exactly.
-        kept = [*head[::STRIDE], head[-1]] if len(head) > 1 else head
+        kept = [*head[::STRIDE], head[-1]][:half] if len(head) > 1 else head
+        if len(self._new) + len(kept) > half or now - self._new_since > ttl_s:
+            self._old, self._new, self._new_since = self._new, {}, now
         self._new.update(zip(kept, repeat((worker_id, now + ttl_s))))
 
     def _holder(self, h: BlockHash, now: float) -> WorkerId | None:
