@@ -101,6 +101,7 @@ def metrics(outcomes: list[Outcome], duration_s: float) -> dict[str, Any]:
         "mean_itl_ms": _ms(itls),
         "p99_itl_ms": _ms(itls, 99),
         "errors": sorted({o.error for o in outcomes if o.error})[:5],
+        "ttfts": [o.ttft_s for o in outcomes],  # per request, seconds (as --save-detailed)
     }
 
 
@@ -111,10 +112,16 @@ async def drive(args: Any, samples: list[Any]) -> dict[str, Any]:
     timeout_s = 600.0
     async with grpc.aio.insecure_channel(args.router) as channel:
         stub = router_pb2_grpc.RouterStub(channel)
-        first = samples[0]  # vLLM's "initial single prompt test run", not counted
-        probe = await _one(stub, first.prompt, first.expected_output_len, model, True, timeout_s)
-        if not probe.ok:
-            raise SystemExit(f"the test request failed: {probe.error}")
+        if args.ready_check_timeout_sec > 0:
+            # vLLM's "initial single prompt test run" (off by default since its ready check
+            # defaults to 0 s): the first sample, not counted. Sent where vLLM sends it only,
+            # since it leaves that sample's prompt in the prefix cache for the measured run.
+            first = samples[0]
+            probe = await _one(
+                stub, first.prompt, first.expected_output_len, model, True, timeout_s
+            )
+            if not probe.ok:
+                raise SystemExit(f"the test request failed: {probe.error}")
         limit = asyncio.Semaphore(args.max_concurrency or len(samples))
 
         async def limited(s: Any) -> Outcome:
@@ -160,7 +167,7 @@ def main(argv: list[str]) -> None:
     result = asyncio.run(drive(args, samples))
     out = Path(args.result_dir or ".") / (args.result_filename or "grpc_load.json")
     out.write_text(json.dumps(result))
-    print(json.dumps({k: v for k, v in result.items() if k != "errors"}))
+    print(json.dumps({k: v for k, v in result.items() if k not in ("errors", "ttfts")}))
     if result["errors"]:
         print("errors:", result["errors"], file=sys.stderr)
 

@@ -90,6 +90,7 @@ def run_load(target: Running, load: Load, tokenizer: Path, out_dir: Path) -> dic
             "--base-url", target.http_base_url,
             "--endpoint", "/v1/completions",
             "--save-result",
+            "--save-detailed",  # per-request TTFTs, to read a saturated run's waves
             "--disable-tqdm",
             *flags,
         ]  # fmt: skip
