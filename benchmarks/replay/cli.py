@@ -109,6 +109,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--no-peer-fetch", action="store_true", help="nodes do not fetch from peers")
     p.add_argument("--json", action="store_true", help="print one JSON object per policy")
     p.add_argument(
+        "--trace-decisions",
+        default=None,
+        metavar="FILE",
+        help="write one JSON line per request: placement, each candidate's routed volume, "
+        "prefix and ttft-cost terms, the deciding scorer, where its prompt was served from "
+        "(benchmarks/replay/decisions.py); with several policies, FILE gets each policy's name "
+        "before its suffix",
+    )
+    p.add_argument(
         "--dp-ranks",
         type=int,
         default=1,
@@ -197,11 +206,27 @@ def mesh_config(a: argparse.Namespace) -> MeshConfig | None:
     )
 
 
+def trace_path(path: str, policy: str, policies: int) -> Path:
+    """Where a policy's decision trace goes: ``path`` itself for one policy, else ``path``
+    with the policy's name (a profile file's stem) before its suffix."""
+    p = Path(path)
+    if policies <= 1:
+        return p
+    return p.with_name(f"{p.stem}-{Path(policy).stem}{p.suffix}")
+
+
 def run(a: argparse.Namespace) -> int:
+    from .decisions import DecisionTrace
     from .driver import replay
     from .policies import BUILTIN
     from .router_policy import RouterPolicy
 
+    if a.trace_decisions and (a.retention_blocks or a.dp_ranks > 1):
+        print(
+            "--trace-decisions traces plain replays only; drop --retention-blocks / --dp-ranks",
+            file=sys.stderr,
+        )
+        return 2
     if a.retention_blocks:
         from . import retention
 
@@ -213,14 +238,20 @@ def run(a: argparse.Namespace) -> int:
     cfg = replace(SimWorkerConfig(), capacity_blocks=a.capacity_blocks, block_size=a.block_size)
     mesh = mesh_config(a)
     rows = []
-    for name in [n.strip() for n in a.policy.split(",") if n.strip()]:
+    names = [n.strip() for n in a.policy.split(",") if n.strip()]
+    for name in names:
         requests = list(_requests(a))
         on_kv = on_tier = None
+        trace = DecisionTrace() if a.trace_decisions else None
         if name in ORACLES:
             policy = BUILTIN[name]()
         else:
             policy = RouterPolicy(
-                name, a.workers, seed=a.seed, workers_per_node=mesh.workers_per_node if mesh else 0
+                name,
+                a.workers,
+                seed=a.seed,
+                workers_per_node=mesh.workers_per_node if mesh else 0,
+                trace=trace,
             )
             on_kv = policy.on_kv_events
             on_tier = policy.on_tier_events if mesh else None
@@ -234,7 +265,10 @@ def run(a: argparse.Namespace) -> int:
             policy_name=name,
             mesh=mesh,
             on_tier_events=on_tier,
+            trace=trace,
         )
+        if trace is not None:
+            trace.write(trace_path(a.trace_decisions, name, len(names)))
         row = {
             "policy": name,
             "requests": report.requests,

@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass, replace
 from kvmesh.kv.events import BlockStored, KvEvent
 from services.worker.sim.model import SimRequest, SimResult, SimulatedWorker, SimWorkerConfig
 
+from .decisions import DecisionTrace
 from .mesh import FetchPlan, MeshConfig, NodeStore, apply_fetch, plan_fetch
 from .retention import ReplayRetention
 from .traces import Ceiling, ReplayRequest, cacheable_blocks, iter_sorted, quantile
@@ -159,12 +160,14 @@ def replay(
     mesh: MeshConfig | None = None,
     on_tier_events: KvEventsCallback | None = None,
     retention: ReplayRetention | None = None,
+    trace: DecisionTrace | None = None,
 ) -> ReplayReport:
     """Replays ``requests`` (arrival order) on ``workers`` simulated workers of ``config``.
     ``pace``: if set, virtual seconds per wall second (sleeps to keep up; None: flat out).
     ``mesh``: nodes and their tiers (``mesh.py``); ``on_tier_events(node, events)`` gets each
     node store's changes, as the router gets a kvmanager's tier event stream. ``retention``:
-    session retention on the node stores (``retention.py``; its ``result`` once done)."""
+    session retention on the node stores (``retention.py``; its ``result`` once done).
+    ``trace``: records each request's placement and outcome (``decisions.py``; None: not)."""
     cfg = config or SimWorkerConfig()
     bs = cfg.block_size
     tiered = mesh is not None and mesh.tiered
@@ -276,6 +279,8 @@ def replay(
         i = route(req, ClusterView(t, fleet, hits, mesh, stores, in_fetch))
         if not 0 <= i < workers:
             raise ValueError(f"the policy chose worker {i}; there are {workers}")
+        if trace is not None:
+            trace.routed(n, t, req, i, worker_input, reusable_all[-1])
         worker_input[i] += req.input_tokens
         rid = str(n)
         arrival[rid] = t
@@ -306,6 +311,9 @@ def replay(
     run_until(math.inf)
     if retention is not None:
         retention.finished(results, arrival)
+    if trace is not None:
+        for r in results:
+            trace.served(r, served_from(r, plans.get(r.request_id), bs), arrival[r.request_id])
     rep = _report(
         policy_name or getattr(route, "name", type(route).__name__),
         workers,
@@ -349,21 +357,15 @@ def _report(
     last = first_arrival
     for r in results:
         n = int(r.request_id)
-        gpu = r.cached_tokens - r.loaded_tokens  # served by the engine's own cache
+        gpu, cpu, disk, peer = served_from(r, plans.get(r.request_id), bs)
         cached += gpu
         captured += min(gpu, reusable[n])
         cached_all += r.cached_tokens
         captured_all += min(r.cached_tokens, reusable_all[n])
         tiers["gpu"] += gpu
-        plan = plans.get(r.request_id)
-        if plan is not None and r.loaded_tokens:
-            peer = min(plan.peer_blocks * bs, r.loaded_tokens)
-            disk = min(plan.disk_blocks * bs, r.loaded_tokens - peer)
-            tiers["peer"] += peer
-            tiers["disk"] += disk
-            # The rest came from the node's CPU tier (the engine lost some of its own blocks
-            # while the fetch ran: the node had them, written through).
-            tiers["cpu"] += r.loaded_tokens - peer - disk
+        tiers["cpu"] += cpu
+        tiers["disk"] += disk
+        tiers["peer"] += peer
         if r.first_token_s is not None:
             ttfts.append(r.first_token_s - arrival.get(r.request_id, r.arrival_s))
         last = max(last, r.finish_s)
@@ -388,6 +390,19 @@ def _report(
         tier_tokens=tuple(tiers.items()),
         nodes=nodes,
     )
+
+
+def served_from(r: SimResult, plan: FetchPlan | None, bs: int) -> tuple[int, int, int, int]:
+    """A finished request's cached prompt tokens by where they came from: (gpu, cpu, disk,
+    peer); what is left of its prompt was computed."""
+    gpu = r.cached_tokens - r.loaded_tokens  # served by the engine's own cache
+    if plan is None or not r.loaded_tokens:
+        return gpu, 0, 0, 0
+    peer = min(plan.peer_blocks * bs, r.loaded_tokens)
+    disk = min(plan.disk_blocks * bs, r.loaded_tokens - peer)
+    # The rest came from the node's CPU tier (the engine lost some of its own blocks while the
+    # fetch ran: the node had them, written through).
+    return gpu, r.loaded_tokens - peer - disk, disk, peer
 
 
 def format_table(reports: Sequence[ReplayReport]) -> str:

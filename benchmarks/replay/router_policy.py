@@ -22,10 +22,12 @@ from services.router.core.index import KvIndex
 from services.router.core.index_types import IndexConfig, StoreId, store_id
 from services.router.core.routing import make_policy
 from services.router.core.scheduler.framework import Scheduler
+from services.router.core.scheduler.plugins import CycleContext
 from services.router.core.scheduler.ttft import TtftCostScorer
-from services.router.core.types import LoadSnapshot, RouteRequest
-from services.router.core.workers import WorkerSet
+from services.router.core.types import LoadSnapshot, RouteDecision, RouteRequest
+from services.router.core.workers import WorkerSet, WorkerView
 
+from .decisions import DecisionTrace, cycle_record
 from .driver import ClusterView
 from .traces import ReplayRequest
 
@@ -44,9 +46,11 @@ class RouterPolicy:
         seed: int = 0,
         index_max_blocks: int = 8_000_000,
         workers_per_node: int = 0,
+        trace: DecisionTrace | None = None,
     ) -> None:
         """``workers_per_node``: > 0 when the replay's nodes have kvmanager tiers: the index
-        follows each node store (``on_tier_events``) and links its workers to it."""
+        follows each node store (``on_tier_events``) and links its workers to it. ``trace``:
+        records what each decision saw (``decisions.cycle_record``); None: nothing."""
         self.name = profile
         self.index = KvIndex(IndexConfig(max_blocks=index_max_blocks))
         self.scheduler = make_policy(profile, index=self.index, rng=random.Random(seed))
@@ -74,6 +78,15 @@ class RouterPolicy:
         self.reasons: dict[str, int] = {}
         self._steps = self._step_scorer()
         self._rates: list[tuple[float, float, float]] = []  # step rates each decision used
+        self._trace = trace
+        if trace is not None and isinstance(self.scheduler, Scheduler):
+            self.scheduler.on_cycle = self._record_cycle
+
+    def _record_cycle(
+        self, ctx: CycleContext, offered: Sequence[WorkerView], decision: RouteDecision
+    ) -> None:
+        if self._trace is not None:
+            self._trace.decided(self._n, cycle_record(ctx, offered, decision, self._slot))
 
     def _step_scorer(self) -> TtftCostScorer | None:
         if not isinstance(self.scheduler, Scheduler):

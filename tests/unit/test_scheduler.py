@@ -412,6 +412,20 @@ class TestFramework:
         # The winner is a best total, up to the picker's tie epsilon (1e-9).
         assert totals[win] >= max(totals) - 1e-9 - 1e-12
 
+    def test_on_cycle_sees_each_cycle_before_on_routed(self):
+        # A role filter drops w01 (a prefill worker); the hook gets the cycle (the eligible
+        # candidates), every candidate offered, and the decision, once per pick.
+        s = sched("name: t\nfilters: [role]\n" + fixed_profile((1.0, (0.2, 0.9)))[8:])
+        assert s.on_cycle is None  # off by default
+        seen = []
+        s.on_cycle = lambda ctx, offered, d: seen.append(
+            ([v.record.worker_id for v in ctx.candidates], len(offered), d)
+        )
+        fleet = views(3)
+        fleet[1] = view("w01", role=Role.PREFILL)
+        d = s.pick(request(4), fleet)
+        assert seen == [(["w00", "w02"], 3, d)] and d.worker_id == "w02"
+
     def test_deciding_plugin_is_largest_margin(self):
         s = sched(
             fixed_profile((1.0, (0.9, 0.2, 0.0)), (2.0, (0.5, 0.5, 0.0)), (0.5, (0.0, 1.0, 0.0)))

@@ -13,7 +13,7 @@ from services.router.core.index_types import StoreId, store_id
 from services.router.core.scheduler import InFlightLedger, Matched
 from services.router.core.scheduler.prefix import PreciseParams, PrecisePrefixScorer
 from services.router.core.scheduler.rates import PrefillRates
-from services.router.core.scheduler.ttft import TtftCostScorer, TtftParams
+from services.router.core.scheduler.ttft import TtftCostScorer, TtftParams, TtftTerms
 from services.router.core.types import LoadSnapshot
 from services.router.core.workers import WorkerView
 
@@ -172,6 +172,34 @@ def test_prefill_rates(reports, want):
 def test_params(kw, match):
     with pytest.raises(InvalidArgument, match=match):
         TtftParams(**kw)
+
+
+def test_the_terms_add_up_to_the_estimate_term_by_term():
+    # The same case as below at kv 0.5: w0's tail to prefill and what it displaces; w1's load
+    # from the node's CPU tier, the same tail, and its whole prompt displaced.
+    idx = StoreFakeIndex(
+        {"w0": gpu(6), "w1": Matched(6, gpu_blocks=0, cpu_blocks=6, exact=True)},
+        {"w0": A, "w1": A},
+    )
+    cands = [view("w0", kv=0.5), view("w1", kv=0.5)]
+    scorer, ctx, got = estimate(idx, cands)
+    terms: list[TtftTerms] = []
+    assert scorer.estimate(ctx, cands, terms) == got
+    tail = (TOKENS - 6 * BLOCK) * 0.001
+    assert terms == [
+        TtftTerms(0.0, 0.0, pytest.approx(tail), pytest.approx(0.5 * 36 * 0.0001), 0.0),
+        TtftTerms(
+            0.0,
+            pytest.approx(0.01 + 6 * BLOCK * 0.0001),
+            pytest.approx(tail),
+            pytest.approx(0.5 * TOKENS * 0.0001),
+            0.0,
+        ),
+    ]
+    for t, e in zip(terms, got, strict=True):
+        assert t.queue_s + t.fetch_s + t.prefill_s + t.displace_s + t.in_flight_s == pytest.approx(
+            e
+        )
 
 
 def test_a_full_cache_charges_what_the_request_displaces():

@@ -21,6 +21,7 @@ from services.router.core.scheduler import (
     load_profile,
 )
 from services.router.core.scheduler.filters import (
+    RecentPrefixes,
     VolumeBoundFilter,
     VolumeBoundParams,
     costly_moves_stay,
@@ -30,7 +31,7 @@ from services.router.core.scheduler.filters import (
 from services.router.core.scheduler.load import RoutedVolume
 from services.router.core.scheduler.prefix import PreciseParams, PrecisePrefixScorer
 from services.router.core.scheduler.ttft import TtftCostScorer, TtftParams
-from services.router.core.types import RouteDecision
+from services.router.core.types import Explanation, RouteDecision
 from tests.unit.scheduler_fakes import BLOCK, FakeIndex, chain, gpu, request, views
 
 VIEWS4 = ("w00", "w01", "w02", "w03")
@@ -432,3 +433,111 @@ class TestCheapMovesInAProfile:
         idx.matches = {}  # a request nobody holds (FakeIndex answers every hash alike)
         cold = s.pick(request(64, rid="cold", hashes=chain(64, family=7)), fleet)
         assert cold.worker_id != "w00" and cold.explanation.eligible == 3
+
+
+def placed(f: VolumeBoundFilter, req, gpu_blocks: int) -> None:
+    """The scheduler's on_routed for ``req`` placed on a worker holding ``gpu_blocks``."""
+    e = Explanation("p", "x", 4, 4, (), (), cached_gpu_blocks=gpu_blocks)
+    f.on_routed(req, RouteDecision(WorkerId("w00"), "p", "x", e))
+
+
+class TestRecurringPrefixes:
+    def test_the_count_decays_per_decision_and_fades_away(self):
+        recent = RecentPrefixes(half_life_requests=2.0)
+        a, b = chain(2)
+        recent.decide(a)
+        recent.decide(a)
+        assert recent.count(a) == pytest.approx(1.0 + 0.5**0.5)
+        recent.decide(None)  # a decision whose winner held nothing: only decays
+        recent.decide(None)
+        assert recent.count(a) == pytest.approx(0.5 * (1.0 + 0.5**0.5))
+        assert recent.count(b) == 0.0
+        for _ in range(1024):  # the table is pruned every 1,024 decisions here
+            recent.decide(None)
+        assert recent.count(a) == 0.0 and not recent._counts
+
+    def filter_over(self, recurrences: int, *, depth=64, slack_max=None, half_life=1e9):
+        """w00 (past the bound) holds the 64-block prompt on its GPU: 1.02 s cheaper there
+        than anywhere else; ``recurrences`` earlier requests were placed on a holder of the
+        same prefix at ``depth`` blocks. Which candidates the filter keeps."""
+        vol = RoutedVolume(half_life_requests=1e9)
+        for wid, t in PAST:
+            route(vol, wid, t)
+        idx = FakeIndex({"w00": gpu(64)})
+        f = VolumeBoundFilter(
+            "vb",
+            VolumeBoundParams(
+                move_slack_s=0.25,
+                move_slack_max_s=slack_max,
+                recurrence_half_life_requests=half_life,
+            ),
+        )
+        req = request(64, prompt_tokens=64 * BLOCK + 4)
+        for _ in range(recurrences):
+            placed(f, req, depth)
+        fleet = views(4)
+        source = PrecisePrefixScorer("p", PreciseParams(), idx)
+        ctx = CycleContext(
+            req, fleet, InFlightLedger(), source, vol, TtftCostScorer("t", RATES, idx)
+        )
+        return [v.record.worker_id for v in f.filter(ctx, fleet)]
+
+    def test_a_recurring_prefix_moves_at_a_slack_grown_by_its_recurrences(self):
+        # 0.25 s x (1 + 3) = 1.0 s < 1.02 s: it stays; x (1 + 4) = 1.25 s: it goes.
+        assert self.filter_over(3) == ["w00", "w01", "w02", "w03"]
+        assert self.filter_over(4) == ["w01", "w02", "w03"]
+        # ... not under a cap below the move's cost
+        assert self.filter_over(4, slack_max=1.0) == ["w00", "w01", "w02", "w03"]
+        # ... nor when the count has decayed (half-life 1 decision: 4 recurrences ~ 1.9)
+        assert self.filter_over(4, half_life=1.0) == ["w00", "w01", "w02", "w03"]
+
+    def test_only_the_same_prefix_at_the_same_depth_counts(self):
+        # Placed while the holder had 63 blocks of it: another prefix (a shorter one).
+        assert self.filter_over(10, depth=63) == ["w00", "w01", "w02", "w03"]
+        assert self.filter_over(10, depth=0) == ["w00", "w01", "w02", "w03"]  # cold ones
+
+    def test_off_by_default_and_without_a_move_slack(self):
+        assert VolumeBoundParams().recurrence_half_life_requests == 0.0
+        assert VolumeBoundFilter("vb", VolumeBoundParams())._recent is None
+        hard = VolumeBoundFilter("vb", VolumeBoundParams(recurrence_half_life_requests=400))
+        assert hard._recent is None  # a hard bound moves whatever the cost: nothing to grow
+        placed(hard, request(4), 4)  # and counts nothing
+
+    def test_bad_param(self):
+        with pytest.raises(InvalidArgument, match=r"recurrence_half_life_requests is -1"):
+            VolumeBoundParams(recurrence_half_life_requests=-1.0)
+
+    def test_in_a_profile_a_hot_prefix_moves_once_it_recurs(self):
+        # Through a built profile (the scheduler calls the filter's on_routed): the warm
+        # 64-block prompt stays on w00 (past the bound) for its first four placements, r = 0..3,
+        # and goes from the fifth, r = 4 (w01 then holds nothing per this index: it counts
+        # nothing, and the prefix keeps its count).
+        idx = FakeIndex({"w00": gpu(64)})
+        s = load_profile(
+            RECURRING % "  - {type: ttft-cost, weight: 0, params: {prefill_s_per_token: 0.001}}",
+            env=PluginEnv(idx, random.Random(0)),
+        )
+        vol = s.volume_source
+        assert isinstance(vol, RoutedVolume)
+        for wid, t in PAST:
+            route(vol, wid, t)
+        fleet = views(4)
+        got = []
+        for k in range(6):
+            r = request(64, rid=f"r{k}", prompt_tokens=64 * BLOCK + 4)
+            d = s.pick(r, fleet)
+            s.on_routed(r, d)
+            got.append(d.worker_id)
+        assert got[:4] == ["w00"] * 4 and "w00" not in got[4:]
+
+
+RECURRING = """
+name: recurring
+filters:
+  - serving
+  - {type: volume-bound, params: {move_slack_s: 0.25, recurrence_half_life_requests: 1e9}}
+scorers:
+  - {type: precise-prefix, weight: 1}
+  - {type: routed-volume, weight: 0, params: {half_life_requests: 1e9}}
+%s
+"""

@@ -7,7 +7,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvmesh.discovery.keys import Role
+from kvmesh.kv.events import BlockHash
 
+from ..types import RouteDecision, RouteRequest
 from ..workers import WorkerView
 from .params import NoParams, check
 from .plugins import CycleContext
@@ -84,6 +86,12 @@ class VolumeBoundParams:
     # worker just under the bound does not take a request that would carry it past. False:
     # by the volume before it.
     prospective: bool = False
+    # 0: off. > 0: a candidate's slack is multiplied by 1 + the number of recent requests
+    # routed to a worker holding the prefix it holds on its GPU (the same block at the same
+    # depth), decayed with this half-life in decisions, at most ``move_slack_max_s``: a move's
+    # reload is paid once per copy of a prefix, and the requests of a recurring prefix that
+    # follow it hit the new copy (a prefix seen r times moves at (1 + r) x the slack).
+    recurrence_half_life_requests: float = 0.0
 
     def __post_init__(self) -> None:
         check(
@@ -115,6 +123,11 @@ class VolumeBoundParams:
             f"move_slack_max_s is {self.move_slack_max_s}; use seconds >= move_slack_s (or "
             "leave it out for no cap)",
         )
+        check(
+            self.recurrence_half_life_requests >= 0.0,
+            f"recurrence_half_life_requests is {self.recurrence_half_life_requests}; use "
+            "decisions >= 0 (0: the slack does not grow with a prefix's recurrence)",
+        )
 
 
 def within_bound(volumes: Sequence[float], max_over_mean: float, added: float = 0.0) -> list[bool]:
@@ -141,7 +154,10 @@ class VolumeBoundFilter:
     With ``move_slack_s`` a candidate past the bound is kept unless a candidate within it is
     about as fast for this request by the ttft-cost estimate (``CycleContext.cost_source``):
     the load moves where moving is cheap (a short prompt, a prefix a sibling loads from its
-    node's tier) and warm long contexts stay with their cache."""
+    node's tier) and warm long contexts stay with their cache. With
+    ``recurrence_half_life_requests`` that slack grows with how often the prefix a candidate
+    holds on its GPU was placed recently (``RecentPrefixes``): a hot prefix is reloaded once
+    onto another worker, and its next requests hit there."""
 
     needs_volume_source = True  # the Scheduler checks the profile has a routed-volume scorer
 
@@ -154,6 +170,8 @@ class VolumeBoundFilter:
         self._per_excess = params.move_slack_per_excess_s
         self._slack_max = params.move_slack_max_s
         self._prospective = params.prospective
+        hl = params.recurrence_half_life_requests
+        self._recent = RecentPrefixes(hl) if hl > 0.0 and params.move_slack_s is not None else None
         # The Scheduler checks the profile has a ttft-cost scorer when the bound prices moves.
         self.needs_cost_source = params.move_slack_s is not None
 
@@ -182,8 +200,68 @@ class VolumeBoundFilter:
             slacks: float | list[float] = slack
             if self._per_excess > 0.0:
                 slacks = graduated_slack(vols, self._max, slack, self._per_excess, self._slack_max)
+            if self._recent is not None:
+                slacks = self._recurring(self._recent, ctx, candidates, slacks)
             keep = costly_moves_stay(ttft, within, keep, self._factor, slacks)
         return [v for v, k in zip(candidates, keep, strict=True) if k]
+
+    def _recurring(
+        self,
+        recent: RecentPrefixes,
+        ctx: CycleContext,
+        candidates: Sequence[WorkerView],
+        slacks: float | list[float],
+    ) -> list[float]:
+        """Each candidate's slack x (1 + recent requests placed on a holder of its GPU prefix),
+        at most ``move_slack_max_s``."""
+        held = ctx.prefix()
+        hashes = ctx.request.block_hashes
+        cap = math.inf if self._slack_max is None else self._slack_max
+        out = []
+        for i, v in enumerate(candidates):
+            s = slacks if isinstance(slacks, (int, float)) else slacks[i]
+            m = held.get(v.record.worker_id)
+            g = min(m.gpu_blocks, len(hashes)) if m is not None else 0
+            r = recent.count(hashes[g - 1]) if g > 0 else 0.0
+            out.append(min(s * (1.0 + r), cap) if r > 0.0 else s)
+        return out
+
+    def on_routed(self, request: RouteRequest, decision: RouteDecision) -> None:
+        """Counts the prefix the winner held on its GPU (the recurrence the slack reads)."""
+        recent = self._recent
+        if recent is None:
+            return
+        e = decision.explanation
+        g = min(e.cached_gpu_blocks, len(request.block_hashes)) if e is not None else 0
+        recent.decide(request.block_hashes[g - 1] if g > 0 else None)
+
+
+class RecentPrefixes:
+    """How many recent requests were placed on a worker holding each prefix on its GPU (keyed
+    by the prefix's last block hash, so the same block at the same depth), decayed per decision
+    with a half-life counted in decisions. Entries that decay away are dropped now and then, so
+    the table holds about the prefixes of the last few half-lives."""
+
+    __slots__ = ("_counts", "_decay", "_n", "_prune_at")
+
+    def __init__(self, half_life_requests: float) -> None:
+        self._decay = 0.5 ** (1.0 / half_life_requests)
+        self._n = 0
+        self._counts: dict[BlockHash, tuple[float, int]] = {}
+        # Prune when the table is due: every ~4 half-lives' worth of decisions, at least 1024.
+        self._prune_at = max(1024, int(4 * half_life_requests))
+
+    def count(self, block: BlockHash) -> float:
+        value, at = self._counts.get(block, (0.0, self._n))
+        return float(value * self._decay ** (self._n - at))
+
+    def decide(self, block: BlockHash | None) -> None:
+        """One decision; ``block``: the prefix its winner held on its GPU (None: none)."""
+        self._n += 1
+        if block is not None:
+            self._counts[block] = (self.count(block) + 1.0, self._n)
+        if self._n % self._prune_at == 0:
+            self._counts = {b: c for b, c in self._counts.items() if self.count(b) >= 0.05}
 
 
 def graduated_slack(

@@ -10,7 +10,7 @@ was the largest (the decision's ``reason``).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -33,6 +33,9 @@ from .plugins import (
 )
 
 _now = time.perf_counter_ns
+
+# ``Scheduler.on_cycle``: (the cycle, the candidates offered before the filters, the decision)
+CycleHook = Callable[[CycleContext, Sequence[WorkerView], RouteDecision], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +124,11 @@ class Scheduler:
         )
         self.ledger = InFlightLedger()
         self._timing = [StageTiming() for _ in self.stages]
+        # Called at the end of each pick with the cycle (its memoised prefix match and cost
+        # estimates), the candidates offered before the filters, and the decision; None (the
+        # default): nothing. For tracing decisions (the replay's --trace-decisions), not for
+        # routing: it runs before ``on_routed``, so the counts it reads are the decision's.
+        self.on_cycle: CycleHook | None = None
 
     # ---- the hot path --------------------------------------------------------------------------
     def pick(self, request: RouteRequest, candidates: Sequence[WorkerView]) -> RouteDecision:
@@ -170,7 +178,10 @@ class Scheduler:
         choice = self._picker.pick(ctx, cands, totals)
         ns.append(_now() - t)
         self._account(ns)
-        return self._decide(ctx, len(candidates), cands, columns, choice, ns)
+        decision = self._decide(ctx, len(candidates), cands, columns, choice, ns)
+        if self.on_cycle is not None:
+            self.on_cycle(ctx, candidates, decision)
+        return decision
 
     def _decide(
         self,

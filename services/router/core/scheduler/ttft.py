@@ -130,6 +130,17 @@ class TtftParams:
         check(self.step_tokens >= 1, "step_tokens must be >= 1")
 
 
+@dataclass(frozen=True, slots=True)
+class TtftTerms:
+    """One candidate's estimate, term by term (seconds; their sum is the estimate)."""
+
+    queue_s: float
+    fetch_s: float
+    prefill_s: float
+    displace_s: float
+    in_flight_s: float
+
+
 class TtftCostScorer:
     """Favours the worker with the least estimated time to first token (see module doc)."""
 
@@ -207,8 +218,14 @@ class TtftCostScorer:
             del t[2:]
         return links, top
 
-    def estimate(self, ctx: CycleContext, candidates: Sequence[WorkerView]) -> list[float]:
-        """Estimated time to first token on each candidate, in seconds."""
+    def estimate(
+        self,
+        ctx: CycleContext,
+        candidates: Sequence[WorkerView],
+        terms: list[TtftTerms] | None = None,
+    ) -> list[float]:
+        """Estimated time to first token on each candidate, in seconds. ``terms``: a list to
+        append each candidate's terms to (tracing; None, the default: not kept)."""
         p = self._p
         req = ctx.request
         prompt = req.prompt_tokens
@@ -273,8 +290,9 @@ class TtftCostScorer:
             if uncached < 0:
                 uncached = 0
             cost = queue + fetch + uncached * rate
+            flight = displace = 0.0
             if p.in_flight:
-                cost += in_flight_s(
+                flight = in_flight_s(
                     max(t.requests, outstanding(v)),
                     t.prompt_tokens,
                     t.prefill_tokens + uncached,
@@ -283,12 +301,16 @@ class TtftCostScorer:
                     p.step_tokens,
                     decode_steps,
                 )
+                cost += flight
             if p.displacement:
                 usage = load.kv_cache_usage
                 if usage > 0.0:
                     brought = prompt - (m.gpu_blocks * bs if m is not None else 0)
                     refill = cpu_s if own is not None else rate
-                    cost += (usage if usage < 1.0 else 1.0) * max(brought, 0) * refill
+                    displace = (usage if usage < 1.0 else 1.0) * max(brought, 0) * refill
+                    cost += displace
+            if terms is not None:
+                terms.append(TtftTerms(queue, fetch, uncached * rate, displace, flight))
             out.append(cost)
         return out
 
