@@ -30,6 +30,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from kvmesh.discovery.keys import WorkerId
 from services.router.core.scheduler.plugins import CycleContext
 from services.router.core.scheduler.ttft import TtftCostScorer, TtftTerms
 from services.router.core.types import RouteDecision
@@ -91,7 +92,7 @@ def cycle_record(
     ctx: CycleContext,
     offered: Sequence[WorkerView],
     decision: RouteDecision,
-    slot: Mapping[str, int],
+    slot: Mapping[WorkerId, int],
 ) -> dict[str, Any]:
     """What a scheduling cycle saw, per candidate offered (module doc). Called from
     ``Scheduler.on_cycle``: before ``on_routed``, so the counts are the decision's. The cost
