@@ -24,6 +24,20 @@ from .test_replay_driver import CFG, HAND
 MESH = MeshConfig(workers_per_node=1, cpu_blocks=64, peer=Link(1e-4), peer_min_gain_blocks=1)
 
 
+def _replay_traced(reqs, policy, trace, workers=2, config=CFG, mesh=MESH):
+    """``reqs`` through the real router core ``policy``, its index fed the replay's events."""
+    return replay(
+        reqs,
+        policy,
+        workers=workers,
+        config=config,
+        mesh=mesh,
+        on_kv_events=policy.on_kv_events,
+        on_tier_events=policy.on_tier_events,
+        trace=trace,
+    )
+
+
 def test_the_driver_records_placement_load_and_where_each_prompt_was_served():
     trace = DecisionTrace()
     rep = replay(HAND, RoundRobin(), workers=2, config=CFG, mesh=MESH, trace=trace)
@@ -47,16 +61,7 @@ def test_the_scheduler_records_each_candidates_cost_terms_prefix_and_volume():
     trace = DecisionTrace()
     policy = RouterPolicy("precise-cost", 2, workers_per_node=1, trace=trace)
     assert isinstance(policy.scheduler, Scheduler) and policy.scheduler.on_cycle is not None
-    replay(
-        HAND,
-        policy,
-        workers=2,
-        config=CFG,
-        mesh=MESH,
-        on_kv_events=policy.on_kv_events,
-        on_tier_events=policy.on_tier_events,
-        trace=trace,
-    )
+    _replay_traced(HAND, policy, trace)
     for row in trace.rows:
         cands = row["cands"]
         assert [c["w"] for c in cands] == [0, 1] and row["dropped"] == []
@@ -99,16 +104,7 @@ def test_tracing_changes_no_decision(tmp_path):
 
     def run_once(trace: DecisionTrace | None) -> tuple:
         policy = RouterPolicy(str(path), 4, workers_per_node=2, trace=trace)
-        rep = replay(
-            reqs,
-            policy,
-            workers=4,
-            config=cfg,
-            mesh=mesh,
-            on_kv_events=policy.on_kv_events,
-            on_tier_events=policy.on_tier_events,
-            trace=trace,
-        )
+        rep = _replay_traced(reqs, policy, trace, workers=4, config=cfg, mesh=mesh)
         return rep.worker_input_tokens, rep.cached_all_tokens, rep.ttft_mean_s, policy.reasons
 
     trace = DecisionTrace()
@@ -133,16 +129,7 @@ def test_the_filters_drops_are_recorded(tmp_path):
     )
     trace = DecisionTrace()
     policy = RouterPolicy(str(path), 2, workers_per_node=1, trace=trace)
-    replay(
-        HAND,
-        policy,
-        workers=2,
-        config=CFG,
-        mesh=MESH,
-        on_kv_events=policy.on_kv_events,
-        on_tier_events=policy.on_tier_events,
-        trace=trace,
-    )
+    _replay_traced(HAND, policy, trace)
     first, second = trace.rows[:2]
     assert first["dropped"] == []
     assert second["dropped"] == [first["worker"]] and second["worker"] != first["worker"]
